@@ -1,0 +1,181 @@
+"""Reading an engine host's ``/metrics`` (Prometheus text) with prometheus-client's parser,
+and the histogram arithmetic the collector needs.
+
+:func:`parse_metrics` sums each series over the labels that only say *where* it was
+measured (``engine``, ``model_name``: several engine cores behind one API server) and
+keeps the labels that say *what* (``position``, ``mode``, ``k``, ``le``...). Gauges in
+``_perc`` (fractions 0..1) are averaged over engines instead of summed.
+
+Histograms are kept cumulative by upper bound (s); :func:`bucket_delta` turns two
+scrapes into per-bucket counts of the interval, and :func:`quantile` interpolates a
+quantile from such counts the way PromQL's ``histogram_quantile`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+#: Labels that locate a series rather than qualify it: summed over.
+LOCATION_LABELS = frozenset({"engine", "model_name"})
+
+LabelKey = tuple[tuple[str, str], ...]
+
+
+@dataclass
+class Snapshot:
+    """One scrape: ``series[(sample name, ((label, value), ...))] = value``.
+
+    Counter samples keep their ``_total`` name (``vllm:generation_tokens_total``),
+    histogram buckets their ``_bucket`` name with an ``le`` label; ``_created`` samples
+    are dropped.
+    """
+
+    series: dict[tuple[str, LabelKey], float] = field(default_factory=dict)
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """The value of ``name`` with exactly these labels (None when absent)."""
+        return self.series.get((name, tuple(sorted(labels.items()))))
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        """``{label value: value}`` for the series of ``name`` that carry ``label``."""
+        out: dict[str, float] = {}
+        for (n, labels), v in self.series.items():
+            if n == name:
+                d = dict(labels)
+                if label in d:
+                    out[d[label]] = out.get(d[label], 0.0) + v
+        return out
+
+    def histogram(self, name: str) -> dict[float, float]:
+        """Cumulative counts by upper bound (s, ``math.inf`` for ``+Inf``) of histogram
+        ``name`` (without ``_bucket``); empty when absent."""
+        return {float(le): v for le, v in self.by_label(name + "_bucket", "le").items()}
+
+
+_SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
+
+
+def _family(name: str) -> str:
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def select_families(text: str, families: frozenset[str] | set[str]) -> str:
+    """The lines of ``text`` (samples and their ``# HELP``/``# TYPE`` lines) that belong
+    to the metric families named in ``families`` (names without ``_total``/``_bucket``...)."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            name = parts[2] if len(parts) > 2 else ""
+        else:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in families or _family(name) in families:
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def parse_metrics(text: str, families: frozenset[str] | set[str] | None = None) -> Snapshot:
+    """Parse Prometheus text exposition into a :class:`Snapshot`.
+
+    Args:
+        text: the body of ``GET /metrics``.
+        families: parse only these metric families (see :func:`select_families`); None: all.
+    Raises:
+        ValueError: the text is not Prometheus exposition format.
+    """
+    if families is not None:
+        text = select_families(text, families)
+    sums: dict[tuple[str, LabelKey], float] = {}
+    counts: dict[tuple[str, LabelKey], int] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in LOCATION_LABELS)))
+            sums[key] = sums.get(key, 0.0) + float(s.value)
+            counts[key] = counts.get(key, 0) + 1
+    snap = Snapshot()
+    for key, total in sums.items():
+        snap.series[key] = total / counts[key] if key[0].endswith("_perc") else total
+    return snap
+
+
+Bucket = tuple[float, float]  # (lower edge, upper edge) in s; upper may be math.inf
+
+
+def bucket_delta(new: dict[float, float], old: dict[float, float] | None) -> dict[Bucket, float]:
+    """Per-bucket (not cumulative) counts observed between two scrapes of one histogram.
+
+    Args:
+        new, old: cumulative counts by upper bound (from :meth:`Snapshot.histogram`);
+            ``old`` None or empty: everything counted since the engine started.
+    Returns:
+        ``{(lower s, upper s): count}`` with only non-zero buckets (each keeps its lower
+        edge, so quantiles stay exact without the empty buckets); empty when the counts
+        went down (an engine restart: the caller should start over).
+    """
+    old = old or {}
+    out: dict[Bucket, float] = {}
+    prev_new = prev_old = 0.0
+    lower = 0.0
+    for le in sorted(new):
+        cum_new, cum_old = new[le], old.get(le, 0.0)
+        d = (cum_new - prev_new) - (cum_old - prev_old)
+        prev_new, prev_old = cum_new, cum_old
+        if d < 0:
+            return {}
+        if d > 0:
+            out[(lower, le)] = d
+        lower = le
+    return out
+
+
+def merge_buckets(parts: "Iterable[dict[Bucket, float]]") -> dict[Bucket, float]:
+    """Sum per-bucket counts of several intervals."""
+    out: dict[Bucket, float] = {}
+    for p in parts:
+        for b, n in p.items():
+            out[b] = out.get(b, 0.0) + n
+    return out
+
+
+def quantile(q: float, buckets: dict[Bucket, float]) -> float | None:
+    """The ``q`` quantile (0..1) of per-bucket counts, in the buckets' unit (s).
+
+    Linear interpolation inside the bucket that holds the rank (PromQL
+    ``histogram_quantile``); a rank in the ``+Inf`` bucket gives that bucket's lower
+    edge (the largest finite bound). None when there are no observations.
+    """
+    total = sum(buckets.values())
+    if total <= 0:
+        return None
+    rank = q * total
+    cum = 0.0
+    for (lo, hi), n in sorted(buckets.items()):
+        if n > 0 and cum + n >= rank:
+            if math.isinf(hi):
+                return lo
+            return lo + (hi - lo) * ((rank - cum) / n)
+        cum += n
+    return max(hi if not math.isinf(hi) else lo for lo, hi in buckets)
+
+
+def encode_buckets(buckets: dict[Bucket, float]) -> dict[str, float]:
+    """JSON form of per-bucket counts: ``{"0.04:0.06": 3, "10.0:inf": 1}``."""
+    return {f"{lo!r}:{hi!r}": n for (lo, hi), n in buckets.items()}
+
+
+def decode_buckets(data: dict[str, float] | None) -> dict[Bucket, float]:
+    """Inverse of :func:`encode_buckets`."""
+    out: dict[Bucket, float] = {}
+    for key, n in (data or {}).items():
+        lo, _, hi = key.partition(":")
+        out[(float(lo), float(hi))] = float(n)
+    return out

@@ -1,0 +1,62 @@
+"""Alerts: open alerts first, then the past ones (with how long they lasted)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import streamlit as st
+
+from control import views
+from dashboard import ui
+
+ui.require_user()
+ui.page_header("Alerts", "Rules evaluated by the collector: acceptance under 50% for 5 min, KV cache over 90%, "
+                         "queue-time P99 over 500 ms, host down.")
+
+c = st.columns([2, 2, 3])
+with c[0]:
+    host = ui.host_picker("Host", key="alerts_host", allow_all=True)
+with c[1]:
+    days = st.selectbox("Past alerts", [1, 7, 30], index=1, format_func=lambda d: f"last {d} days",
+                        key="alerts_days")
+
+COLUMNS = {
+    "host": st.column_config.TextColumn("host", width="small"),
+    "severity": st.column_config.TextColumn("severity", width="small"),
+    "rule": st.column_config.TextColumn("rule", width="medium"),
+    "message": st.column_config.TextColumn("what", width="medium"),
+    "value": st.column_config.NumberColumn("value", format="%.3g"),
+    "started_at": st.column_config.DatetimeColumn("started (UTC)", format="YYYY-MM-DD HH:mm:ss"),
+    "ended_at": st.column_config.DatetimeColumn("ended (UTC)", format="YYYY-MM-DD HH:mm:ss"),
+    "duration_min": st.column_config.NumberColumn("lasted (min)", format="%.1f"),
+}
+
+
+@st.fragment(run_every="5s")
+def alerts_panel() -> None:
+    """Open and past alerts (refresh every 5 s)."""
+    try:
+        df = views.alerts(host=host, since=datetime.now(timezone.utc) - timedelta(days=days))
+        open_df = views.alerts(open_only=True, host=host)
+    except Exception as exc:
+        st.error(f"Alerts unavailable: {views.describe_error(exc)}")
+        return
+    st.subheader(f"Open ({len(open_df)})")
+    if open_df.empty:
+        st.success("No open alert.", icon=":material/check_circle:")
+    else:
+        st.dataframe(ui.color_cells(open_df.assign(duration_min=open_df["duration_s"] / 60.0)[
+            ["host", "severity", "rule", "message", "value", "started_at", "duration_min"]],
+            "severity", good=[], bad=["critical"], formats={"value": "{:.3g}", "duration_min": "{:.1f}"}),
+            hide_index=True, width="stretch", column_config=COLUMNS, key="open_alerts")
+    past = df[~df["open"]] if not df.empty else df
+    st.subheader(f"Past ({len(past)})")
+    if past.empty:
+        st.caption("No alert ended in this span.")
+    else:
+        st.dataframe(past.assign(duration_min=past["duration_s"] / 60.0)[
+            ["host", "severity", "rule", "message", "value", "started_at", "ended_at", "duration_min"]],
+            hide_index=True, width="stretch", column_config=COLUMNS, key="past_alerts")
+
+
+alerts_panel()

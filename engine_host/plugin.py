@@ -1,0 +1,436 @@
+"""SpecPilot's routes inside vLLM's OpenAI-compatible server (an endpoint plugin).
+
+Registered under the entry-point group ``vllm.endpoint_plugins`` and allow-listed by
+the launcher through ``VLLM_PLUGINS``. Adds:
+
+* ``GET /ready``: 200 once the engine is loaded and the start-up warm-up finished,
+  503 with the phase before;
+* ``GET /control/state``: the live config, controller state, caps, engine identity;
+* ``PUT /control/config``: validate, publish, wait for the engine core's
+  acknowledgement (within one engine step), answer with what took effect;
+* ``GET /control/samples?since=``: per-second samples for live views;
+* ``GET /control/warmup/runs?after_id=``: warm-up and heartbeat runs;
+* ``specpilot:*`` Prometheus series, computed at scrape time, beside vLLM's ``vllm:*``
+  series on the same ``GET /metrics``.
+
+``/control/*`` needs ``Authorization: Bearer <token>`` (``$SPECPILOT_CONTROL_TOKEN``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel
+
+from .channel import Channel, ChannelError, channel_from_env
+from .config import ConfigError, EngineLimits, LiveConfig, apply_patch, diff_configs
+from .stats import SAMPLES
+from .warmup import RUNS, start_background_tasks
+
+logger = logging.getLogger("specpilot.plugin")
+
+ENV_TOKEN = "SPECPILOT_CONTROL_TOKEN"
+ENV_WARMUP = "SPECPILOT_WARMUP"
+ACK_TIMEOUT_S = 5.0
+
+
+class EngineHostState:
+    """What the API process knows: the channel, identity, warm-up phase, apply lock."""
+
+    def __init__(self) -> None:
+        self.channel: Channel | None = None
+        self.engine_client: Any = None
+        self.args: Any = None
+        self.pid = os.getpid()
+        self.started_at = time.time()
+        self.phase = "loading"  # loading -> warming_up -> ready | warmup_failed
+        self.ready_at: float | None = None
+        self.warmup: dict[str, Any] = {"runs": 0, "seconds": None, "error": None}
+        self.lock = asyncio.Lock()
+
+    async def set_warmup_k(self, k: int | None, timeout_s: float = 10.0) -> None:
+        """Hold the engine core at draft length ``k`` (None: back to the policy) and
+        wait until it says so. Keeps the config version unchanged."""
+        if self.channel is None:
+            return
+        async with self.lock:
+            _, payload = self.channel.read_config()
+            payload = payload or {}
+            self.channel.write_config(int(payload.get("version", 0)), payload.get("config") or {}, warmup_k=k)
+        await _wake_engine_core()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (self.core_state() or {}).get("warmup_k") == k:
+                return
+            await asyncio.sleep(0.005)
+        raise RuntimeError(f"the engine core did not take warm-up K={k} within {timeout_s:.0f} s")
+
+    def core_state(self) -> dict[str, Any] | None:
+        if self.channel is None:
+            return None
+        try:
+            return self.channel.read_state()
+        except ChannelError:
+            return None
+
+
+HOST = EngineHostState()
+
+
+def require_control_token(request: Request) -> None:
+    """FastAPI dependency: 401 unless ``Authorization: Bearer <control token>``."""
+    token = os.environ.get(ENV_TOKEN, "")
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if not token or scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
+        raise HTTPException(
+            status_code=401,
+            detail="control endpoints need 'Authorization: Bearer <token>' "
+            f"(the engine host's control token, ${ENV_TOKEN} or $SPECPILOT_HOME/control_token)",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def _core_or_503() -> dict[str, Any]:
+    state = HOST.core_state()
+    if state is None:
+        raise HTTPException(status_code=503, detail="the engine core has not published its state yet")
+    return state
+
+
+def build_state() -> dict[str, Any]:
+    """The JSON answered by ``GET /control/state``."""
+    core = _core_or_503()
+    cfg = core.get("config") or {}
+    spec = cfg.get("speculation", {})
+    limits = core.get("limits", {})
+    caps = core.get("caps_in_force", {})
+    ctl = core.get("controller", {})
+    k_hi = spec.get("k_max") if spec.get("k_max") is not None else limits.get("k_max")
+    return {
+        "config_version": core.get("config_version"),
+        "config": cfg,
+        "config_applied_at": core.get("config_applied_at"),
+        "config_error": core.get("config_error"),
+        "config_ack_step": core.get("config_ack_step"),
+        "k_first_use_step": core.get("k_first_use_step"),
+        "speculation": {
+            "mode": spec.get("mode"),
+            "k_current": core.get("k_current"),
+            "k": spec.get("k"),
+            "k_min": spec.get("k_min"),
+            "k_max": k_hi,
+            "k_max_engine": limits.get("k_max"),
+            "method": limits.get("speculative_method"),
+        },
+        "batch": {
+            "max_num_seqs": caps.get("max_num_seqs"),
+            "max_num_batched_tokens": caps.get("max_num_batched_tokens"),
+            "running": core.get("running"),
+            "waiting": core.get("waiting"),
+            "max_running_seen_since_config": core.get("max_running_seen_since_config"),
+        },
+        "limits": limits,
+        "controller": ctl,
+        "overhead": core.get("overhead"),
+        "engine": {
+            "pid": HOST.pid,
+            "started_at": HOST.started_at,
+            "core_pid": core.get("core_pid"),
+            "core_started_at": core.get("core_started_at"),
+            "phase": HOST.phase,
+            "ready_at": HOST.ready_at,
+            "model": limits.get("model"),
+            "step_index": core.get("step_index"),
+        },
+        "warmup": HOST.warmup,
+    }
+
+
+async def _wake_engine_core() -> None:
+    """Make an idle engine core run one loop iteration (it then reads the channel)."""
+    client = HOST.engine_client
+    if client is None:
+        return
+    try:
+        await asyncio.wait_for(client.is_sleeping(), timeout=2.0)
+    except Exception:  # an engine that cannot answer is reported by the ack timeout
+        logger.debug("wake-up call to the engine core failed", exc_info=True)
+
+
+async def check_prompt_lengths(config: LiveConfig, limits: EngineLimits) -> None:
+    """Refuse heartbeat prompts that do not fit the model's context with their max_tokens.
+
+    Raises:
+        ConfigError: names each prompt that is too long (tokens counted with the
+            engine's tokenizer; without it, one token per character is assumed).
+    """
+    tok = None
+    client = HOST.engine_client
+    if client is not None:
+        try:
+            tok = client.get_tokenizer()
+            if asyncio.iscoroutine(tok):
+                tok = await tok
+        except Exception:
+            tok = None
+    errors = []
+    for i, hb in enumerate(config.warmup.heartbeats):
+        for j, prompt in enumerate(hb.prompts):
+            n = len(tok.encode(prompt)) if tok is not None else len(prompt)
+            if n + hb.max_tokens > limits.max_model_len:
+                errors.append({
+                    "loc": ["warmup", "heartbeats", i, "prompts", j],
+                    "msg": f"prompt of {n} tokens + max_tokens {hb.max_tokens} exceeds the model's "
+                           f"context of {limits.max_model_len} tokens",
+                })
+    if errors:
+        raise ConfigError(errors)
+
+
+async def apply_config(patch: dict[str, Any]) -> dict[str, Any]:
+    """Validate ``patch`` against the config in force, publish it, wait for the ack.
+
+    Returns:
+        ``{"config_version", "config", "diff", "applied", "apply_latency_ms", ...}``.
+    Raises:
+        ConfigError / RestartRequired: refused; nothing changed.
+        HTTPException(503): the engine core did not acknowledge in time.
+    """
+    if HOST.channel is None:
+        raise HTTPException(status_code=503, detail="no control channel: start the engine host with python -m engine_host")
+    async with HOST.lock:
+        core = _core_or_503()
+        limits = EngineLimits.model_validate(core["limits"])
+        current = LiveConfig.model_validate(core["config"])
+        new = apply_patch(current, patch, limits)
+        await check_prompt_lengths(new, limits)
+        old_version = int(core.get("config_version") or 0)
+        version = old_version + 1
+        t0 = time.monotonic()
+        warmup_k = (HOST.channel.read_config()[1] or {}).get("warmup_k")
+        HOST.channel.write_config(version, new.model_dump(mode="json"), warmup_k=warmup_k)
+        await _wake_engine_core()
+        state = core
+        while time.monotonic() - t0 < ACK_TIMEOUT_S:
+            state = HOST.core_state() or state
+            if state.get("config_version") == version:
+                break
+            if state.get("config_error") and f"version {version} " in state["config_error"]:
+                HOST.channel.write_config(old_version, current.model_dump(mode="json"))
+                raise ConfigError([{"loc": ["config"], "msg": state["config_error"]}])
+            await asyncio.sleep(0.002)
+        else:
+            raise HTTPException(
+                status_code=503,
+                detail=f"the engine core did not acknowledge config version {version} within {ACK_TIMEOUT_S:.0f} s; "
+                "it will apply it at its next step if it is alive",
+            )
+        return {
+            "config_version": version,
+            "previous_version": old_version,
+            "config": new.model_dump(mode="json"),
+            "diff": diff_configs(current.model_dump(mode="json"), new.model_dump(mode="json")),
+            "applied": True,
+            "applied_at": state.get("config_applied_at"),
+            "ack_step": state.get("config_ack_step"),
+            "apply_latency_ms": round((time.monotonic() - t0) * 1000.0, 3),
+            "k_current": state.get("k_current"),
+        }
+
+
+control_router = APIRouter(prefix="/control", tags=["control"], dependencies=[Depends(require_control_token)])
+
+
+@control_router.get("/state")
+async def get_state() -> dict[str, Any]:
+    """Live config, controller state, caps in force and engine identity."""
+    return build_state()
+
+
+@control_router.put("/config")
+async def put_config(request: Request) -> Any:
+    """Apply a partial config live (within one engine step). 422 invalid, 409 needs a restart.
+
+    Body: any subset of ``{"speculation": {...}, "batch": {...}, "warmup": {...}}``.
+    """
+    try:
+        body = json.loads(await request.body() or b"null")
+    except ValueError as exc:
+        return JSONResponse(status_code=422, content={"detail": [{"loc": ["body"], "msg": f"malformed JSON: {exc}"}],
+                                                      "message": f"malformed JSON: {exc}"})
+    try:
+        return await apply_config(body)
+    except ConfigError as exc:
+        return JSONResponse(status_code=exc.status, content={"detail": exc.errors, "message": str(exc)})
+
+
+@control_router.get("/samples")
+async def get_samples(
+    since: float | None = Query(None, description="unix seconds; only samples after this"),
+) -> dict[str, Any]:
+    """Per-second samples (last 10 minutes) for live views."""
+    return {"now": time.time(), "samples": SAMPLES.samples(since)}
+
+
+@control_router.get("/warmup/runs")
+async def get_warmup_runs(
+    after_id: int = Query(0, ge=0, description="only runs with a larger id (incremental fetch)"),
+) -> dict[str, Any]:
+    """Warm-up and heartbeat runs (start, duration, TTFT, outcome), oldest first."""
+    core = HOST.core_state() or {}
+    return {
+        "runs": RUNS.since(after_id),
+        "warmup": HOST.warmup,
+        "phase": HOST.phase,
+        "warmup_steps_at_k": core.get("warmup_steps_at_k"),
+        "heartbeats": ((core.get("config") or {}).get("warmup") or {}).get("heartbeats", []),
+        "internal_requests_total": SAMPLES.internal_requests_total,
+    }
+
+
+class ReadyAnswer(BaseModel):
+    """Body of ``GET /ready``."""
+
+    ready: bool
+    phase: str
+    warmup: dict[str, Any]
+
+
+health_router = APIRouter(tags=["health"])
+
+
+@health_router.get("/ready", response_model=ReadyAnswer)
+async def ready() -> Any:
+    """200 when the engine is loaded and warmed up, 503 before (or if warm-up failed)."""
+    body = {"ready": HOST.phase == "ready", "phase": HOST.phase, "warmup": HOST.warmup}
+    return JSONResponse(status_code=200 if body["ready"] else 503, content=body)
+
+
+class SpecPilotCollector:
+    """``specpilot:*`` series computed at scrape time from the engine core's state."""
+
+    def collect(self):  # noqa: D102
+        core = HOST.core_state()
+        if core is None:
+            return
+        cfg = core.get("config") or {}
+        spec = cfg.get("speculation", {})
+        caps = core.get("caps_in_force", {})
+        ctl = core.get("controller", {})
+        limits = core.get("limits", {})
+
+        def gauge(name: str, doc: str, value: Any, labels: dict[str, str] | None = None):
+            g = GaugeMetricFamily(f"specpilot:{name}", doc, labels=list(labels or {}))
+            if value is not None:
+                g.add_metric(list((labels or {}).values()), float(value))
+            return g
+
+        yield gauge("speculation_k", "Draft length K in force (tokens).", core.get("k_current"))
+        yield gauge("speculation_k_max", "Upper bound of K (tokens), engine K_max when unset.",
+                    spec.get("k_max") if spec.get("k_max") is not None else limits.get("k_max"))
+        yield gauge("speculation_k_max_engine", "K_max the engine was started with (tokens).", limits.get("k_max"))
+        mode = GaugeMetricFamily("specpilot:speculation_mode_info", "Speculation mode in force (1 for the mode).", labels=["mode"])
+        mode.add_metric([str(spec.get("mode"))], 1.0)
+        yield mode
+        yield gauge("max_num_seqs", "Cap on running sequences in force.", caps.get("max_num_seqs"))
+        yield gauge("max_num_batched_tokens", "Cap on tokens per engine step in force.", caps.get("max_num_batched_tokens"))
+        yield gauge("config_version", "Config version in force on the engine core.", core.get("config_version"))
+        yield gauge("num_requests_running", "Running requests seen by the scheduler hook.", core.get("running"))
+        yield gauge("engine_start_time_seconds", "Unix time the API process started.", HOST.started_at)
+        yield gauge("ready", "1 when warmed up and ready.", 1.0 if HOST.phase == "ready" else 0.0)
+        if HOST.warmup.get("seconds") is not None:
+            yield gauge("warmup_duration_seconds", "Duration of the start-up warm-up (s).", HOST.warmup["seconds"])
+        wr = CounterMetricFamily("specpilot:warmup_runs", "Warm-up and heartbeat runs by kind and outcome.",
+                                 labels=["kind", "outcome"])
+        for (kind, outcome), n in sorted(RUNS.counts.items()):
+            wr.add_metric([kind, outcome], float(n))
+        yield wr
+        ws = CounterMetricFamily("specpilot:warmup_steps", "Engine steps run at each K during the start-up warm-up.",
+                                 labels=["k"])
+        for k, n in enumerate(core.get("warmup_steps_at_k") or []):
+            ws.add_metric([str(k)], float(n))
+        yield ws
+        for name, doc, value in (
+            ("internal_requests", "Finished internal requests (warm-up, heartbeats), excluded from user figures.",
+             SAMPLES.internal_requests_total),
+            ("internal_generation_tokens", "Tokens generated by internal requests.",
+             SAMPLES.internal_generation_tokens_total),
+            ("user_generation_tokens", "Tokens generated for users (internal requests excluded).",
+             SAMPLES.user_generation_tokens_total),
+        ):
+            c = CounterMetricFamily(f"specpilot:{name}", doc)
+            c.add_metric([], float(value))
+            yield c
+        ov = (core.get("overhead") or {}).get("fraction")
+        yield gauge("controller_overhead_perc", "Scheduler-hook time / step time (fraction 0..1).", ov)
+        acc = GaugeMetricFamily("specpilot:acceptance_per_position",
+                                "Estimated P(draft positions 1..i all accepted) per decode request-step.", labels=["position"])
+        for i, v in enumerate(ctl.get("acceptance_per_position", []), start=1):
+            acc.add_metric([str(i)], float(v))
+        yield acc
+        cond = GaugeMetricFamily("specpilot:conditional_acceptance",
+                                 "Estimated conditional acceptance a_j at draft position j.", labels=["position"])
+        for i, v in enumerate(ctl.get("conditional_acceptance", []), start=1):
+            cond.add_metric([str(i)], float(v))
+        yield cond
+        for key, name, doc, scale in (
+            ("expected_tokens_per_step", "expected_tokens_per_step", "E(K): tokens per request per step.", 1.0),
+            ("step_time_ms", "step_time_seconds", "Learned step time T(B, K) at the current batch size (s).", 0.001),
+            ("predicted_goodput_tokens_per_s", "predicted_goodput_tokens_per_second", "G(K) = B*E(K)/T(B,K) (tokens/s).", 1.0),
+        ):
+            fam = GaugeMetricFamily(f"specpilot:{name}", doc, labels=["k"])
+            for k, v in (ctl.get(key) or {}).items():
+                fam.add_metric([str(k)], float(v) * scale)
+            yield fam
+        steps = CounterMetricFamily("specpilot:steps", "Engine steps scheduled at each K.", labels=["k"])
+        for k, n in enumerate(ctl.get("steps_at_k", [])):
+            steps.add_metric([str(k)], float(n))
+        yield steps
+
+
+_collector_registered = False
+
+
+def _register_collector() -> None:
+    global _collector_registered
+    if not _collector_registered:
+        REGISTRY.register(SpecPilotCollector())
+        _collector_registered = True
+
+
+class SpecPilotEndpoints:
+    """The endpoint plugin object (``vllm.plugins.endpoint_plugins.interface.EndpointPlugin``)."""
+
+    name = "specpilot_control"
+    required_tasks = None
+
+    def attach_router(self, app: FastAPI) -> None:
+        """Add ``/control/*`` and ``/ready`` to vLLM's app."""
+        app.include_router(control_router)
+        app.include_router(health_router)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        """Open the channel, register metrics, schedule the start-up warm-up."""
+        HOST.engine_client = engine_client
+        HOST.args = args
+        HOST.lock = asyncio.Lock()
+        try:
+            HOST.channel = channel_from_env()
+        except ChannelError as exc:
+            logger.error("SpecPilot control channel unavailable: %s", exc)
+        SAMPLES.k_source = HOST.core_state
+        _register_collector()
+        HOST.phase = "warming_up"
+        k_max = int(((HOST.core_state() or {}).get("limits") or {}).get("k_max") or 0)
+        start_background_tasks(HOST, args, k_max, os.environ.get(ENV_WARMUP, "full"))

@@ -1,0 +1,298 @@
+"""The scheduler hook: vLLM's V1 ``Scheduler`` with live K and live batch caps.
+
+Named in ``--scheduler-cls``, it runs inside vLLM's engine-core process. Each step it
+
+1. checks the control channel's config sequence number (one ``struct`` read) and, when
+   a new config version was published, applies it at once: policy, K bounds, caps;
+2. lets the controller choose K through vLLM's dynamic speculative decoding path
+   (``self.dynamic_sd_lookup[batch_size]`` becomes a live object whose ``__getitem__``
+   asks the controller; vLLM sends the result to the workers as
+   ``SchedulerOutput.num_spec_tokens_to_schedule``);
+3. caps running sequences and tokens per step (``max_num_running_reqs``,
+   ``max_num_scheduled_tokens``). A cap below the running count stops admissions and
+   drains: it never drops below ``len(self.running)`` (vLLM asserts that);
+4. after the step, feeds the controller the verified drafts (per request, through
+   ``make_spec_decoding_stats``), the decode batch size and the step time, and
+   publishes its state to the channel a few times a second.
+
+``SpecPilotAsyncScheduler`` does the same on top of ``AsyncScheduler`` for engines run
+with async scheduling.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from .channel import Channel, channel_from_env
+from .config import LiveConfig
+from .controller import SpeculationController, StepObservation
+
+logger = logging.getLogger("specpilot.scheduler")
+
+PUBLISH_INTERVAL_S = 0.25
+
+
+class _LiveLookup:
+    """Stands in for vLLM's ``dynamic_sd_lookup`` list: ``lookup[batch_size]`` -> K."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: "_SpecPilotHook"):
+        self.hook = hook
+
+    def __getitem__(self, batch_size: int) -> int:
+        return self.hook._decide_k(batch_size)
+
+    def __len__(self) -> int:  # pragma: no cover - vLLM only indexes it
+        return self.hook._startup_max_seqs + 1
+
+
+class _SpecPilotHook:
+    """Mixin with the SpecPilot behaviour; combined with ``Scheduler`` or ``AsyncScheduler``."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        sched_cfg = self.scheduler_config  # type: ignore[attr-defined]
+        self._startup_max_seqs = int(self.max_num_running_reqs)  # type: ignore[attr-defined]
+        self._startup_max_tokens = int(self.max_num_scheduled_tokens)  # type: ignore[attr-defined]
+        self._has_active_cap = hasattr(self, "max_num_active_reqs")
+        self._k_engine = int(getattr(self, "num_spec_tokens", 0) or 0)
+        vcfg = self.vllm_config  # type: ignore[attr-defined]
+        self._limits = {
+            "model": str(vcfg.model_config.model),
+            "k_max": self._k_engine,
+            "max_num_seqs": self._startup_max_seqs,
+            "max_num_batched_tokens": int(sched_cfg.max_num_batched_tokens),
+            "max_model_len": int(vcfg.model_config.max_model_len),
+            "speculative_method": getattr(vcfg.speculative_config, "method", None),
+        }
+        self._channel: Channel | None = channel_from_env()
+        self._config = LiveConfig()
+        self._config_version = 0
+        self._config_seq = -1
+        self._config_error: str | None = None
+        self._applied_at = time.time()
+        self._ack_step: int | None = None
+        self.controller = SpeculationController(self._k_engine, self._config.speculation)
+        self._cap_seqs = self._startup_max_seqs
+        self._cap_tokens = self._startup_max_tokens
+        self._max_running_seen = 0
+        self._k_decided = 0  # K chosen for the step being scheduled
+        self._k_drafted = 0  # K of the drafts verified in the step being scheduled
+        self._k_first_use_step: int | None = None
+        self._t_sched = 0.0
+        self._step_index = 0
+        self._hist = [0] * max(self._k_engine, 1)
+        self._dhist = [0] * max(self._k_engine, 1)
+        self._drafted = 0
+        self._accepted = 0
+        self._overhead_s = 0.0
+        self._busy_s = 0.0
+        self._last_publish = 0.0
+        self._started_at = time.time()
+        self._warmup_k: int | None = None
+        self._warmup_steps = [0] * (self._k_engine + 1)
+        if self._k_engine > 0:
+            # vLLM's dynamic speculative decoding path, made live.
+            self.dynamic_sd_lookup = _LiveLookup(self)  # type: ignore[assignment]
+        self._poll_config(force=True)
+        self._publish(time.monotonic())
+        logger.info("SpecPilot scheduler hook active (K_max=%d, channel=%s)", self._k_engine, self._channel and self._channel.path)
+
+    # -- config ------------------------------------------------------------
+    def _poll_config(self, force: bool = False) -> bool:
+        ch = self._channel
+        if ch is None:
+            return False
+        seq = ch.config_seq()
+        if seq == self._config_seq and not force:
+            return False
+        seq, payload = ch.read_config()
+        self._config_seq = seq
+        if not payload:
+            return False
+        wk = payload.get("warmup_k")
+        wk = None if wk is None else max(0, min(int(wk), self._k_engine))
+        if wk != self._warmup_k:
+            self._warmup_k = wk
+            self._publish(time.monotonic())
+        version = int(payload.get("version", 0))
+        if version == self._config_version and not force:
+            return False
+        try:
+            cfg = LiveConfig.model_validate(payload["config"])
+            self.controller.configure(cfg.speculation)
+        except Exception as exc:  # keep the last good config
+            self._config_error = f"version {version} refused by the engine core: {exc}"
+            logger.error(self._config_error)
+            self._publish(time.monotonic())
+            return False
+        self._config = cfg
+        self._config_version = version
+        self._config_error = None
+        self._cap_seqs = cfg.batch.max_num_seqs or self._startup_max_seqs
+        self._cap_tokens = cfg.batch.max_num_batched_tokens or self._startup_max_tokens
+        self._applied_at = time.time()
+        self._ack_step = self._step_index
+        self._k_first_use_step = None
+        self._max_running_seen = len(self.running)  # type: ignore[attr-defined]
+        self._apply_caps()
+        self._publish(time.monotonic())
+        return True
+
+    def _apply_caps(self) -> None:
+        running = len(self.running)  # type: ignore[attr-defined]
+        cap = min(max(self._cap_seqs, running), self._startup_max_seqs)
+        self.max_num_running_reqs = cap  # type: ignore[attr-defined]
+        if self._has_active_cap:
+            self.max_num_active_reqs = cap  # type: ignore[attr-defined]
+        self.max_num_scheduled_tokens = min(self._cap_tokens, self._startup_max_tokens)  # type: ignore[attr-defined]
+
+    def _decide_k(self, batch_size: int) -> int:
+        t = time.perf_counter()
+        if self._warmup_k is not None:  # start-up warm-up covering each depth
+            k = self._warmup_k
+            self._warmup_steps[k] += 1
+        else:
+            k = self.controller.k_for_batch(batch_size)
+        self._k_decided = k
+        if self._k_first_use_step is None:
+            self._k_first_use_step = self._step_index
+        self._overhead_s += time.perf_counter() - t
+        return k
+
+    # -- vLLM scheduler overrides ---------------------------------------------
+    def has_requests(self) -> bool:  # type: ignore[override]
+        # Also called while the engine idles and is woken by a utility call, so a
+        # config published while idle is acknowledged without waiting for traffic.
+        t = time.perf_counter()
+        self._poll_config()
+        self._overhead_s += time.perf_counter() - t
+        return super().has_requests()  # type: ignore[misc]
+
+    def schedule(self, *args: Any, **kwargs: Any):  # type: ignore[override]
+        t = time.perf_counter()
+        self._t_sched = t
+        self._poll_config()
+        self._apply_caps()
+        self._k_drafted = self._k_decided
+        self._overhead_s += time.perf_counter() - t
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        self._step_index += 1
+        return out
+
+    def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens, *args, **kwargs):  # type: ignore[override]
+        if num_draft_tokens:
+            self._drafted += num_draft_tokens
+            self._accepted += num_accepted_tokens
+            hist = self._hist
+            for i in range(min(num_accepted_tokens, len(hist))):
+                hist[i] += 1
+            dh = self._dhist
+            for i in range(min(num_draft_tokens, len(dh))):
+                dh[i] += 1
+        return super().make_spec_decoding_stats(  # type: ignore[misc]
+            spec_decoding_stats, num_draft_tokens, num_accepted_tokens, *args, **kwargs
+        )
+
+    def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        t = time.perf_counter()
+        step_time = t - self._t_sched if self._t_sched else 0.0
+        n_dec = 0
+        total = 0
+        if self._k_engine > 0:  # without speculation there is nothing for the controller to learn
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            for req_id, n in scheduler_output.num_scheduled_tokens.items():
+                total += 1
+                drafts = spec.get(req_id)
+                if n == 1 + (len(drafts) if drafts else 0):
+                    n_dec += 1
+        running = len(self.running)  # type: ignore[attr-defined]
+        if running > self._max_running_seen:
+            self._max_running_seen = running
+        if n_dec:
+            self.controller.observe(
+                StepObservation(
+                    batch_size=n_dec,
+                    k_drafted=self._k_drafted,
+                    num_draft_tokens=self._drafted,
+                    num_accepted_tokens=self._accepted,
+                    accepted_hist=list(self._hist),
+                    draft_hist=list(self._dhist),
+                    step_time_s=step_time,
+                    pure_decode=(n_dec == total),
+                    now=time.monotonic(),
+                )
+            )
+        if self._drafted or n_dec:
+            self._drafted = self._accepted = 0
+            hist, dh = self._hist, self._dhist
+            for i in range(len(hist)):
+                hist[i] = 0
+                dh[i] = 0
+        now = time.monotonic()
+        self._overhead_s += time.perf_counter() - t
+        self._busy_s += step_time
+        if now - self._last_publish >= PUBLISH_INTERVAL_S or running == 0:
+            self._publish(now)
+        return outputs
+
+    # -- state ---------------------------------------------------------------
+    def _publish(self, now: float) -> None:
+        self._last_publish = now
+        if self._channel is None:
+            return
+        running = len(self.running)  # type: ignore[attr-defined]
+        try:
+            waiting = len(self.waiting)  # type: ignore[attr-defined]
+        except TypeError:  # pragma: no cover
+            waiting = 0
+        state = {
+            "core_pid": os.getpid(),
+            "core_started_at": self._started_at,
+            "published_at": time.time(),
+            "limits": self._limits,
+            "config_version": self._config_version,
+            "config": self._config.model_dump(mode="json"),
+            "config_applied_at": self._applied_at,
+            "config_ack_step": self._ack_step,
+            "config_error": self._config_error,
+            "k_current": self._k_decided if self._warmup_k is not None else self.controller.k_current,
+            "warmup_k": self._warmup_k,
+            "warmup_steps_at_k": list(self._warmup_steps),
+            "k_first_use_step": self._k_first_use_step,
+            "step_index": self._step_index,
+            "running": running,
+            "waiting": waiting,
+            "max_running_seen_since_config": self._max_running_seen,
+            "caps_in_force": {
+                "max_num_seqs": self._cap_seqs,
+                "max_num_batched_tokens": min(self._cap_tokens, self._startup_max_tokens),
+                "max_num_running_reqs_now": int(self.max_num_running_reqs),  # type: ignore[attr-defined]
+            },
+            "controller": self.controller.snapshot(),
+            "overhead": {
+                "hook_seconds": round(self._overhead_s, 6),
+                "busy_seconds": round(self._busy_s, 6),
+                "fraction": (self._overhead_s / self._busy_s) if self._busy_s > 0 else None,
+            },
+        }
+        try:
+            self._channel.write_state(state)
+        except Exception:  # never let reporting break scheduling
+            logger.exception("could not publish SpecPilot state")
+
+
+class SpecPilotScheduler(_SpecPilotHook, Scheduler):
+    """vLLM ``Scheduler`` with SpecPilot's live K and batch caps (synchronous engines)."""
+
+
+class SpecPilotAsyncScheduler(_SpecPilotHook, AsyncScheduler):
+    """vLLM ``AsyncScheduler`` with SpecPilot's live K and batch caps (async scheduling)."""

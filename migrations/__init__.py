@@ -1,0 +1,1 @@
+"""Alembic environment and revisions of the control plane's store (see ``control.db``)."""

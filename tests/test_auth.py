@@ -1,0 +1,114 @@
+"""Unit tests of dashboard users, roles and password hashing (control/auth.py)."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from control import auth
+
+
+@pytest.fixture
+def users_path(tmp_path, monkeypatch):
+    path = tmp_path / "users.toml"
+    monkeypatch.setenv(auth.ENV_USERS_FILE, str(path))
+    monkeypatch.delenv(auth.ENV_USERS, raising=False)
+    auth._failures.clear()
+    return path
+
+
+def test_password_is_stored_hashed_and_file_is_private(users_path):
+    auth.add_user("alice", "operator", "correct horse")
+    text = users_path.read_text()
+    assert "correct horse" not in text
+    assert "$argon2id$" in text
+    assert stat.S_IMODE(users_path.stat().st_mode) == 0o600
+    users = auth.load_users()
+    assert users["alice"].role == "operator"
+    assert auth.verify_password(users["alice"].password_hash, "correct horse")
+    assert not auth.verify_password(users["alice"].password_hash, "wrong horse")
+
+
+def test_roles_viewer_reads_operator_changes(users_path):
+    auth.add_user("vic", "viewer", "viewer-pass")
+    auth.add_user("ops", "operator", "operator-pass")
+    vic = auth.authenticate("vic", "viewer-pass")
+    ops = auth.authenticate("ops", "operator-pass")
+    assert vic.can("view") and not vic.can("apply") and not vic.can("rollback")
+    assert ops.can("view") and ops.can("apply") and ops.can("rollback")
+    assert not auth.can(None, "view")
+
+
+def test_wrong_password_and_unknown_user_get_one_message(users_path):
+    auth.add_user("alice", "operator", "correct horse")
+    with pytest.raises(auth.AuthError, match="wrong user name or password"):
+        auth.authenticate("alice", "nope-nope")
+    with pytest.raises(auth.AuthError, match="wrong user name or password"):
+        auth.authenticate("mallory", "correct horse")
+
+
+def test_lockout_after_repeated_failures(users_path):
+    auth.add_user("alice", "operator", "correct horse")
+    for _ in range(auth.MAX_FAILURES):
+        with pytest.raises(auth.AuthError):
+            auth.authenticate("alice", "bad-password")
+    with pytest.raises(auth.AuthError, match="too many failed logins"):
+        auth.authenticate("alice", "correct horse")
+
+
+def test_add_refuses_bad_input_and_duplicates(users_path):
+    with pytest.raises(auth.AuthError, match="at least"):
+        auth.add_user("bob", "viewer", "short")
+    with pytest.raises(auth.AuthError, match="role"):
+        auth.add_user("bob", "admin", "long-enough-pass")
+    with pytest.raises(auth.AuthError, match="letters"):
+        auth.add_user("bob smith", "viewer", "long-enough-pass")
+    auth.add_user("bob", "viewer", "long-enough-pass")
+    with pytest.raises(auth.AuthError, match="exists"):
+        auth.add_user("bob", "operator", "long-enough-pass")
+    auth.add_user("bob", "operator", "another-pass", replace=True)
+    assert auth.load_users()["bob"].role == "operator"
+    auth.remove_user("bob")
+    assert "bob" not in auth.load_users()
+    with pytest.raises(auth.AuthError, match="no user"):
+        auth.remove_user("bob")
+
+
+def test_users_from_environment(users_path, monkeypatch):
+    monkeypatch.setenv(auth.ENV_USERS, json.dumps(
+        {"envop": {"role": "operator", "password_hash": auth.hash_password("from-env-pw")}}))
+    assert auth.authenticate("envop", "from-env-pw").role == "operator"
+    monkeypatch.setenv(auth.ENV_USERS, json.dumps({"x": {"role": "operator", "password_hash": "plain"}}))
+    with pytest.raises(auth.AuthError, match="Argon2"):
+        auth.load_users()
+
+
+def test_cli_adds_user_with_password_from_env(users_path, tmp_path):
+    env = {"PATH": "/usr/bin:/bin", auth.ENV_USERS_FILE: str(users_path),
+           auth.ENV_NEW_PASSWORD: "cli-password-1", "SPECPILOT_HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "dashboard", "users", "add", "carol", "--role", "operator"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "cli-password-1" not in r.stdout + r.stderr
+    assert auth.load_users()["carol"].role == "operator"
+    r = subprocess.run([sys.executable, "-m", "dashboard", "users", "list"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "carol" in r.stdout and "operator" in r.stdout and "argon2" not in r.stdout
+    r = subprocess.run([sys.executable, "-m", "dashboard", "users", "add", "dave", "--role", "boss"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "role" in r.stderr
+
+
+def test_first_start_creates_one_admin_operator(users_path, capsys):
+    from dashboard.__main__ import bootstrap_user
+
+    password = bootstrap_user()
+    assert password and len(password) >= 12
+    assert auth.authenticate("admin", password).role == "operator"
+    assert password in capsys.readouterr().out
+    assert password not in users_path.read_text()
+    assert bootstrap_user() is None  # users exist: nothing added

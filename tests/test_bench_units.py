@@ -1,0 +1,366 @@
+"""Unit tests of the benchmark harness: statistics, goodput, Poisson arrivals, workloads,
+mode strings, counters and reports (no engine needed)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from bench import engine_control as ec
+from bench import metrics as bm
+from bench import workloads as wl
+from bench.report import group_ratios, markdown_tables, write_summary
+
+
+# --- percentiles -----------------------------------------------------------------------
+
+def test_percentiles_match_numpy_linear_interpolation():
+    vals = list(range(1, 101))  # 1..100
+    p = bm.percentiles(vals)
+    assert p["p50"] == pytest.approx(50.5)
+    assert p["p95"] == pytest.approx(95.05)
+    assert p["p99"] == pytest.approx(99.01)
+    assert p["mean"] == pytest.approx(50.5)
+    assert p["n"] == 100
+
+
+def test_percentiles_empty_and_non_finite():
+    assert bm.percentiles([]) == {"p50": None, "p95": None, "p99": None, "mean": None, "n": 0}
+    p = bm.percentiles([1.0, float("nan"), None, float("inf"), 3.0])
+    assert p["n"] == 2 and p["p50"] == pytest.approx(2.0)
+
+
+def test_percentiles_single_value():
+    p = bm.percentiles([7.0])
+    assert p["p50"] == p["p95"] == p["p99"] == 7.0
+
+
+# --- request records, ITL, goodput -------------------------------------------------------
+
+def _rec(sent, chunks, done=None, tokens=None, **kw):
+    r = bm.RequestRecord(index=0, workload="code", source="t", sent_s=sent, chunks=list(chunks), done_s=done, **kw)
+    r.output_tokens = tokens if tokens is not None else sum(n for _, n in chunks)
+    return r
+
+
+def test_record_latencies_and_per_token_itl():
+    # first token at 0.5 s, then a 3-token chunk 0.3 s later, then 1 token 0.1 s later
+    r = _rec(0.0, [(0.5, 1), (0.8, 3), (0.9, 1)], done=0.9)
+    assert r.ttft_ms == pytest.approx(500.0)
+    assert r.e2e_ms == pytest.approx(900.0)
+    assert r.tpot_ms == pytest.approx(400.0 / 4)
+    assert r.itl_samples_ms() == pytest.approx([100.0, 100.0, 100.0, 100.0])
+    assert r.chunk_gaps_ms() == pytest.approx([300.0, 100.0])
+    assert r.tokens_within(0.0, 0.85) == 4
+
+
+def test_cancelled_record_has_no_e2e_but_counts_tokens_in_window():
+    r = _rec(1.0, [(1.2, 1), (1.4, 2)], done=None, cancelled=True)
+    assert r.e2e_ms is None
+    assert r.ttft_ms == pytest.approx(200.0)
+    assert bm.throughput([r], window_s=2.0) == pytest.approx(1.5)
+
+
+def test_goodput_counts_only_requests_meeting_the_slo():
+    fast = _rec(0.0, [(0.1, 1), (0.2, 9)], done=0.2)      # TTFT 100 ms, TPOT 11 ms
+    slow_ttft = _rec(0.0, [(3.0, 1), (3.1, 9)], done=3.1)  # TTFT 3000 ms
+    slow_tpot = _rec(0.0, [(0.1, 1), (5.1, 1)], done=5.1)  # TPOT 5000 ms
+    slo = bm.SLO(ttft_ms=2000, tpot_ms=100)
+    assert slo.met_by(fast) and not slo.met_by(slow_ttft) and not slo.met_by(slow_tpot)
+    window = 10.0
+    assert bm.throughput([fast, slow_ttft, slow_tpot], window) == pytest.approx(22 / 10)
+    assert bm.goodput([fast, slow_ttft, slow_tpot], window, slo) == pytest.approx(10 / 10)
+    s = bm.summarize([fast, slow_ttft, slow_tpot], window, slo)
+    assert s["goodput_fraction"] == pytest.approx(10 / 22, abs=1e-4)
+    assert s["requests"]["meeting_slo"] == 1
+    assert s["requests"]["finished"] == 3
+
+
+def test_failed_request_never_meets_slo():
+    r = _rec(0.0, [(0.1, 1)], done=0.1, error="HTTP 500")
+    assert not bm.SLO().met_by(r)
+    assert r.e2e_ms is None
+
+
+def test_tokens_outside_window_do_not_count():
+    r = _rec(0.0, [(0.5, 1), (9.5, 1), (10.5, 5)], done=10.5)
+    assert bm.throughput([r], 10.0) == pytest.approx(0.2)
+    assert bm.tokens_per_second_series([r], 10.0) == [1.0] + [0.0] * 8 + [1.0]
+
+
+def test_summarize_is_json_serialisable_and_has_all_fields():
+    r = _rec(0.0, [(0.1, 1), (0.3, 2)], done=0.3)
+    s = bm.summarize([r], 1.0, bm.SLO())
+    json.dumps(s)
+    for key in ("ttft_ms", "itl_ms", "chunk_itl_ms", "tpot_ms", "e2e_ms"):
+        assert set(s[key]) == {"p50", "p95", "p99", "mean", "n"}
+    assert s["output_tokens_per_s"] == pytest.approx(3.0)
+
+
+# --- acceptance from counters -------------------------------------------------------------
+
+def test_acceptance_from_counter_deltas():
+    before = {"drafts": 10, "draft_tokens": 40, "accepted_tokens": 20, "accepted_per_pos": [8, 6, 4, 2]}
+    after = {"drafts": 30, "draft_tokens": 120, "accepted_tokens": 50, "accepted_per_pos": [24, 14, 8, 4]}
+    a = bm.acceptance_from_counters(before, after)
+    assert a["acceptance_rate"] == pytest.approx(30 / 80)
+    assert a["mean_acceptance_length"] == pytest.approx(1 + 30 / 20)
+    assert a["accepted_per_position"] == [16, 8, 4, 2]
+    assert a["acceptance_per_position"] == pytest.approx([0.8, 0.4, 0.2, 0.1])
+
+
+def test_acceptance_without_drafts_is_none():
+    z = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": []}
+    a = bm.acceptance_from_counters(z, z)
+    assert a["acceptance_rate"] is None and a["mean_acceptance_length"] is None
+
+
+def test_spec_counters_parse_prometheus_text():
+    text = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 12.0
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 48.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 30.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 11.0
+"""
+    c = ec.spec_counters(text)
+    assert c == {"drafts": 12.0, "draft_tokens": 48.0, "accepted_tokens": 30.0, "accepted_per_pos": [11.0, 9.0]}
+    assert ec.spec_counters("") == {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "accepted_per_pos": []}
+
+
+# --- Poisson arrivals ---------------------------------------------------------------------
+
+def test_poisson_arrivals_deterministic_sorted_and_in_range():
+    a = bm.poisson_arrivals(5.0, 20.0, seed=3)
+    assert a == bm.poisson_arrivals(5.0, 20.0, seed=3)
+    assert a != bm.poisson_arrivals(5.0, 20.0, seed=4)
+    assert all(0 < x < 20.0 for x in a)
+    assert a == sorted(a)
+
+
+def test_poisson_arrivals_have_the_right_rate_and_exponential_gaps():
+    a = np.array(bm.poisson_arrivals(10.0, 2000.0, seed=1))
+    assert len(a) / 2000.0 == pytest.approx(10.0, rel=0.03)
+    gaps = np.diff(a)
+    assert gaps.mean() == pytest.approx(0.1, rel=0.03)
+    # exponential: standard deviation equals the mean, P(gap > mean) = 1/e
+    assert gaps.std() == pytest.approx(0.1, rel=0.05)
+    assert (gaps > 0.1).mean() == pytest.approx(math.exp(-1), abs=0.02)
+
+
+def test_poisson_arrivals_rejects_bad_rate():
+    with pytest.raises(ValueError):
+        bm.poisson_arrivals(0.0, 1.0)
+    assert bm.poisson_arrivals(1.0, 0.0) == []
+
+
+# --- workloads ----------------------------------------------------------------------------
+
+def test_prompt_sources_are_the_documented_files():
+    he = wl.humaneval_prompts()
+    assert len(he) == 164
+    assert he[0][0] == "HumanEval/0" and "def has_close_elements" in he[0][1]
+    docs = wl.doc_documents()
+    assert len(docs) >= 20
+    assert {rel for rel, _ in docs} <= set(wl.DOC_MODULES)
+    assert all(wl.DOC_MIN_CHARS // 2 <= len(t) <= wl.DOC_MAX_CHARS for _, t in docs)
+    json_doc = dict(docs)["json/__init__.py"]
+    assert "JSON (JavaScript Object Notation)" in json_doc
+    zen = wl.zen_aphorisms()
+    assert len(zen) == 19
+    assert zen[0] == "Beautiful is better than ugly."
+    assert "Namespaces are one honking great idea -- let's do more of those!" in zen
+
+
+def test_each_base_workload_has_the_documented_settings():
+    code = wl.prompt_pool("code")
+    assert all(p.endpoint == "completions" and p.temperature == 0 and 0 < len(p.stop) <= 4 for p in code)  # vLLM: <= 4 stops
+    docs = wl.prompt_pool("docs")
+    assert len(docs) == len(wl.doc_documents()) * len(wl.DOC_TASKS)
+    assert all(p.endpoint == "chat" and p.temperature == 0 for p in docs)
+    assert {p.source.rsplit("task ", 1)[1] for p in docs} == {"quote", "extract", "summarise"}
+    chat = wl.prompt_pool("chat")
+    assert len(chat) == 19 * len(wl.CHAT_TEMPLATES)
+    assert all(p.temperature == pytest.approx(0.7) for p in chat)
+    for p in code + docs + chat:
+        assert p.source  # every prompt names where it came from
+
+
+def test_workload_is_deterministic_given_seed():
+    def seq(name, seed, n=30):
+        w = wl.Workload(name, seed=seed)
+        return [(p.source, p.seed) for p in (w.next_prompt(0.0) for _ in range(n))]
+
+    for name in ("code", "docs", "chat"):
+        assert seq(name, 7) == seq(name, 7)
+        assert seq(name, 7) != seq(name, 8)
+    chat = [s for _, s in seq("chat", 1)]
+    assert all(isinstance(s, int) for s in chat) and len(set(chat)) == len(chat)
+    assert all(s is None for _, s in seq("code", 1))
+
+
+def test_workload_cycles_through_its_pool():
+    w = wl.Workload("code", seed=0)
+    first = [w.next_prompt().source for _ in range(164)]
+    assert len(set(first)) == 164
+    assert w.next_prompt().source == first[0]
+
+
+def test_shift_alternates_every_period():
+    w = wl.Workload("shift", seed=0, period_s=5.0)
+    got = [w.next_prompt(t).workload for t in (0.0, 4.9, 5.0, 9.9, 10.0, 14.9, 15.0, 31.0)]
+    assert got == ["code", "code", "docs", "docs", "chat", "chat", "code", "code"]
+    with pytest.raises(ValueError):
+        wl.Workload("shift", period_s=0)
+    with pytest.raises(ValueError):
+        wl.Workload("nope")
+
+
+def test_request_bodies_stream_with_usage():
+    p = wl.Workload("chat", seed=0).next_prompt()
+    b = p.body("m", 64)
+    assert b["stream"] is True and b["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert b["messages"][0]["role"] == "user" and b["seed"] == p.seed and b["max_tokens"] == 64
+    assert p.path == "/v1/chat/completions"
+    c = wl.Workload("code", seed=0).next_prompt()
+    assert c.path == "/v1/completions" and "prompt" in c.body("m", 8) and "seed" not in c.body("m", 8)
+
+
+# --- mode strings -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,spec", [
+    ("off", {"mode": "off"}),
+    ("fixed:4", {"mode": "fixed", "k": 4}),
+    ("adaptive", {"mode": "adaptive", "k_min": 0, "k_max": None}),
+    ("adaptive:1-6", {"mode": "adaptive", "k_min": 1, "k_max": 6}),
+    ("heuristic", {"mode": "heuristic", "k_min": 1, "k_max": None}),
+    ("threshold", {"mode": "threshold", "k_min": 0, "k_max": None}),
+    ("batch_table", {"mode": "batch_table", "table": ec.DEFAULT_BATCH_TABLE}),
+    ("batch_table:1-4=6,5-16=2", {"mode": "batch_table", "table": [[1, 4, 6], [5, 16, 2]]}),
+    ("plain", {"mode": "off"}),
+])
+def test_mode_patch(mode, spec):
+    assert ec.mode_patch(mode) == {"speculation": spec}
+
+
+@pytest.mark.parametrize("bad", ["fixed", "fixed:x", "adaptive:3", "batch_table:1-4", "turbo", "off:2"])
+def test_mode_patch_rejects_malformed(bad):
+    with pytest.raises(ec.BenchError):
+        ec.mode_patch(bad)
+
+
+def test_mode_patches_are_valid_live_configs():
+    from engine_host.config import EngineLimits, LiveConfig, apply_patch
+
+    limits = EngineLimits(model="m", k_max=8, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=2048)
+    for m in ("off", "fixed:0", "fixed:8", "adaptive", "heuristic", "threshold", "batch_table"):
+        apply_patch(LiveConfig(), ec.mode_patch(m), limits)
+
+
+def test_static_modes_and_mean_k():
+    assert ec.static_k("fixed:3") == 3 and ec.static_k("off") == 0 and ec.static_k("adaptive") is None
+    assert ec.steps_at_k_delta({"controller": {"steps_at_k": [1, 2]}}, {"controller": {"steps_at_k": [3, 2, 4]}}) == [2, 0, 4]
+    assert ec.mean_k([2, 0, 2]) == pytest.approx(1.0)
+    assert ec.mean_k([]) is None
+
+
+# --- reports ------------------------------------------------------------------------------
+
+def _row(wl_, load, mode, tps, itl=10.0):
+    return {"workload": wl_, "load": load, "mode": mode, "output_tokens_per_s": tps, "goodput_tokens_per_s": tps,
+            "ttft_p50_ms": 1.0, "ttft_p95_ms": 2.0, "ttft_p99_ms": 3.0, "itl_mean_ms": itl, "itl_p50_ms": itl,
+            "itl_p95_ms": itl, "itl_p99_ms": itl, "e2e_p50_ms": 1.0, "e2e_p95_ms": 1.0, "e2e_p99_ms": 1.0,
+            "requests_finished": 3, "acceptance_rate": 0.5, "mean_acceptance_length": 2.0, "mean_k": 2.0}
+
+
+def test_group_ratios_against_best_static_k0_and_plain():
+    rows = [_row("code", "low", "fixed:0", 50), _row("code", "low", "fixed:4", 100), _row("code", "low", "adaptive", 96),
+            _row("code", "low", "threshold", 80), _row("code", "low", "plain", 60)]
+    (g,) = group_ratios(rows)
+    assert g["best_static_mode"] == "fixed:4"
+    assert g["adaptive_vs_best_static"] == pytest.approx(0.96)
+    assert g["adaptive_vs_k0"] == pytest.approx(1.92)
+    assert g["adaptive_vs_plain"] == pytest.approx(1.6)
+    assert g["meets_vs_best_static"] is True and g["meets_vs_k0"] is True
+    assert "meets_shift_gain" not in g
+
+
+def test_shift_gain_by_throughput_or_itl():
+    rows = [_row("shift", "high", "fixed:4", 100, itl=20), _row("shift", "high", "adaptive", 105, itl=15)]
+    (g,) = group_ratios(rows)
+    assert g["adaptive_vs_best_other"] == pytest.approx(1.05)
+    assert g["best_other_itl_vs_adaptive"] == pytest.approx(20 / 15, abs=1e-3)
+    assert g["meets_shift_gain"] is True
+    rows[1]["itl_mean_ms"] = 19.0
+    assert group_ratios(rows)[0]["meets_shift_gain"] is False
+
+
+def test_markdown_and_summary_files(tmp_path):
+    rows = [_row("code", "low", "fixed:0", 50.0), _row("code", "low", "adaptive", 40.0)]
+    md = markdown_tables(rows, group_ratios(rows))
+    assert "| code | low | 50.0 | 40.0 |" in md
+    assert "**no**" in md  # 0.8 x K=0 misses the target and says so
+    results = [{"spec": {"workload": r["workload"], "load": {"label": r["load"], "rate_per_s": None, "concurrency": 1},
+                         "mode": r["mode"]},
+                "client": {"output_tokens_per_s": r["output_tokens_per_s"], "goodput_tokens_per_s": 1.0,
+                           "ttft_ms": bm.percentiles([1.0]), "itl_ms": bm.percentiles([1.0]), "e2e_ms": bm.percentiles([]),
+                           "requests": {"finished": 1}},
+                "acceptance": {"acceptance_rate": None, "mean_acceptance_length": None},
+                "k": {"mean_k_steps": 0.0}} for r in rows]
+    paths = write_summary(results, tmp_path, {"command": "python -m bench matrix"})
+    assert paths["md"].read_text().startswith("Command: `python -m bench matrix`")
+    assert paths["csv"].read_text().splitlines()[0].startswith("workload,load,mode,output_tokens_per_s")
+    data = json.loads(paths["json"].read_text())
+    assert data["ratios"][0]["adaptive_vs_k0"] == pytest.approx(0.8)
+
+
+def test_report_command_rebuilds_summary_from_cell_files(tmp_path):
+    from bench.__main__ import main
+
+    for i, (mode, tps) in enumerate((("fixed:0", 50.0), ("adaptive", 60.0))):
+        doc = {"label": f"code-low-{mode}", "started_at_unix": 100.0 + i,
+               "spec": {"workload": "code", "load": {"label": "low", "rate_per_s": None, "concurrency": 1}, "mode": mode},
+               "client": {"output_tokens_per_s": tps, "goodput_tokens_per_s": tps, "ttft_ms": bm.percentiles([1.0]),
+                          "itl_ms": bm.percentiles([2.0]), "e2e_ms": bm.percentiles([3.0]), "requests": {"finished": 1}},
+               "acceptance": {"acceptance_rate": 0.5, "mean_acceptance_length": 2.0}, "k": {"mean_k_steps": 1.0}}
+        (tmp_path / f"{doc['label']}.json").write_text(json.dumps(doc))
+    assert main(["report", str(tmp_path), "--no-png"]) == 0
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["mode"] for r in data["rows"]] == ["fixed:0", "adaptive"]
+    assert data["ratios"][0]["adaptive_vs_k0"] == pytest.approx(1.2)
+    assert (tmp_path / "charts" / "summary.html").is_file()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+
+
+def test_poisson_arrivals_limit_gives_exactly_that_many():
+    a = bm.poisson_arrivals(2.0, float("inf"), seed=5, limit=7)
+    assert len(a) == 7 and a == sorted(a)
+    assert a == bm.poisson_arrivals(2.0, a[-1] + 1e-9, seed=5)
+
+
+def test_shift_by_request_count_gives_every_mode_the_same_sequence():
+    w1 = wl.Workload("shift", seed=3, period_requests=2)
+    w2 = wl.Workload("shift", seed=3, period_requests=2)
+    bases = [w1.next_prompt(elapsed_s=t).workload for t in (0, 50, 100, 0, 3, 9, 1)]
+    assert bases == ["code", "code", "docs", "docs", "chat", "chat", "code"]
+    assert [w2.next_prompt(0).source for _ in range(7)] == [wl.Workload("shift", seed=3, period_requests=2).prompt(b, i).source
+                                                            for b, i in [("code", 0), ("code", 1), ("docs", 0), ("docs", 1),
+                                                                         ("chat", 0), ("chat", 1), ("code", 2)]]
+    with pytest.raises(ValueError):
+        wl.Workload("shift", period_requests=0)
+
+
+def test_makespan_is_the_last_token_or_completion():
+    recs = [_rec(0.0, [(0.5, 1), (2.0, 3)], done=2.1), _rec(1.0, [(1.5, 2)], done=None)]
+    assert bm.makespan_s(recs) == pytest.approx(2.1)
+    assert bm.makespan_s([]) == 0.0

@@ -1,0 +1,222 @@
+"""The control plane against the real engine host (vLLM on CPU, SmolLM2-135M): apply and
+rollback change the live engine, concurrent applies land in order, the collector stores
+real samples and records a gap while the host is unreachable, and an engine restart is
+detected and the last applied version re-applied.
+
+Run these under ``flock /tmp/specpilot-engine.lock`` on shared machines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from control.alerts import events
+from control.apply import ConfigRefused, apply_change, reconcile, rollback
+from control.collector import Collector
+from control.samples import gaps, samples
+from control.store import Store, add_host, audit_events
+from control.testing import TcpRelay, free_port
+from control.versions import history
+
+pytestmark = pytest.mark.engine
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = "Copy this list exactly, then copy it again: red apple, green pear, yellow banana, purple plum, red apple,"
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store.open(f"sqlite:///{tmp_path / 'specpilot.db'}")
+    yield s
+    s.close()
+
+
+def wait_for(what: str, check, timeout_s: float = 60.0, every_s: float = 0.25):
+    """Poll ``check()`` until it returns something truthy; fail with ``what`` after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every_s)
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def _load(url: str, stop: threading.Event) -> None:
+    with httpx.Client(base_url=url, timeout=120) as c:
+        while not stop.is_set():
+            c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 48, "temperature": 0})
+
+
+def test_apply_and_rollback_change_the_live_engine(store, engine_host, control, restore_config, monkeypatch):
+    monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", engine_host.token)
+    add_host(store, "local", engine_host.url)
+    assert reconcile(store, "local").imported == 1
+    start = history(store, "local")[0].config
+
+    res = apply_change(store, "local", {"speculation": {"mode": "fixed", "k": 4}, "batch": {"max_num_seqs": 2}},
+                       reason="copy-heavy traffic")
+    assert res.ok, res.message
+    state = control.get("/control/state").json()
+    assert state["config"] == res.config and state["config_version"] == res.engine_version
+    assert state["batch"]["max_num_seqs"] == 2
+
+    with pytest.raises(ConfigRefused, match="K_max"):
+        apply_change(store, "local", {"speculation": {"k": 99}}, reason="too deep")
+    assert [v.version for v in history(store, "local")] == [2, 1]
+
+    back = rollback(store, "local", 1, reason="back to the start-up config")
+    assert back.ok and back.version == 3
+    assert control.get("/control/state").json()["config"] == start
+
+    def operator(k: int) -> None:
+        for i in range(3):
+            apply_change(store, "local", {"speculation": {"k": k}, "batch": {"max_num_seqs": 1 + i}},
+                         reason=f"operator {k}, change {i}")
+
+    threads = [threading.Thread(target=operator, args=(k,)) for k in (2, 6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    versions = sorted(history(store, "local"), key=lambda v: v.version)
+    assert [v.version for v in versions] == list(range(1, 10))
+    assert all(v.status == "applied" for v in versions)
+    engine_versions = [v.engine_version for v in versions[1:]]
+    assert engine_versions == sorted(engine_versions)  # the engine received them in the recorded order
+    assert control.get("/control/state").json()["config"] == versions[-1].config
+
+
+def test_collector_stores_real_samples_and_records_a_gap_while_unreachable(store, engine_host, restore_config,
+                                                                           monkeypatch):
+    monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", engine_host.token)
+    relay = TcpRelay(engine_host.port).start()
+    add_host(store, "local", relay.url)
+    collector = Collector(store, interval_s=1.0, hosts_refresh_s=0.5).start()
+    stop = threading.Event()
+    load = threading.Thread(target=_load, args=(engine_host.url, stop))
+    try:
+        load.start()
+        busy = wait_for("samples with generated tokens", lambda: [
+            r for r in samples(store, "local", 0, time.time() + 10)
+            if r["output_tokens"] > 0 and r["ttft_p50_ms"] and r["e2e_p99_ms"]])  # a request started and one ended
+        stop.set()
+        load.join()
+        r = busy[-1]
+        assert r["output_tokens_per_s"] > 0 and r["itl_p50_ms"] > 0 and r["e2e_p99_ms"] >= r["ttft_p50_ms"]
+        assert 0.0 <= r["kv_cache_usage"] <= 1.0 and r["running_max"] >= 0
+        assert r["k"] == 0 and r["mode"] == "fixed" and r["max_num_seqs"] == 8
+        assert [v.source for v in history(store, "local")] == ["import"]
+
+        relay.cut()  # the host is unreachable from the control plane
+        wait_for("an open gap", lambda: [g for g in gaps(store, "local") if g.ended_at is None], 20)
+        failed = apply_change(store, "local", {"speculation": {"k": 2}}, reason="during the outage")
+        assert failed.status == "failed" and "unreachable" in failed.message
+        wait_for("the host_down alert", lambda: events(store, host="local", open_only=True), 20)
+        n_down = len(samples(store, "local", 0, time.time() + 10))
+        time.sleep(2)
+        assert len(samples(store, "local", 0, time.time() + 10)) == n_down  # nothing invented while down
+
+        relay.restore()
+        wait_for("the gap to close", lambda: all(g.ended_at for g in gaps(store, "local")), 20)
+        wait_for("the host_down alert to close", lambda: not events(store, host="local", open_only=True), 20)
+        retry = apply_change(store, "local", {"speculation": {"k": 2}}, reason="retry")
+        assert retry.ok
+        (gap,) = gaps(store, "local")
+        assert gap.ended_at - gap.started_at >= 2
+    finally:
+        stop.set()
+        collector.stop()
+        relay.cut()
+
+
+def test_engine_restart_is_detected_and_the_last_version_reapplied(store, default_model, tmp_path, artifacts_dir,
+                                                                    monkeypatch):
+    from engine_host.process import EngineHostProcess
+
+    port, token = free_port(), "restart-test-token"
+    monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", token)
+    args = dict(port=port, model=default_model, token=token, env={"SPECPILOT_HOME": str(tmp_path / "home")},
+                extra_args=["--enforce-eager", "--k-max", "4", "--max-num-seqs", "4", "--max-model-len", "512",
+                            "--speculation-mode", "fixed", "--k", "0", "--warmup", "quick"],
+                log_path=artifacts_dir / "engine-host-restart.log")
+    first = EngineHostProcess(**args).start()
+    second = None
+    collector = None
+    try:
+        first.wait_ready(timeout_s=float(os.environ.get("SPECPILOT_TEST_READY_TIMEOUT", "400")))
+        add_host(store, "local", first.url)
+        collector = Collector(store, interval_s=1.0, hosts_refresh_s=0.5).start()
+        wait_for("first contact", lambda: history(store, "local"), 30)
+        assert apply_change(store, "local", {"speculation": {"k": 3}, "batch": {"max_num_seqs": 2}},
+                            reason="tuned for this workload").ok
+
+        os.killpg(first.proc.pid, signal.SIGKILL)  # a crash, not a clean stop
+        first.proc.wait()
+        wait_for("a gap", lambda: gaps(store, "local"), 30)
+
+        second = EngineHostProcess(**args).start()
+        second.wait_ready(timeout_s=float(os.environ.get("SPECPILOT_TEST_READY_TIMEOUT", "400")))
+        top = wait_for("the re-apply", lambda: [v for v in history(store, "local", limit=1)
+                                                 if v.source == "reapply" and v.status != "pending"], 60)[0]
+        assert top.status == "applied" and top.rollback_of == 2 and "restarted" in top.reason
+        state = httpx.get(second.url + "/control/state", headers=second.control_headers).json()
+        assert state["config"]["speculation"]["k"] == 3 and state["batch"]["max_num_seqs"] == 2
+        assert any(e.action == "engine.restart" for e in audit_events(store, host="local"))
+        wait_for("the gap to close", lambda: all(g.ended_at for g in gaps(store, "local")), 30)
+    finally:
+        if collector:
+            collector.stop()
+        for eh in (first, second):
+            if eh:
+                eh.stop()
+
+
+def test_up_starts_engine_registers_it_collects_and_stops_cleanly_on_ctrl_c(default_model, tmp_path):
+    import subprocess
+    import sys
+
+    port = free_port()
+    db = f"sqlite:///{tmp_path / 'up.db'}"
+    env = {**os.environ, "SPECPILOT_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
+    env.pop("SPECPILOT_CONTROL_TOKEN", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "control", "--db", db, "up", "--port", str(port), "--model", default_model,
+         "--no-dashboard", "--engine-arg=--warmup=quick", "--engine-arg=--max-model-len=512"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + float(os.environ.get("SPECPILOT_TEST_READY_TIMEOUT", "400"))
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        out = "".join(lines)
+        assert "engine host: " in out and "SpecPilot is up" in out, out
+        assert f"http://127.0.0.1:{port}/v1" in out
+        store = Store.open(db)
+        try:
+            wait_for("collected samples", lambda: samples(store, "local", 0, time.time() + 10), 60)
+            assert [v.source for v in history(store, "local")] == ["import"]
+        finally:
+            store.close()
+        token = (tmp_path / "home" / "control_token").read_text().strip()
+        assert token in out  # shown once, on first start
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=90) == 0
+        rest = proc.stdout.read()
+        assert "SpecPilot: stopped" in rest
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,0 +1,278 @@
+"""Unit tests of the speculation-depth policies on constructed statistics (no engine)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from engine_host.config import SpeculationConfig
+from engine_host.controller import (
+    AcceptanceEstimator,
+    SpeculationController,
+    StepObservation,
+    StepTimeModel,
+    batch_bucket,
+)
+
+
+class Sim:
+    """A synthetic engine: acceptance r_i = a**i (positions all-accepted), step time
+    t0 + t1 * B * (1 + K) seconds; drafts proposed at one step are verified at the next."""
+
+    def __init__(self, ctl: SpeculationController, seed: int = 0):
+        self.ctl = ctl
+        self.rng = random.Random(seed)
+        self.k_prev = 0
+        self.now = 0.0
+        self.ks: list[int] = []
+
+    def run(self, steps: int, batch: int, accept: float, t0: float, t1: float) -> list[int]:
+        out = []
+        for _ in range(steps):
+            k = self.ctl.k_for_batch(batch)
+            kd = self.k_prev
+            hist = [0] * self.ctl.k_engine
+            drafted = accepted = 0
+            for _r in range(batch):
+                drafted += kd
+                n = 0
+                while n < kd and self.rng.random() < accept:
+                    n += 1
+                accepted += n
+                for i in range(n):
+                    hist[i] += 1
+            dt = t0 + t1 * batch * (1 + kd)
+            self.now += dt
+            self.ctl.observe(StepObservation(batch, kd, drafted, accepted, hist, dt, True, self.now))
+            self.k_prev = k
+            out.append(k)
+        self.ks += out
+        return out
+
+
+def mode_of(ks: list[int]) -> int:
+    return Counter(ks).most_common(1)[0][0]
+
+
+def adaptive(k_min=0, k_max=None, **kw) -> SpeculationController:
+    return SpeculationController(8, SpeculationConfig(mode="adaptive", k_min=k_min, k_max=k_max, **kw))
+
+
+def test_zero_acceptance_turns_speculation_off():
+    sim = Sim(adaptive())
+    ks = sim.run(600, batch=4, accept=0.0, t0=0.02, t1=0.002)
+    assert mode_of(ks[-200:]) == 0
+    assert sim.ctl.policy.current == 0
+
+
+def test_high_acceptance_with_cheap_verification_goes_deep():
+    sim = Sim(adaptive())
+    ks = sim.run(800, batch=1, accept=0.92, t0=0.02, t1=0.0002)
+    assert mode_of(ks[-200:]) >= 7
+
+
+def test_same_acceptance_at_larger_batch_chooses_smaller_k():
+    small = Sim(adaptive(), seed=1)
+    small.run(800, batch=1, accept=0.85, t0=0.02, t1=0.0005)
+    large = Sim(adaptive(), seed=1)
+    large.run(800, batch=48, accept=0.85, t0=0.02, t1=0.0005)
+    k_small = mode_of(small.ks[-200:])
+    k_large = mode_of(large.ks[-200:])
+    assert k_large < k_small, (k_small, k_large)
+
+
+@pytest.mark.parametrize("k_min,k_max", [(0, 3), (2, 5), (4, 4), (1, 8)])
+def test_bounds_always_respected(k_min, k_max):
+    sim = Sim(adaptive(k_min=k_min, k_max=k_max), seed=3)
+    ks = sim.run(300, batch=2, accept=0.9, t0=0.02, t1=0.0003)
+    ks += sim.run(300, batch=2, accept=0.0, t0=0.02, t1=0.003)
+    assert all(k_min <= k <= k_max for k in ks), sorted(set(ks))
+
+
+def test_estimates_recover_after_workload_change():
+    sim = Sim(adaptive(), seed=5)
+    sim.run(500, batch=2, accept=0.9, t0=0.02, t1=0.0005)
+    assert mode_of(sim.ks[-100:]) >= 4
+    sim.run(500, batch=2, accept=0.0, t0=0.02, t1=0.0005)
+    assert mode_of(sim.ks[-100:]) == 0
+    sim.run(800, batch=2, accept=0.9, t0=0.02, t1=0.0005)
+    assert mode_of(sim.ks[-100:]) >= 4
+
+
+def test_off_when_speculation_only_matches_plain_decoding():
+    # acceptance that makes G(K) about equal to G(0): the margin keeps K at 0
+    sim = Sim(adaptive(), seed=7)
+    ks = sim.run(600, batch=4, accept=0.12, t0=0.01, t1=0.0025)
+    assert mode_of(ks[-200:]) == 0
+
+
+def test_acceptance_estimator_per_position_and_expected_tokens():
+    est = AcceptanceEstimator(4, alpha=1.0)
+    # 10 decode requests drafted at K=4: 8 accepted pos 1, 4 accepted pos 1..2, 2 pos 1..3, 0 pos 4
+    est.observe(4, 10, [8, 4, 2, 0])
+    assert est.r() == pytest.approx([0.8, 0.4, 0.2, 0.0])
+    assert est.conditional() == pytest.approx([0.8, 0.5, 0.5, 0.0])
+    assert est.expected_tokens(2) == pytest.approx(2.2)
+    # positions beyond the drafted depth are not measured: they fade and are extrapolated
+    # from position 1 with the conditional acceptance measured before
+    est.observe(1, 10, [5, 0, 0, 0])
+    assert est.r() == pytest.approx([0.5, 0.25, 0.125, 0.0])
+    assert est.observed_request_steps == [20, 10, 10, 10]
+
+
+def test_estimate_weighs_request_steps_so_batch_one_is_not_one_request():
+    # batch 1, requests alternate: one whose drafts are all accepted, two without any draft
+    est = AcceptanceEstimator(8, alpha=0.01)
+    r1 = []
+    for req in range(30):
+        hit = req % 3 == 0
+        for _ in range(64):
+            est.observe(8, 1, [1] * 8 if hit else [0] * 8, [1] * 8 if hit else [0] * 8)
+            r1.append(est.expected_tokens(8))
+    tail = r1[-3 * 64 * 5:]
+    # true mean E(8) = 1 + 8/3; a per-step EMA (memory 20 steps) swings between 1 and 9
+    assert 2.0 < min(tail) and max(tail) < 6.0, (min(tail), max(tail))
+
+
+def test_time_passes_at_k0_and_old_estimates_fade():
+    est = AcceptanceEstimator(8, alpha=0.01)
+    for _ in range(300):
+        est.observe(8, 4, [4] * 8)
+    assert est.fresh(7)
+    for _ in range(500):
+        est.observe(0, 4, [0] * 8)  # speculation off: nothing measured, time passes
+    assert not est.fresh(0) and est.r()[7] > 0.9  # kept, but stale
+    for _ in range(100_000):  # very long spell at K=0: ratios stay defined
+        est.observe(0, 8, [0] * 8)
+    assert est.r()[0] > 0.9 and all(d > 0 for d in est.den)
+    est.observe(1, 4, [0] * 8)  # one short measurement after it outweighs the old estimate
+    assert est.r()[0] < 0.05 and est.r()[7] < 0.05
+
+
+def test_step_time_model_learns_cost_per_verified_token():
+    m = StepTimeModel(alpha=0.2)
+    for b in (1, 2, 4, 8, 16):
+        for k in (0, 2, 4):
+            for _ in range(5):
+                m.observe(b, b * (k + 1), 0.01 + 0.001 * b * (k + 1))
+    t0, t1 = m.coefficients()
+    assert t0 == pytest.approx(0.01, rel=0.05) and t1 == pytest.approx(0.001, rel=0.05)
+    assert m.predict(8, 2) == pytest.approx(0.01 + 0.001 * 8 * 3, rel=0.05)
+    assert m.predict(32, 6) == pytest.approx(0.01 + 0.001 * 32 * 7, rel=0.1)  # unseen bucket
+    # the cost follows the tokens really drafted: half-length drafts cost less
+    assert m.predict(8, 6, draft_per_request=3.0) == pytest.approx(m.predict(8, 3), rel=1e-6)
+    assert batch_bucket(1) == 0 and batch_bucket(3) == 1 and batch_bucket(8) == 3
+
+
+def test_fixed_off_and_batch_table_policies():
+    ctl = SpeculationController(8, SpeculationConfig(mode="fixed", k=5))
+    assert ctl.k_for_batch(3) == 5
+    ctl.configure(SpeculationConfig(mode="off"))
+    assert ctl.k_for_batch(3) == 0
+    ctl.configure(SpeculationConfig(mode="batch_table", table=[(1, 4, 6), (8, 16, 2), (32, 64, 0)]))
+    assert [ctl.k_for_batch(b) for b in (1, 4, 5, 8, 20, 40, 100)] == [6, 6, 6, 2, 2, 0, 0]
+    assert ctl.steps_at_k[6] == 3
+
+
+def test_heuristic_policy_follows_transformers_schedule():
+    ctl = SpeculationController(8, SpeculationConfig(mode="heuristic", k_min=1, k_max=8))
+    assert ctl.k_for_batch(1) == 8
+    ctl.observe(StepObservation(1, 8, 8, 3, [1, 1, 1, 0, 0, 0, 0, 0], 0.01, True))
+    assert ctl.k_for_batch(1) == 7
+    ctl.observe(StepObservation(1, 7, 7, 7, [1] * 7 + [0], 0.01, True))
+    assert ctl.k_for_batch(1) == 8  # +2, capped at k_max
+    for _ in range(20):
+        ctl.observe(StepObservation(1, 1, 1, 0, [0] * 8, 0.01, True))
+    assert ctl.k_for_batch(1) == 1  # never below 1
+    ctl.observe(StepObservation(1, 1, 0, 0, [0] * 8, 0.01, True))  # no drafts: unchanged
+    assert ctl.k_for_batch(1) == 1
+
+
+def test_threshold_policy_moves_every_interval():
+    ctl = SpeculationController(8, SpeculationConfig(mode="threshold"))
+    assert ctl.k_for_batch(1) == 2
+    t = 0.0
+
+    def feed(rate: float, seconds: float):
+        nonlocal t
+        end = t + seconds
+        while t < end:
+            t += 0.5
+            ctl.observe(StepObservation(1, 4, 100, int(rate * 100), [0] * 8, 0.01, True, now=t))
+
+    feed(0.9, 10.5)
+    assert ctl.k_for_batch(1) == 3
+    feed(0.9, 10.5)
+    assert ctl.k_for_batch(1) == 4
+    feed(0.5, 10.5)
+    assert ctl.k_for_batch(1) == 3
+    feed(0.1, 10.5)
+    assert ctl.k_for_batch(1) == 0
+
+
+def test_snapshot_exposes_estimates_goodput_and_step_counts():
+    sim = Sim(adaptive(), seed=2)
+    sim.run(100, batch=2, accept=0.8, t0=0.02, t1=0.0005)
+    snap = sim.ctl.snapshot()
+    assert snap["mode"] == "adaptive"
+    assert len(snap["acceptance_per_position"]) == 8
+    assert set(snap["expected_tokens_per_step"]) == {str(k) for k in range(9)}
+    assert set(snap["predicted_goodput_tokens_per_s"]) == {str(k) for k in range(9)}
+    assert sum(snap["steps_at_k"]) == 100
+    assert 0.2 < snap["acceptance_rate"] < 0.85  # accepted / drafted, drafts of several tokens
+
+
+def test_bucket_correction_captures_flat_small_batch_cost():
+    # GPU-like: steps cost the same at small batch whatever the tokens, linear at large batch
+    m = StepTimeModel(alpha=0.2)
+    for _ in range(30):
+        for b in (1, 2):
+            for k in (0, 4, 8):
+                m.observe(b, b * (k + 1), 0.010)
+        for k in (0, 4, 8):
+            m.observe(64, 64 * (k + 1), 0.010 + 0.00005 * 64 * (k + 1))
+    assert m.predict(1, 8) == pytest.approx(0.010, rel=0.15)
+    assert m.predict(64, 8) > 1.5 * m.predict(64, 0)
+
+
+def test_stale_deep_positions_follow_a_change_seen_at_shallow_depth():
+    est = AcceptanceEstimator(8, alpha=0.05)
+    for _ in range(40):
+        est.observe(8, 4, [4, 4, 4, 4, 4, 4, 4, 4])  # copy-like: everything accepted
+    assert est.r()[7] > 0.9
+    for _ in range(60):
+        est.observe(1, 4, [0] + [0] * 7)  # now only depth 1 observed, nothing accepted
+    assert est.r()[0] < 0.05
+    assert est.r()[7] < 0.05  # stale deep positions extrapolated, not kept at 1.0
+    for _ in range(60):
+        est.observe(1, 4, [2] + [0] * 7)  # depth 1 accepts half: deep positions follow with
+    assert est.r()[0] == pytest.approx(0.5, abs=0.05)  # the conditional measured before (1.0)
+    assert est.r()[7] == pytest.approx(est.r()[0], rel=0.01)
+
+
+def test_chat_to_copy_change_is_found_from_k0():
+    sim = Sim(adaptive(), seed=11)
+    sim.run(400, batch=1, accept=0.0, t0=0.03, t1=0.0003)
+    assert mode_of(sim.ks[-100:]) == 0
+    sim.run(600, batch=1, accept=0.9, t0=0.03, t1=0.0003)
+    assert mode_of(sim.ks[-150:]) >= 6
+
+
+def test_per_depth_correction_captures_costs_a_line_misses():
+    # verifying 8-token drafts costs 40 % more than the tokens alone say (CPU-like)
+    m = StepTimeModel()
+
+    def t(b: int, k: int) -> float:
+        return (0.05 + 0.002 * b * (1 + k)) * (1.4 if k == 8 else 1.0)
+
+    for _ in range(60):
+        for k in (0, 2, 8):
+            m.observe(12, 12 * (1 + k), t(12, k), k)
+    for k in (0, 2, 8):
+        assert m.predict(12, k) == pytest.approx(t(12, k), rel=0.03), k
+    # a depth not run for a long time falls back to the batch bucket's correction
+    for _ in range(500):
+        m.observe(12, 36, t(12, 2), 2)
+    assert m.correction(12, 8) == pytest.approx(m.correction(12), rel=1e-9)

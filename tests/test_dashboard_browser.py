@@ -1,0 +1,294 @@
+"""The dashboard in a real browser: headless Debian Chromium driven by Playwright,
+against the real app (``python -m dashboard``), a real engine host and a real SQLite
+store filled by the real collector.
+
+One engine host (session fixture), one dashboard process and one browser for the whole
+module; the tests run in order (viewer, operator, live data under load, invalid input,
+apply, history, rollback, CSV, every page's screenshot). Screenshots go to
+``test-artifacts/dashboard-*.png``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.browser]
+
+CHROMIUM = os.environ.get("SPECPILOT_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
+                 "--no-first-run", "--disable-component-update", "--disable-sync"]
+HOST = "local"
+TOKEN_ENV = "SPECPILOT_BROWSER_TEST_TOKEN"
+OPERATOR = ("olga", "operator-pass-1")
+VIEWER = ("vic", "viewer-pass-1")
+REASON_K = "browser test: K=3 for the incident"
+REASON_ROLLBACK = "browser test: back to the imported config"
+
+if not Path(CHROMIUM).exists():
+    pytest.skip(f"Chromium not found at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stack(engine_host, tmp_path_factory, artifacts_dir):
+    """Store with the engine host registered, collector running, dashboard serving.
+
+    Yields ``dict(url=dashboard URL, db=store URL, store=Store)``.
+    """
+    from control import auth
+    from control.collector import Collector
+    from control.store import Store, add_host
+
+    home = tmp_path_factory.mktemp("dash-home")
+    db = f"sqlite:///{home / 'specpilot.db'}"
+    users = home / "users.toml"
+    auth.add_user(OPERATOR[0], "operator", OPERATOR[1], path=users)
+    auth.add_user(VIEWER[0], "viewer", VIEWER[1], path=users)
+    os.environ[TOKEN_ENV] = engine_host.token
+    store = Store.open(db)
+    add_host(store, HOST, engine_host.url, usd_per_hour=1.2, gpu_kind="cpu", token_env=TOKEN_ENV, actor="test")
+    collector = Collector(store, interval_s=1.0).start()
+    port = _free_port()
+    env = dict(os.environ, SPECPILOT_HOME=str(home), SPECPILOT_USERS_FILE=str(users))
+    env[TOKEN_ENV] = engine_host.token
+    log = open(artifacts_dir / "dashboard.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "dashboard", "--port", str(port), "--db", db],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (artifacts_dir / "dashboard.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/_stcore/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        else:
+            raise AssertionError("dashboard did not come up in 60 s")
+        yield {"url": url, "db": db, "store": store}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        collector.stop()
+        httpx.put(engine_host.url + "/control/config", headers=engine_host.control_headers, timeout=30,
+                  json={"speculation": {"mode": "fixed", "k": 0, "k_min": 0, "k_max": None},
+                        "batch": {"max_num_seqs": None, "max_num_batched_tokens": None}})
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, stack):
+    ctx = browser.new_context(viewport={"width": 1440, "height": 1800}, accept_downloads=True)
+    pg = ctx.new_page()
+    pg.set_default_timeout(30_000)
+    yield pg
+    ctx.close()
+
+
+def login(pg, stack, who) -> None:
+    pg.goto(stack["url"])
+    pg.get_by_label("User name").fill(who[0])
+    pg.get_by_role("textbox", name="Password").fill(who[1])
+    pg.get_by_role("button", name="Log in").click()
+    pg.get_by_text("Signed in as").wait_for()
+
+
+def go(pg, title: str) -> None:
+    pg.get_by_test_id("stSidebarNav").get_by_role("link", name=title).click()
+    pg.get_by_role("heading", name=title, level=1).wait_for()
+
+
+def visible(locator):
+    return locator.filter(visible=True)
+
+
+def shot(pg, artifacts_dir, name: str) -> None:
+    time.sleep(2.5)  # let charts and tables (canvas) finish drawing
+    pg.screenshot(path=str(artifacts_dir / f"dashboard-{name}.png"), full_page=True)
+
+
+def state(engine_host) -> dict:
+    return httpx.get(engine_host.url + "/control/state", headers=engine_host.control_headers, timeout=30).json()
+
+
+def _load(engine_host, seconds: float, concurrency: int = 2) -> None:
+    model = httpx.get(engine_host.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    stop = time.monotonic() + seconds
+
+    def worker(i: int) -> None:
+        with httpx.Client(base_url=engine_host.url, timeout=60) as c:
+            n = 0
+            while time.monotonic() < stop:
+                c.post("/v1/completions", json={"model": model, "max_tokens": 24, "temperature": 0,
+                                                "prompt": f"List the planets of the solar system, number {i}.{n}:"})
+                n += 1
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def test_viewer_logs_in_and_sees_no_control_forms(page, stack, artifacts_dir):
+    login(page, stack, VIEWER)
+    page.get_by_text("vic").first.wait_for()
+    go(page, "Control")
+    page.get_by_text("read only").first.wait_for()
+    assert visible(page.get_by_role("button", name="Preview change")).count() == 0
+    assert page.get_by_role("textbox", name="Reason (required)").count() == 0
+    shot(page, artifacts_dir, "control-viewer")
+    go(page, "History")
+    assert page.get_by_role("button", name="Roll back").count() == 0
+
+
+def test_wrong_password_is_refused(page, stack):
+    login_attempt = page
+    login_attempt.goto(stack["url"])
+    login_attempt.get_by_label("User name").fill(OPERATOR[0])
+    login_attempt.get_by_role("textbox", name="Password").fill("not-the-password")
+    login_attempt.get_by_role("button", name="Log in").click()
+    login_attempt.get_by_text("wrong user name or password").wait_for()
+    assert login_attempt.get_by_text("Signed in as").count() == 0
+
+
+def test_live_charts_fill_while_load_runs(page, stack, engine_host, artifacts_dir):
+    login(page, stack, OPERATOR)
+    go(page, "Live")
+    loader = threading.Thread(target=_load, args=(engine_host, 25.0), daemon=True)
+    loader.start()
+    # The tiles start empty ("—") and fill from the collector's samples without a reload.
+    tile = page.get_by_test_id("stMetric").filter(has_text="TTFT P99")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "ms" not in tile.inner_text():
+        time.sleep(1)
+    assert "ms" in tile.inner_text(), tile.inner_text()
+    out = page.get_by_test_id("stMetric").filter(has_text="Output")
+    assert "tok/s" in out.inner_text()
+    assert page.get_by_text("samples from the store").count() == 1
+    loader.join()
+    assert page.locator(".js-plotly-plot").count() >= 8
+    shot(page, artifacts_dir, "live")
+
+
+def _speculation_form(pg):
+    go(pg, "Control")
+    return visible(pg.get_by_test_id("stForm")).filter(has=pg.get_by_role("spinbutton", name="K (fixed mode)", exact=True))
+
+
+def test_invalid_k_shows_inline_error_and_applies_nothing(page, stack, engine_host, artifacts_dir):
+    before = state(engine_host)["config_version"]
+    login(page, stack, OPERATOR)
+    form = _speculation_form(page)
+    form.get_by_role("spinbutton", name="K (fixed mode)", exact=True).fill("12")
+    form.get_by_role("textbox", name="Reason (required)").fill("browser test: too deep")
+    form.get_by_role("button", name="Preview change").click()
+    err = page.get_by_text("K=12 is above K_max")
+    err.wait_for()
+    shot(page, artifacts_dir, "control-invalid")
+    assert page.get_by_role("button", name=f"Apply to {HOST}").count() == 0
+    assert state(engine_host)["config_version"] == before
+    from control.views import StoreBackend
+
+    versions = StoreBackend(stack["db"]).versions(host=HOST)
+    assert all(v["reason"] != "browser test: too deep" for v in versions)
+
+
+def test_operator_changes_k_with_a_reason(page, stack, engine_host, artifacts_dir):
+    login(page, stack, OPERATOR)
+    form = _speculation_form(page)
+    form.get_by_role("spinbutton", name="K (fixed mode)", exact=True).fill("3")
+    form.get_by_role("button", name="Preview change").click()
+    page.get_by_text("a reason is required").first.wait_for()  # no reason: nothing to review
+    form.get_by_role("textbox", name="Reason (required)").fill(REASON_K)
+    form.get_by_role("button", name="Preview change").click()
+    page.get_by_text(f"Review the change to {HOST}").wait_for()
+    shot(page, artifacts_dir, "control-review")
+    assert state(engine_host)["speculation"]["k"] == 0  # nothing applied before the confirmation
+    page.get_by_role("button", name=f"Apply to {HOST}").click()
+    page.get_by_text("Applied: version").wait_for()
+    shot(page, artifacts_dir, "control-applied")
+    st = state(engine_host)
+    assert st["speculation"]["mode"] == "fixed" and st["speculation"]["k"] == 3
+
+    go(page, "History")
+    page.get_by_text(f"Reason: {REASON_K}").wait_for()
+    assert page.get_by_text(f"Author: {OPERATOR[0]}").count() == 1
+    shot(page, artifacts_dir, "history")
+
+
+def test_operator_rolls_back_from_history(page, stack, engine_host, artifacts_dir):
+    from control.views import StoreBackend
+
+    versions = StoreBackend(stack["db"]).versions(host=HOST)
+    target = next(v for v in versions if v["outcome"] == "applied" and v["config"]["speculation"]["k"] == 0)
+    login(page, stack, OPERATOR)
+    go(page, "History")
+    page.get_by_test_id("stSelectbox").filter(has_text="Version").click()
+    page.keyboard.type(f"{HOST} v{target['version']} ")  # the list is virtualised: filter it by typing
+    page.get_by_role("option").filter(has_text=f"{HOST} v{target['version']} ").first.click()
+    form = page.get_by_test_id("stForm").filter(has_text="Roll ")
+    form.get_by_text(f"back to v{target['version']}").wait_for()
+    form.get_by_role("textbox", name="Reason (required)").fill(REASON_ROLLBACK)
+    form.get_by_text("I confirm").click()
+    form.get_by_role("button", name="Roll back").click()
+    page.get_by_text("Rolled back").wait_for()
+    shot(page, artifacts_dir, "history-rollback")
+    assert state(engine_host)["speculation"]["k"] == 0
+    newest = StoreBackend(stack["db"]).versions(host=HOST)[0]
+    assert newest["reason"] == REASON_ROLLBACK and newest["author"] == OPERATOR[0]
+    assert newest["outcome"] == "applied"
+
+
+def test_cost_review_csv_download(page, stack, artifacts_dir):
+    login(page, stack, OPERATOR)
+    go(page, "Cost review")
+    with page.expect_download() as dl:
+        page.get_by_role("button", name="Download CSV").click()
+    path = artifacts_dir / "dashboard-weekly-report.csv"
+    dl.value.save_as(str(path))
+    text = path.read_text()
+    assert HOST in text and "," in text.splitlines()[0]
+    shot(page, artifacts_dir, "cost")
+    page.get_by_text("Printable view").click()
+    page.get_by_text("SpecPilot weekly cost report").wait_for()
+    shot(page, artifacts_dir, "cost-printable")
+
+
+@pytest.mark.parametrize("title,name", [("Fleet", "fleet"), ("Alerts", "alerts"), ("Planner", "planner"),
+                                        ("Control", "control")])
+def test_every_page_screenshot(page, stack, artifacts_dir, title, name):
+    login(page, stack, OPERATOR)
+    go(page, title)
+    assert page.get_by_test_id("stException").count() == 0
+    shot(page, artifacts_dir, name)

@@ -1,0 +1,50 @@
+"""The ``vllm serve`` command the engine host builds (no engine started)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_host import launcher
+
+
+def command(*argv: str) -> list[str]:
+    args = launcher.build_parser().parse_args(list(argv))
+    return launcher.vllm_command(args, "/models/SmolLM2-135M-Instruct", ["--seed", "3"])
+
+
+def value(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_speculative_engine_runs_ngram_with_the_synchronous_hook():
+    cmd = command("--k-max", "6")
+    assert json.loads(value(cmd, "--speculative-config")) == {
+        "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert value(cmd, "--scheduler-cls") == "engine_host.scheduler.SpecPilotScheduler"
+    assert "--no-async-scheduling" in cmd
+    assert value(cmd, "--served-model-name") == "SmolLM2-135M-Instruct"
+    assert cmd[-2:] == ["--seed", "3"]  # arguments after '--' go to vllm serve last
+
+
+@pytest.mark.parametrize("cpu_build,expect_async", [(True, False), (False, True)])
+def test_plain_engine_keeps_the_scheduling_vllm_would_choose(monkeypatch, cpu_build, expect_async):
+    monkeypatch.setattr(launcher, "is_cpu_build", lambda: cpu_build)
+    cmd = command("--k-max", "0")
+    assert "--speculative-config" not in cmd
+    if expect_async:  # GPU build: async scheduling on, hook on AsyncScheduler
+        assert value(cmd, "--scheduler-cls") == "engine_host.scheduler.SpecPilotAsyncScheduler"
+        assert "--async-scheduling" in cmd
+    else:
+        assert value(cmd, "--scheduler-cls") == "engine_host.scheduler.SpecPilotScheduler"
+        assert "--no-async-scheduling" in cmd
+
+
+def test_explicit_flags_win(monkeypatch):
+    monkeypatch.setattr(launcher, "is_cpu_build", lambda: False)
+    cmd = command("--k-max", "0", "--no-async-scheduling", "--no-prefix-caching", "--tensor-parallel-size", "2",
+                  "--distributed-executor-backend", "mp")
+    assert "--no-async-scheduling" in cmd and "--no-enable-prefix-caching" in cmd
+    assert value(cmd, "--tensor-parallel-size") == "2" and value(cmd, "--distributed-executor-backend") == "mp"
+    assert "--async-scheduling" in command("--k-max", "4", "--async-scheduling")
