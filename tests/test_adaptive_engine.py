@@ -14,12 +14,12 @@ from bench.workloads import prompt_pool
 pytestmark = pytest.mark.engine
 
 MODEL = "SmolLM2-135M-Instruct"
+# Copy-style traffic: a cycle repeated in the prompt, which a greedy model continues and
+# the n-gram proposer predicts from the prompt, so deep drafts are accepted.
 COPY_PROMPTS = [
-    "Copy this list exactly, then copy it again: red apple, green pear, yellow banana, purple plum, "
-    "orange mango, red apple, green pear, yellow banana, purple plum, orange mango,",
-    "Repeat exactly: The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy "
-    "dog. The quick brown fox",
-    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24,",
+    "red apple, green pear, yellow banana, purple plum, orange mango, " * 4,
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "def add(a, b):\n    return a + b\n\n" * 4,
 ]
 
 

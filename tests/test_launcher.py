@@ -48,3 +48,18 @@ def test_explicit_flags_win(monkeypatch):
     assert "--no-async-scheduling" in cmd and "--no-enable-prefix-caching" in cmd
     assert value(cmd, "--tensor-parallel-size") == "2" and value(cmd, "--distributed-executor-backend") == "mp"
     assert "--async-scheduling" in command("--k-max", "4", "--async-scheduling")
+
+
+@pytest.mark.parametrize(
+    "cpu_build,native_fp16,flag,expect",
+    [
+        (True, False, "auto", "float32"),   # CPU without float16 arithmetic: float32
+        (True, True, "auto", "float16"),
+        (False, False, "auto", "auto"),     # GPU build: vLLM's own choice
+        (True, False, "bfloat16", "bfloat16"),  # an explicit dtype always wins
+    ],
+)
+def test_dtype_auto_follows_the_hardware(monkeypatch, cpu_build, native_fp16, flag, expect):
+    monkeypatch.setattr(launcher, "is_cpu_build", lambda: cpu_build)
+    monkeypatch.setattr(launcher, "cpu_has_native_fp16", lambda: native_fp16)
+    assert value(command("--dtype", flag), "--dtype") == expect
