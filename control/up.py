@@ -116,8 +116,11 @@ def run_up(args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, _frame: Any) -> None:
         stop.set()
+        raise KeyboardInterrupt  # also ends a start-up still waiting for the engine
 
-    previous = signal.signal(signal.SIGTERM, on_signal)
+    # Ctrl-C and SIGTERM both stop everything, even where SIGINT was inherited as
+    # ignored (a job started in the background by a non-interactive shell)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     collector = None
     dashboard = None
     try:
@@ -156,11 +159,16 @@ def run_up(args: argparse.Namespace) -> int:
         return 1
     finally:
         print("SpecPilot: stopping", flush=True)
-        signal.signal(signal.SIGTERM, previous)
-        if dashboard is not None:
-            _stop_child(dashboard)
-        if collector is not None:
-            collector.stop()
-        eh.stop()
-        store.close()
+        for sig in previous:  # a second Ctrl-C must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            if dashboard is not None:
+                _stop_child(dashboard)
+            if collector is not None:
+                collector.stop()
+            eh.stop()
+            store.close()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         print("SpecPilot: stopped", flush=True)
