@@ -220,3 +220,43 @@ def test_up_starts_engine_registers_it_collects_and_stops_cleanly_on_ctrl_c(defa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_up_stops_on_ctrl_c_during_start_up_even_with_sigint_inherited_as_ignored(default_model, tmp_path):
+    """A job started in the background by a non-interactive shell inherits SIGINT as
+    ignored; Ctrl-C (SIGINT to the group) must still stop the engine host it started."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    env = {**os.environ, "SPECPILOT_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
+    env.pop("SPECPILOT_CONTROL_TOKEN", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "control", "--db", f"sqlite:///{tmp_path / 'up.db'}", "up", "--port", str(port),
+         "--model", default_model, "--no-dashboard", "--engine-arg=--warmup=quick"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        lines: list[str] = []
+        while True:
+            line = proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+            if "starting the engine host" in line:
+                break
+        deadline = time.monotonic() + 30  # signal while the engine host is still starting
+        while time.monotonic() < deadline and "loading" not in "".join(lines):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert "SpecPilot: stopped" in proc.stdout.read()
+        time.sleep(1)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
