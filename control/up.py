@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -112,10 +111,7 @@ def run_up(args: argparse.Namespace) -> int:
     cpu = is_cpu_build()
     extra = (["--enforce-eager"] if cpu and "--enforce-eager" not in args.engine_arg else []) + list(args.engine_arg)
     eh = EngineHostProcess(port=args.port, host=args.address, model=args.model, extra_args=extra, token=token)
-    stop = threading.Event()
-
     def on_signal(signum: int, _frame: Any) -> None:
-        stop.set()
         raise KeyboardInterrupt  # also ends a start-up still waiting for the engine
 
     # Ctrl-C and SIGTERM both stop everything, even where SIGINT was inherited as
@@ -146,12 +142,11 @@ def run_up(args: argparse.Namespace) -> int:
         if created:
             print(f"  control token  {token}  (saved in $SPECPILOT_HOME/control_token)")
         print("Ctrl-C stops everything.", flush=True)
-        while not stop.is_set():
+        while True:
             if not eh.alive():
                 print(f"error: the engine host exited ({eh.proc.returncode}); log {eh.log_path}", file=sys.stderr)
                 return 1
-            stop.wait(1.0)
-        return 0
+            time.sleep(1.0)
     except KeyboardInterrupt:
         return 0
     except EngineHostError as exc:

@@ -177,29 +177,58 @@ def test_engine_restart_is_detected_and_the_last_version_reapplied(store, defaul
                 eh.stop()
 
 
-def test_up_starts_engine_registers_it_collects_and_stops_cleanly_on_ctrl_c(default_model, tmp_path):
+def _start_up(default_model, tmp_path, port: int, *engine_args: str, **popen_kwargs):
+    """``python -m control up`` (no dashboard) in its own process group, output piped."""
     import subprocess
     import sys
 
-    port = free_port()
-    db = f"sqlite:///{tmp_path / 'up.db'}"
     env = {**os.environ, "SPECPILOT_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
     env.pop("SPECPILOT_CONTROL_TOKEN", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "control", "--db", db, "up", "--port", str(port), "--model", default_model,
-         "--no-dashboard", "--engine-arg=--warmup=quick", "--engine-arg=--max-model-len=512"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "control", "--db", f"sqlite:///{tmp_path / 'up.db'}", "up", "--port", str(port),
+         "--model", default_model, "--no-dashboard", *(f"--engine-arg={a}" for a in engine_args)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+        **popen_kwargs)
+
+
+def _read_until(proc, marker: str) -> str:
+    """Output lines up to and including the first one containing ``marker``."""
     lines: list[str] = []
+    while True:
+        line = proc.stdout.readline()
+        assert line, "".join(lines)  # the process ended first
+        lines.append(line)
+        if marker in line:
+            return "".join(lines)
+
+
+def _kill_group(proc) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _engine_host_running(port: int) -> bool:
+    """True while an engine host process for ``port`` exists (``python -m engine_host``
+    or the ``engine_host.serve`` it turns into)."""
+    from pathlib import Path
+
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if {b"engine_host", b"engine_host.serve"} & set(args) and str(port).encode() in args:
+            return True
+    return False
+
+
+def test_up_starts_engine_registers_it_collects_and_stops_cleanly_on_ctrl_c(default_model, tmp_path):
+    port = free_port()
+    db = f"sqlite:///{tmp_path / 'up.db'}"
+    proc = _start_up(default_model, tmp_path, port, "--warmup=quick", "--max-model-len=512")
     try:
-        deadline = time.monotonic() + float(os.environ.get("SPECPILOT_TEST_READY_TIMEOUT", "400"))
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
-        out = "".join(lines)
+        out = _read_until(proc, "Ctrl-C stops everything")
         assert "engine host: " in out and "SpecPilot is up" in out, out
         assert f"http://127.0.0.1:{port}/v1" in out
         store = Store.open(db)
@@ -212,51 +241,26 @@ def test_up_starts_engine_registers_it_collects_and_stops_cleanly_on_ctrl_c(defa
         assert token in out  # shown once, on first start
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=90) == 0
-        rest = proc.stdout.read()
-        assert "SpecPilot: stopped" in rest
+        assert "SpecPilot: stopped" in proc.stdout.read()
+        assert not _engine_host_running(port)
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc)
 
 
 def test_up_stops_on_ctrl_c_during_start_up_even_with_sigint_inherited_as_ignored(default_model, tmp_path):
     """A job started in the background by a non-interactive shell inherits SIGINT as
     ignored; Ctrl-C (SIGINT to the group) must still stop the engine host it started."""
-    import subprocess
-    import sys
-
     port = free_port()
-    env = {**os.environ, "SPECPILOT_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
-    env.pop("SPECPILOT_CONTROL_TOKEN", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "control", "--db", f"sqlite:///{tmp_path / 'up.db'}", "up", "--port", str(port),
-         "--model", default_model, "--no-dashboard", "--engine-arg=--warmup=quick"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = _start_up(default_model, tmp_path, port, "--warmup=quick",
+                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        lines: list[str] = []
-        while True:
-            line = proc.stdout.readline()
-            assert line, "".join(lines)
-            lines.append(line)
-            if "starting the engine host" in line:
-                break
-        deadline = time.monotonic() + 30  # signal while the engine host is still starting
-        while time.monotonic() < deadline and "loading" not in "".join(lines):
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
+        _read_until(proc, "engine host: ")  # the engine host is starting, not ready yet
+        assert _engine_host_running(port)
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         assert "SpecPilot: stopped" in proc.stdout.read()
-        time.sleep(1)
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        assert not _engine_host_running(port)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc)
