@@ -20,7 +20,8 @@ The control law (adaptive mode):
       G(K) = B * E(K) / T(B, K)     [tokens/s]
 
   with ``T(B, K)`` the measured step time (s) for that batch-size bucket and depth,
-  learned online, with the fallback model ``t0 + t1 * B * (K + 1)``;
+  learned online, with the fallback model ``t0 + t1 * B * (K + 1)``, and never
+  below T(B, 0) (verifying drafts is never faster than plain decoding);
 * ``K* = argmax G(K)`` over ``k_min..k_max``, with hysteresis, K = 0 unless
   speculation beats plain decoding by a margin, and periodic exploration of
   neighbouring depths so the estimates stay fresh. Under load T grows with B*(K+1)
@@ -303,6 +304,27 @@ class StepTimeModel:
         d = float(k) if draft_per_request is None else draft_per_request
         return self.predict_tokens(batch_size, batch_size * (1.0 + d), k)
 
+    def predict_curve(self, batch_size: int, drafts: list[float]) -> list[float]:
+        """Predicted step times (s) for K = 0..len(drafts)-1, none below the one at K = 0.
+
+        Args:
+            batch_size: decode requests per step.
+            drafts: ``drafts[k]`` = D(K) for K = k, draft tokens per request
+                (:meth:`AcceptanceEstimator.expected_draft`).
+
+        A step that verifies drafts is never faster than a plain decode step, so every
+        K > 0 is predicted at least as slow as K = 0. Without this floor, corrections
+        per depth measured at different moments (other contexts, other load on the host)
+        can make a speculative K look cheaper than plain decoding by the noise of the
+        measurements, and speculation that yields nothing would look like it pays.
+        Deeper depths are not floored by shallower ones: a few noisy exploration steps
+        at one depth must not hide every depth beyond it.
+        """
+        if not drafts:
+            return []
+        t_plain = self.predict(batch_size, 0, drafts[0])
+        return [t_plain] + [max(self.predict(batch_size, k, d), t_plain) for k, d in enumerate(drafts) if k > 0]
+
 
 class Policy:
     """A speculation-depth policy. Subclasses decide K; the controller clamps it."""
@@ -479,15 +501,12 @@ class AdaptivePolicy(Policy):
         acc, tm = self.ctl.acceptance, self.ctl.step_time
         b = max(1, batch_size)
         r, q = acc.r(), acc.q()
-        out: dict[int, float] = {}
-        e, d = 1.0, 0.0
-        for k in range(0, self.k_hi + 1):
-            if k > 0:
-                e += r[k - 1] if k - 1 < len(r) else 0.0
-                d += q[k - 1] if k - 1 < len(q) else 1.0
-            if k >= self.k_lo or k == 0:
-                out[k] = b * e / tm.predict(b, k, d)
-        return out
+        e, d = [1.0], [0.0]
+        for k in range(1, self.k_hi + 1):
+            e.append(e[-1] + (r[k - 1] if k - 1 < len(r) else 0.0))
+            d.append(d[-1] + (q[k - 1] if k - 1 < len(q) else 1.0))
+        t = tm.predict_curve(b, d)
+        return {k: b * e[k] / t[k] for k in range(0, self.k_hi + 1) if k >= self.k_lo or k == 0}
 
     def _best(self, batch_size: int) -> int:
         g = self.goodput(batch_size)
@@ -604,9 +623,10 @@ class SpeculationController:
         r = self.acceptance.r()
         ks = range(0, self.k_engine + 1)
         acc, tm = self.acceptance, self.step_time
+        times = tm.predict_curve(b, [acc.expected_draft(k) for k in ks])
         e = {str(k): round(acc.expected_tokens(k), 4) for k in ks}
-        t = {str(k): round(tm.predict(b, k, acc.expected_draft(k)) * 1000.0, 3) for k in ks}
-        g = {str(k): round(b * acc.expected_tokens(k) / tm.predict(b, k, acc.expected_draft(k)), 2) for k in ks}
+        t = {str(k): round(times[k] * 1000.0, 3) for k in ks}
+        g = {str(k): round(b * acc.expected_tokens(k) / times[k], 2) for k in ks}
         t0, t1 = self.step_time.coefficients()
         return {
             "mode": self.policy.name,

@@ -276,3 +276,20 @@ def test_per_depth_correction_captures_costs_a_line_misses():
     for _ in range(500):
         m.observe(12, 36, t(12, 2), 2)
     assert m.correction(12, 8) == pytest.approx(m.correction(12), rel=1e-9)
+
+
+def test_no_acceptance_stays_off_even_when_a_deeper_k_was_timed_faster():
+    # K=0 timed while the host was busier (longer contexts), K=7 later when it was not:
+    # with nothing accepted, speculation cannot pay, whatever the two cells say
+    ctl = adaptive()
+    b = 4
+    for i in range(60):
+        ctl.observe(StepObservation(b, 0, 0, 0, [0] * 8, 0.040, True, float(i)))
+    for i in range(60):
+        draft = [1] * 8  # one request in four finds an n-gram draft; none is accepted
+        ctl.observe(StepObservation(b, 7, 7, 0, [0] * 8, 0.034, True, 60.0 + i, draft_hist=draft))
+    assert ctl.k_for_batch(b) == 0
+    times = [ctl.snapshot(b)["step_time_ms"][str(k)] for k in range(9)]
+    assert min(times) == times[0], times
+    g = ctl.snapshot(b)["predicted_goodput_tokens_per_s"]
+    assert all(v <= g["0"] + 0.01 for v in g.values()), g
