@@ -12,7 +12,8 @@ Mode strings (``--mode``), mapped to ``PUT /control/config`` bodies by :func:`mo
 ``threshold``               the 10 s acceptance-threshold loop (bounds 2..8)
 ``heuristic[:LO-HI]``       transformers' assisted-generation schedule (default 1..K_max)
 ``plain``                   no speculative config at all: needs an engine started with
-                            ``--k-max 0`` (the plain-vLLM baseline); sets ``off``
+                            ``--k-max 0`` (the plain-vLLM baseline); sets ``off``.
+                            On the dual engine host: its plain engine (:func:`router_patch`)
 ==========================  ====================================================
 """
 
@@ -52,6 +53,22 @@ def parse_batch_table(text: str) -> list[list[int]]:
         except ValueError:
             raise BenchError(f"batch_table: entries must look like START-END=K, got {part!r}") from None
     return out
+
+
+def router_patch(mode: str) -> dict[str, Any]:
+    """The ``PUT /control/config`` body for a mode on the dual engine host
+    (``python -m engine_host.router``): ``plain`` sends every request to its plain engine,
+    ``adaptive`` lets the router split traffic (``auto``), any other mode runs on its
+    speculative engine alone, so static baselines are measured as on a single engine.
+
+    Raises:
+        BenchError: unknown or malformed mode string.
+    """
+    if mode.strip() == "plain":
+        return {"routing": "plain"}
+    patch = mode_patch(mode)
+    patch["routing"] = "auto" if mode.strip().startswith("adaptive") else "speculative"
+    return patch
 
 
 def mode_patch(mode: str) -> dict[str, Any]:
@@ -172,12 +189,14 @@ class EngineControl:
             BenchError: the engine refused it (422/409, with its message) or ``plain``
                 on an engine that has a speculative config.
         """
-        if mode == "plain":
-            st = await self.state()
-            if (st.get("speculation") or {}).get("k_max_engine"):
-                raise BenchError("mode 'plain' needs an engine started without speculation (--k-max 0); "
-                                 f"this one has K_max={st['speculation']['k_max_engine']}")
-        r = await self.http.put("/control/config", json=mode_patch(mode))
+        st = await self.state()
+        patch = mode_patch(mode)
+        if "router" in st:  # the dual engine host: route as the mode says
+            patch = router_patch(mode)
+        elif mode == "plain" and (st.get("speculation") or {}).get("k_max_engine"):
+            raise BenchError("mode 'plain' needs an engine started without speculation (--k-max 0) or the "
+                             f"dual engine host; this one has K_max={st['speculation']['k_max_engine']}")
+        r = await self.http.put("/control/config", json=patch)
         if r.status_code == 401:
             raise BenchError("the control token was refused (401): pass the engine host's token with --token-env")
         if r.status_code >= 400:

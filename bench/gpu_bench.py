@@ -16,7 +16,8 @@ engine's arguments say otherwise), measured, and stopped:
 * the vLLM log lines that say which model runner, CUDA-graph mode and scheduling vLLM chose.
 
 Engines: ``plain`` (``vllm serve``: no speculative config, no SpecPilot scheduler or plugins,
-vLLM's defaults), or ``host:NAME:ARGS`` (``python -m engine_host ARGS``). Results go to
+vLLM's defaults), ``host:NAME:ARGS`` (``python -m engine_host ARGS``) or ``dual:NAME:ARGS``
+(``python -m engine_host.router ARGS``: a plain and a speculative engine behind one address). Results go to
 ``--out/results.json`` (rewritten after each engine) and the logs to ``--out/logs/``.
 """
 
@@ -37,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from engine_host.model import prepare_default_model
-from engine_host.process import EngineHostProcess, free_port
+from engine_host.process import EngineHostProcess, RouterProcess, free_port
 
 from .workloads import Workload
 
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", action="append", required=True,
-                    help="'plain' or 'host:NAME:ARGS' (python -m engine_host ARGS); repeatable, run in order")
+                    help="'plain', 'host:NAME:ARGS' (python -m engine_host ARGS) or 'dual:NAME:ARGS' "
+                         "(python -m engine_host.router ARGS); repeatable, run in order")
     ap.add_argument("--loads", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 64],
                     help="concurrencies (closed loop)")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per run")
@@ -244,9 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             name, eh, is_host = "plain", None, False
             eh = PlainServe(model, ["--max-model-len", "2048"], log_path=out / "logs" / "plain.log")
         else:
-            _, name, eargs = spec.split(":", 2)
+            kind, name, eargs = spec.split(":", 2)
             is_host = True
-            eh = EngineHostProcess(model=model, extra_args=shlex.split(eargs), log_path=out / "logs" / f"{name}.log")
+            cls = RouterProcess if kind == "dual" else EngineHostProcess
+            eh = cls(model=model, extra_args=shlex.split(eargs), log_path=out / "logs" / f"{name}.log")
         rec = {"name": name, "command": shlex.join(eh.command()), "t_start_unix": time.time()}
         print(f"== {name}: {rec['command']}", flush=True)
         eh.start()

@@ -99,7 +99,8 @@ def _stop_child(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     """Run the main job until Ctrl-C / SIGTERM. Returns the exit status."""
-    from engine_host.launcher import control_token, is_cpu_build
+    from engine_host.auth import control_token
+    from engine_host.launcher import is_cpu_build
     from engine_host.process import EngineHostError, EngineHostProcess
 
     from .collector import Collector

@@ -18,7 +18,6 @@ import argparse
 import importlib.metadata
 import json
 import os
-import secrets
 import shlex
 import sys
 from pathlib import Path
@@ -27,7 +26,8 @@ from .channel import ENV_CHANNEL, Channel
 from .config import SPECULATION_MODES, LiveConfig, SpeculationConfig
 from .home import home, subdir
 from .model import DEFAULT_MODEL_NAME, ModelError, default_model_dir, resolve_model
-from .plugin import ENV_TOKEN, ENV_WARMUP
+from .auth import ENV_TOKEN, control_token
+from .plugin import ENV_WARMUP
 
 PLUGINS = "specpilot_control,specpilot_stats"
 
@@ -73,22 +73,6 @@ def resolve_dtype(dtype: str, cpu_build: bool | None = None) -> str:
     if not cpu_build:
         return "auto"
     return "float16" if cpu_has_native_fp16() else "float32"
-
-
-def control_token() -> tuple[str, bool]:
-    """Return ``(token, created)``: ``$SPECPILOT_CONTROL_TOKEN`` or the token file in the
-    data directory, generated (mode 0600) on first start."""
-    env = os.environ.get(ENV_TOKEN)
-    if env:
-        return env, False
-    path = home() / "control_token"
-    if path.is_file():
-        return path.read_text().strip(), False
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token, True
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,7 +19,6 @@ the launcher through ``VLLM_PLUGINS``. Adds:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel
 
+from .auth import require_control_token
 from .channel import Channel, ChannelError, channel_from_env
 from .config import ConfigError, EngineLimits, LiveConfig, apply_patch, diff_configs
 from .stats import SAMPLES
@@ -39,7 +39,6 @@ from .warmup import RUNS, start_background_tasks
 
 logger = logging.getLogger("specpilot.plugin")
 
-ENV_TOKEN = "SPECPILOT_CONTROL_TOKEN"
 ENV_WARMUP = "SPECPILOT_WARMUP"
 ACK_TIMEOUT_S = 5.0
 
@@ -85,20 +84,6 @@ class EngineHostState:
 
 
 HOST = EngineHostState()
-
-
-def require_control_token(request: Request) -> None:
-    """FastAPI dependency: 401 unless ``Authorization: Bearer <control token>``."""
-    token = os.environ.get(ENV_TOKEN, "")
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if not token or scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
-        raise HTTPException(
-            status_code=401,
-            detail="control endpoints need 'Authorization: Bearer <token>' "
-            f"(the engine host's control token, ${ENV_TOKEN} or $SPECPILOT_HOME/control_token)",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
 
 
 def _core_or_503() -> dict[str, Any]:

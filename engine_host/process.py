@@ -159,3 +159,15 @@ class EngineHostProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class RouterProcess(EngineHostProcess):
+    """The dual engine host (``python -m engine_host.router``: a plain and a speculative
+    engine behind one address) as a child process; same interface as
+    :class:`EngineHostProcess` (``extra_args`` go to ``engine_host.router``)."""
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "engine_host.router", "--host", self.host, "--port", str(self.port)]
+        if self.model:
+            cmd += ["--model", self.model]
+        return cmd + self.extra_args

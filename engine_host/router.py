@@ -1,0 +1,431 @@
+"""The dual engine host: a plain engine and a speculative engine behind one address.
+
+``python -m engine_host.router [--model M] [--port 8000] [--k-max 8] [--gpu-memory-utilization 0.4] ...``
+
+starts two engine hosts on free ports (the *plain* one with ``--k-max 0``: no speculative
+config, so vLLM keeps async scheduling, its newest model runner and full CUDA graphs; the
+*speculative* one with n-gram drafts and SpecPilot's adaptive K) and serves, on one port:
+
+* the OpenAI API (``/v1/completions``, ``/v1/chat/completions``, streaming or not,
+  ``/v1/models``): each request goes to one engine, chosen by
+  :class:`engine_host.routing.TrafficSplit` from the two engines' measured TPOT;
+* ``/health`` (200 while both engines answer), ``/ready`` (200 once both are ready);
+* ``/metrics``: both engines' series with a label ``engine="plain"|"speculative"``,
+  plus ``specpilot:router_*`` series (share, TPOT, requests routed);
+* ``/control/state``: the speculative engine's state with a ``router`` section;
+  ``/control/config``: the engine host's body plus ``"routing": "auto"|"plain"|"speculative"``
+  (speculation goes to the speculative engine, batch caps to both); ``/control/samples``.
+
+``--plain-url`` and ``--spec-url`` attach to engine hosts already running instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from .auth import ENV_TOKEN, control_token, require_control_token
+from .routing import ENGINES, PLAIN, ROUTING_MODES, SPECULATIVE, TrafficSplit
+
+logger = logging.getLogger("specpilot.router")
+
+TPOT_FAMILY = "vllm:request_time_per_output_token_seconds"
+POLL_INTERVAL_S = 0.5
+HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+
+
+@dataclass
+class Backend:
+    """One engine host behind the router: base URL, control token, requests in flight."""
+
+    name: str
+    url: str
+    token: str
+    inflight: int = 0
+    ready: bool = False
+    last_error: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+@dataclass
+class RouterState:
+    """Everything the router process holds (one instance per app)."""
+
+    backends: dict[str, Backend]
+    split: TrafficSplit = field(default_factory=TrafficSplit)
+    client: httpx.AsyncClient | None = None
+    started_at: float = field(default_factory=time.time)
+    poll_errors: int = 0
+
+
+def tpot_totals(metrics_text: str) -> tuple[float, float] | None:
+    """``(sum_s, count)`` of vLLM's TPOT histogram in a ``/metrics`` text (all label sets
+    added), or None when the family is absent."""
+    total_s = count = 0.0
+    found = False
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name != TPOT_FAMILY:
+            continue
+        for s in fam.samples:
+            if s.name == TPOT_FAMILY + "_sum":
+                total_s += s.value
+                found = True
+            elif s.name == TPOT_FAMILY + "_count":
+                count += s.value
+    return (total_s, count) if found else None
+
+
+def relabel(metrics_text: str, engine: str) -> list[Metric]:
+    """Parsed metric families of one engine with ``engine=<name>`` added to every sample."""
+    out = []
+    for fam in text_string_to_metric_families(metrics_text):
+        m = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+        for s in fam.samples:
+            m.add_sample(s.name, dict(s.labels, engine=engine), s.value, s.timestamp, s.exemplar)
+        out.append(m)
+    return out
+
+
+class _Families:
+    """A one-shot collector for :func:`prometheus_client.generate_latest`."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self):  # noqa: D102
+        return iter(self.families)
+
+
+def merged_metrics(texts: dict[str, str], state: RouterState) -> bytes:
+    """One exposition text: each engine's families merged under an ``engine`` label,
+    plus the router's own ``specpilot:router_*`` series."""
+    by_name: dict[str, Metric] = {}
+    for engine, text in texts.items():
+        for fam in relabel(text, engine):
+            have = by_name.get(fam.name)
+            if have is None:
+                by_name[fam.name] = fam
+            else:
+                have.samples.extend(fam.samples)
+    d = state.split.describe()
+    share = GaugeMetricFamily("specpilot:router_speculative_share",
+                              "share of new requests sent to the speculative engine (0..1)")
+    share.add_metric([], d["p_speculative"])
+    tpot = GaugeMetricFamily("specpilot:router_tpot_seconds",
+                             "EWMA of each engine's windowed TPOT as the router sees it (s/token)", labels=["engine"])
+    routed = CounterMetricFamily("specpilot:router_requests_routed", "requests sent to each engine",
+                                 labels=["engine"])
+    inflight = GaugeMetricFamily("specpilot:router_requests_in_flight", "requests in flight per engine",
+                                 labels=["engine"])
+    for e in ENGINES:
+        w = state.split.windows[e].tpot_s
+        if w is not None:
+            tpot.add_metric([e], w)
+        routed.add_metric([e], d["routed"][e])
+        inflight.add_metric([e], state.backends[e].inflight)
+    mode = GaugeMetricFamily("specpilot:router_mode_info", "routing mode in force (1 for the one in force)",
+                             labels=["mode"])
+    for m in ROUTING_MODES:
+        mode.add_metric([m], 1.0 if d["mode"] == m else 0.0)
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Families([*by_name.values(), share, tpot, routed, inflight, mode]))
+    return generate_latest(reg)
+
+
+async def poll_loop(state: RouterState) -> None:
+    """Every :data:`POLL_INTERVAL_S`: read both engines' TPOT histograms, move the split."""
+    assert state.client is not None
+    while True:
+        now = time.monotonic()
+        for name, b in state.backends.items():
+            try:
+                r = await state.client.get(b.url + "/metrics", timeout=5.0)
+                r.raise_for_status()
+                totals = tpot_totals(r.text)
+                if totals is not None:
+                    state.split.observe(name, totals[0], totals[1], now)
+                b.last_error = None
+            except (httpx.HTTPError, ValueError) as exc:
+                state.poll_errors += 1
+                b.last_error = f"{type(exc).__name__}: {exc}"
+        state.split.update(now)
+        await asyncio.sleep(POLL_INTERVAL_S)
+
+
+def create_app(state: RouterState) -> FastAPI:
+    """The router's FastAPI app over ``state`` (its backends must be reachable later)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        state.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
+        task = asyncio.create_task(poll_loop(state))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await state.client.aclose()
+
+    app = FastAPI(title="SpecPilot engine router", lifespan=lifespan)
+
+    async def proxy(request: Request, path: str) -> Any:
+        body = await request.body()
+        engine = state.split.choose()
+        b = state.backends[engine]
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS | {"host"}}
+        assert state.client is not None
+        req = state.client.build_request(request.method, b.url + path, content=body, headers=headers)
+        b.inflight += 1
+        try:
+            upstream = await state.client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            b.inflight -= 1
+            return JSONResponse({"error": {"message": f"the {engine} engine did not answer: {exc}",
+                                           "type": "engine_unavailable", "code": 502}}, status_code=502)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                b.inflight -= 1
+                await upstream.aclose()
+
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+        out_headers["x-specpilot-engine"] = engine
+        return StreamingResponse(relay(), status_code=upstream.status_code, headers=out_headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await proxy(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await proxy(request, "/v1/chat/completions")
+
+    async def get_json(engine: str, path: str, auth: bool = False, **params: Any) -> httpx.Response:
+        b = state.backends[engine]
+        assert state.client is not None
+        return await state.client.get(b.url + path, headers=b.headers if auth else None, params=params or None,
+                                      timeout=30.0)
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        try:
+            r = await get_json(PLAIN, "/v1/models")
+        except httpx.HTTPError as exc:
+            raise HTTPException(502, f"the plain engine did not answer: {exc}") from None
+        return JSONResponse(r.json(), status_code=r.status_code)
+
+    async def probe(path: str) -> dict[str, int | str]:
+        out: dict[str, int | str] = {}
+        for e in ENGINES:
+            try:
+                out[e] = (await get_json(e, path)).status_code
+            except httpx.HTTPError as exc:
+                out[e] = f"down ({type(exc).__name__})"
+        return out
+
+    @app.get("/health")
+    async def health() -> Any:
+        st = await probe("/health")
+        ok = all(v == 200 for v in st.values())
+        return JSONResponse({"status": "ok" if ok else "degraded", "engines": st}, status_code=200 if ok else 503)
+
+    @app.get("/ready")
+    async def ready() -> Any:
+        st = await probe("/ready")
+        ok = all(v == 200 for v in st.values())
+        for e in ENGINES:
+            state.backends[e].ready = st[e] == 200
+        return JSONResponse({"phase": "ready" if ok else "loading", "engines": st}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        texts = {}
+        for e in ENGINES:
+            try:
+                r = await get_json(e, "/metrics")
+                if r.status_code == 200:
+                    texts[e] = r.text
+            except httpx.HTTPError:
+                pass
+        return PlainTextResponse(merged_metrics(texts, state), media_type="text/plain; version=0.0.4")
+
+    def router_section() -> dict[str, Any]:
+        return {**state.split.describe(),
+                "in_flight": {e: b.inflight for e, b in state.backends.items()},
+                "engines": {e: {"url": b.url, "last_poll_error": b.last_error} for e, b in state.backends.items()},
+                "poll_errors": state.poll_errors}
+
+    @app.get("/control/state", dependencies=[Depends(require_control_token)])
+    async def control_state() -> Any:
+        try:
+            r = await get_json(SPECULATIVE, "/control/state", auth=True)
+        except httpx.HTTPError as exc:
+            raise HTTPException(503, f"the speculative engine did not answer: {exc}") from None
+        if r.status_code != 200:
+            return JSONResponse(r.json(), status_code=r.status_code)
+        st = r.json()
+        try:
+            plain = (await get_json(PLAIN, "/control/state", auth=True)).json()
+        except (httpx.HTTPError, ValueError):
+            plain = None
+        st["router"] = router_section()
+        st["router"]["plain_engine"] = ({k: plain.get(k) for k in ("batch", "engine", "overhead", "limits")}
+                                       if isinstance(plain, dict) else None)
+        batch = st.get("batch") or {}
+        if isinstance(plain, dict):
+            pb = plain.get("batch") or {}
+            for k in ("running", "waiting"):
+                if isinstance(batch.get(k), int) and isinstance(pb.get(k), int):
+                    batch[k] += pb[k]
+        return st
+
+    @app.get("/control/samples", dependencies=[Depends(require_control_token)])
+    async def control_samples(since: float = 0.0) -> Any:
+        r = await get_json(SPECULATIVE, "/control/samples", auth=True, since=since)
+        return JSONResponse(r.json(), status_code=r.status_code)
+
+    @app.put("/control/config", dependencies=[Depends(require_control_token)])
+    async def control_config(request: Request) -> Any:
+        try:
+            patch = await request.json()
+        except ValueError:
+            raise HTTPException(422, "the body must be a JSON object") from None
+        if not isinstance(patch, dict):
+            raise HTTPException(422, "the body must be a JSON object")
+        routing = patch.pop("routing", None)
+        if routing is not None and routing not in ROUTING_MODES:
+            return JSONResponse({"error": "invalid_config",
+                                 "message": f"routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}"},
+                                status_code=422)
+        answer: dict[str, Any] = {}
+        assert state.client is not None
+        if patch:
+            spec = state.backends[SPECULATIVE]
+            r = await state.client.put(spec.url + "/control/config", json=patch, headers=spec.headers, timeout=60.0)
+            if r.status_code != 200:  # refused: nothing changes, routing included
+                return JSONResponse(r.json(), status_code=r.status_code)
+            answer = r.json()
+            if "batch" in patch:
+                plain = state.backends[PLAIN]
+                rp = await state.client.put(plain.url + "/control/config", json={"batch": patch["batch"]},
+                                            headers=plain.headers, timeout=60.0)
+                answer["plain_engine"] = {"status": rp.status_code, "answer": rp.json()}
+        if routing is not None:
+            state.split.set_mode(routing)
+        answer["router"] = router_section()
+        return answer
+
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m engine_host.router",
+        description="A plain engine and a speculative engine behind one OpenAI-compatible address; "
+                    "each request goes to the one that currently gives it more tokens per second.",
+        epilog="Arguments after '--' go to both engine hosts (python -m engine_host ...).")
+    p.add_argument("--model", default="default", help="model for both engines (default: the default model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--k-max", type=int, default=8, help="K_max of the speculative engine (tokens)")
+    p.add_argument("--speculation-mode", default="adaptive", help="speculative engine's initial mode")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="GPU memory fraction for EACH engine (GPU build; two engines share one GPU: e.g. 0.4)")
+    p.add_argument("--routing", choices=ROUTING_MODES, default="auto", help="initial routing")
+    p.add_argument("--p-start", type=float, default=0.1, help="initial share of requests for the speculative engine")
+    p.add_argument("--p-min", type=float, default=0.03, help="smallest share of requests for the speculative engine")
+    p.add_argument("--p-max", type=float, default=0.97, help="largest share of requests for the speculative engine")
+    p.add_argument("--plain-url", default=None, help="attach to this running plain engine host instead")
+    p.add_argument("--spec-url", default=None, help="attach to this running speculative engine host instead")
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for both engines")
+    p.add_argument("engine_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.engine_args and args.engine_args[0] == "--":
+        args.engine_args = args.engine_args[1:]
+    if bool(args.plain_url) != bool(args.spec_url):
+        p.error("--plain-url and --spec-url go together")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start both engine hosts (or attach), then serve the router until Ctrl-C / SIGTERM."""
+    import uvicorn
+
+    from .process import EngineHostError, EngineHostProcess
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    token, _ = control_token()
+    os.environ[ENV_TOKEN] = token
+    children: list[EngineHostProcess] = []
+    if args.plain_url:
+        backends = {PLAIN: Backend(PLAIN, args.plain_url.rstrip("/"), token),
+                    SPECULATIVE: Backend(SPECULATIVE, args.spec_url.rstrip("/"), token)}
+    else:
+        common = list(args.engine_args)
+        if args.model != "default":
+            common = ["--model", args.model, *common]
+        if args.gpu_memory_utilization is not None:
+            common += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        plain = EngineHostProcess(token=token, extra_args=[*common, "--k-max", "0"])
+        spec = EngineHostProcess(token=token, extra_args=[*common, "--k-max", str(args.k_max),
+                                                          "--speculation-mode", args.speculation_mode])
+        children = [plain, spec]
+        backends = {PLAIN: Backend(PLAIN, plain.url, token), SPECULATIVE: Backend(SPECULATIVE, spec.url, token)}
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # start-up is cut short like Ctrl-C; uvicorn has its own handlers later
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        for c in children:
+            c.start()
+            print(f"starting the {'plain' if c is children[0] else 'speculative'} engine host: "
+                  f"{c.url} (log {c.log_path})", flush=True)
+        for c in children:
+            c.wait_ready(timeout_s=args.ready_timeout)
+        split = TrafficSplit(p=args.p_start, p_min=args.p_min, p_max=args.p_max)
+        split.set_mode(args.routing)
+        state = RouterState(backends=backends, split=split)
+        print(f"SpecPilot engine router on http://{args.host}:{args.port} "
+              f"(plain {backends[PLAIN].url}, speculative {backends[SPECULATIVE].url}, routing {args.routing})",
+              flush=True)
+        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="warning")
+    except EngineHostError as exc:
+        print(f"error: an engine host did not start: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for c in children:
+            c.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Routing between a plain engine and a speculative engine (pure logic, no HTTP).
+
+Why two engines: in vLLM 0.26 an engine with an n-gram speculative config runs the V1
+model runner with synchronous scheduling, and at K = 0 it decodes at about 0.3x a plain
+engine on a GPU (docs/gpu.md). No K chosen *inside* that engine can recover plain
+decoding's speed, so "speculation steps aside" has to mean: the request goes to an engine
+that has no speculative config at all.
+
+The split: each new request goes to the speculative engine with probability ``p`` and
+to the plain engine otherwise. ``p`` follows the time per output token (TPOT) that each
+engine's own vLLM reports (``vllm:request_time_per_output_token_seconds``, windowed over
+the requests finished since the last poll): after each poll where both are fresh,
+
+    p <- clip(p * (TPOT_plain / TPOT_spec) ** eta, p_min, p_max)
+
+so traffic moves towards the engine that currently gives a request more tokens per
+second, until both give the same (a Wardrop equilibrium of the two "routes"; under load
+a request's TPOT grows with its engine's batch, which is what stops the flow). On
+predictable traffic the speculative engine's adaptive K makes its TPOT the lower one and
+``p`` rises to ``p_max``; on open-ended traffic or under load ``p`` falls to ``p_min``,
+which keeps a trickle of requests there so its estimates stay fresh.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+PLAIN = "plain"
+SPECULATIVE = "speculative"
+ENGINES = (PLAIN, SPECULATIVE)
+ROUTING_MODES = ("auto", PLAIN, SPECULATIVE)
+
+
+@dataclass
+class TpotWindow:
+    """TPOT of one engine over the requests finished between two polls of its metrics.
+
+    Attributes:
+        tpot_s: EWMA of the windowed mean TPOT (s per output token), None before data.
+        last_sum_s, last_count: the histogram's ``_sum`` (s) and ``_count`` at the last poll.
+        fresh_at: monotonic time (s) of the last window that held a finished request.
+    """
+
+    alpha: float = 0.5
+    tpot_s: float | None = None
+    last_sum_s: float | None = None
+    last_count: float | None = None
+    fresh_at: float | None = None
+
+    def update(self, sum_s: float, count: float, now: float) -> float | None:
+        """Fold in a poll of the histogram (cumulative ``sum_s`` seconds over ``count``
+        requests). Returns the window's mean TPOT (s/token), or None when no request
+        finished since the last poll (or the counters went back: an engine restart)."""
+        prev_sum, prev_count = self.last_sum_s, self.last_count
+        self.last_sum_s, self.last_count = sum_s, count
+        if prev_sum is None or prev_count is None or count < prev_count:
+            return None
+        n = count - prev_count
+        if n <= 0:
+            return None
+        window = max(sum_s - prev_sum, 0.0) / n
+        self.tpot_s = window if self.tpot_s is None else self.tpot_s + self.alpha * (window - self.tpot_s)
+        self.fresh_at = now
+        return window
+
+    def is_fresh(self, now: float, max_age_s: float) -> bool:
+        """True when a request finished within ``max_age_s`` seconds."""
+        return self.fresh_at is not None and now - self.fresh_at <= max_age_s
+
+
+@dataclass
+class TrafficSplit:
+    """Share ``p`` (0..1) of new requests sent to the speculative engine (module docstring).
+
+    Args:
+        p: initial share.
+        p_min, p_max: bounds of the share in ``auto`` (0..1); p_min > 0 keeps the
+            speculative engine's acceptance estimates alive, p_max < 1 the plain engine's TPOT.
+        eta: step size of the multiplicative update (per poll).
+        max_age_s: a TPOT older than this (s) does not move ``p``.
+        seed: seed of the per-request draw.
+    """
+
+    p: float = 0.1
+    p_min: float = 0.03
+    p_max: float = 0.97
+    eta: float = 0.5
+    max_age_s: float = 5.0
+    seed: int | None = None
+    mode: str = "auto"
+    windows: dict[str, TpotWindow] = field(default_factory=lambda: {e: TpotWindow() for e in ENGINES})
+    routed: dict[str, int] = field(default_factory=lambda: {e: 0 for e in ENGINES})
+    updates: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.p_min <= self.p_max <= 1.0:
+            raise ValueError(f"need 0 <= p_min <= p_max <= 1, got {self.p_min}, {self.p_max}")
+        self.p = min(max(self.p, self.p_min), self.p_max)
+        self._rng = random.Random(self.seed)
+
+    def set_mode(self, mode: str) -> None:
+        """``auto`` (follow TPOT), ``plain`` or ``speculative`` (all requests to one engine).
+
+        Raises:
+            ValueError: an unknown mode.
+        """
+        if mode not in ROUTING_MODES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {mode!r}")
+        self.mode = mode
+
+    def observe(self, engine: str, sum_s: float, count: float, now: float) -> None:
+        """Fold in one poll of ``engine``'s TPOT histogram (cumulative sum in s, count)."""
+        self.windows[engine].update(sum_s, count, now)
+
+    def update(self, now: float) -> float:
+        """Move ``p`` towards the engine with the lower TPOT; returns the new ``p``."""
+        ws, wp = self.windows[SPECULATIVE], self.windows[PLAIN]
+        if (ws.tpot_s and wp.tpot_s and ws.is_fresh(now, self.max_age_s) and wp.is_fresh(now, self.max_age_s)):
+            ratio = wp.tpot_s / ws.tpot_s
+            self.p = min(max(self.p * math.exp(self.eta * math.log(ratio)), self.p_min), self.p_max)
+            self.updates += 1
+        return self.p
+
+    def choose(self) -> str:
+        """The engine for the next request (counts it)."""
+        if self.mode == "auto":
+            engine = SPECULATIVE if self._rng.random() < self.p else PLAIN
+        else:
+            engine = self.mode
+        self.routed[engine] += 1
+        return engine
+
+    def describe(self) -> dict:
+        """JSON-able state: mode, share, TPOT per engine (ms), requests routed."""
+        return {
+            "mode": self.mode,
+            "p_speculative": round(self.p, 4),
+            "p_bounds": [self.p_min, self.p_max],
+            "tpot_ms": {e: (round(w.tpot_s * 1000.0, 3) if w.tpot_s is not None else None)
+                        for e, w in self.windows.items()},
+            "routed": dict(self.routed),
+            "updates": self.updates,
+        }

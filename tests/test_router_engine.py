@@ -1,0 +1,104 @@
+"""The dual engine host on the real CPU engine: a plain and a speculative engine host
+behind ``python -m engine_host.router``, driven over HTTP as a client would."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.engine
+
+MODEL = "SmolLM2-135M-Instruct"
+COPY = "red apple, green pear, yellow banana, purple plum, orange mango, " * 4
+
+
+@pytest.fixture(scope="module")
+def router(default_model, tmp_path_factory, artifacts_dir):
+    from engine_host.process import RouterProcess
+
+    home = tmp_path_factory.mktemp("router-home")
+    rp = RouterProcess(model=default_model, env={"SPECPILOT_HOME": str(home)},
+                       extra_args=["--speculation-mode", "fixed", "--p-start", "0.5", "--", "--enforce-eager", "--max-num-seqs", "4",
+                                   "--max-model-len", "1024", "--warmup", "quick"],
+                       log_path=artifacts_dir / "router.log")
+    rp.start()
+    try:
+        rp.wait_ready(timeout_s=600)
+        yield rp
+    finally:
+        rp.stop()
+    assert not rp.alive()
+
+
+def _complete(url: str, n: int) -> list[str]:
+    engines = []
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for _ in range(n):
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": COPY, "max_tokens": 16, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 16
+            engines.append(r.headers["x-specpilot-engine"])
+    return engines
+
+
+def test_openai_client_streams_through_the_router(router):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=router.url + "/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_routing_modes_send_requests_where_they_say(router):
+    h = router.control_headers
+    r = httpx.put(router.url + "/control/config", headers=h, timeout=60, json={"routing": "plain"})
+    assert r.status_code == 200, r.text
+    assert set(_complete(router.url, 3)) == {"plain"}
+    before = httpx.get(router.url + "/control/state", headers=h, timeout=30).json()["controller"]["steps_at_k"]
+    r = httpx.put(router.url + "/control/config", headers=h, timeout=60,
+                  json={"routing": "speculative", "speculation": {"mode": "fixed", "k": 4}})
+    assert r.status_code == 200, r.text
+    assert r.json()["config"]["speculation"]["k"] == 4
+    assert set(_complete(router.url, 3)) == {"speculative"}
+    st = httpx.get(router.url + "/control/state", headers=h, timeout=30).json()
+    assert st["controller"]["steps_at_k"][4] > before[4]
+    assert st["router"]["mode"] == "speculative"
+    assert st["router"]["routed"]["plain"] >= 3 and st["router"]["routed"]["speculative"] >= 3
+    # a bad routing is refused with the reason and changes nothing
+    r = httpx.put(router.url + "/control/config", headers=h, timeout=60,
+                  json={"routing": "fastest", "speculation": {"mode": "fixed", "k": 2}})
+    assert r.status_code == 422 and "routing must be one of" in r.text
+    st = httpx.get(router.url + "/control/state", headers=h, timeout=30).json()
+    assert st["router"]["mode"] == "speculative" and st["config"]["speculation"]["k"] == 4
+    # an engine-invalid patch is refused by the engine, and routing stays as it was
+    r = httpx.put(router.url + "/control/config", headers=h, timeout=60,
+                  json={"routing": "plain", "speculation": {"mode": "fixed", "k": 99}})
+    assert r.status_code == 422, r.text
+    assert httpx.get(router.url + "/control/state", headers=h, timeout=30).json()["router"]["mode"] == "speculative"
+    assert httpx.get(router.url + "/control/state", timeout=30).status_code == 401
+
+
+def test_auto_routing_measures_both_engines_and_metrics_name_them(router):
+    h = router.control_headers
+    r = httpx.put(router.url + "/control/config", headers=h, timeout=60,
+                  json={"routing": "auto", "speculation": {"mode": "adaptive", "k_min": 0, "k_max": 8}})
+    assert r.status_code == 200, r.text
+    _complete(router.url, 40)
+    st = httpx.get(router.url + "/control/state", headers=h, timeout=30).json()["router"]
+    assert st["mode"] == "auto"
+    assert st["routed"]["speculative"] > 0 and st["routed"]["plain"] > 0
+    assert st["tpot_ms"]["plain"] and st["tpot_ms"]["speculative"]
+    engines = set()
+    for fam in text_string_to_metric_families(httpx.get(router.url + "/metrics", timeout=30).text):
+        for s in fam.samples:
+            if s.name == "vllm:generation_tokens_total":
+                engines.add(s.labels["engine"])
+    assert engines == {"plain", "speculative"}
+    health = httpx.get(router.url + "/health", timeout=30)
+    assert health.status_code == 200 and health.json()["engines"] == {"plain": 200, "speculative": 200}

@@ -1,0 +1,96 @@
+"""The dual engine host's traffic split and metrics merging (pure logic, no engine)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_host.router import Backend, RouterState, merged_metrics, tpot_totals
+from engine_host.routing import PLAIN, SPECULATIVE, TpotWindow, TrafficSplit
+
+
+def test_tpot_window_is_the_mean_over_requests_finished_since_the_last_poll():
+    w = TpotWindow(alpha=1.0)
+    assert w.update(1.0, 100, now=0.0) is None  # first poll: a baseline only
+    assert w.update(1.0, 100, now=0.5) is None  # nothing finished
+    assert w.update(1.5, 110, now=1.0) == pytest.approx(0.05)
+    assert w.tpot_s == pytest.approx(0.05) and w.is_fresh(1.0, 5.0) and not w.is_fresh(7.0, 5.0)
+    assert w.update(0.2, 4, now=1.5) is None  # counters went back: the engine restarted
+    assert w.update(0.3, 6, now=2.0) == pytest.approx(0.05)
+
+
+def feed(split: TrafficSplit, tpot_plain: float, tpot_spec: float, polls: int, t0: float = 0.0) -> float:
+    s = {PLAIN: [0.0, 0.0], SPECULATIVE: [0.0, 0.0]}
+    for i in range(polls + 1):
+        now = t0 + 0.5 * i
+        for e, t in ((PLAIN, tpot_plain), (SPECULATIVE, tpot_spec)):
+            s[e][0] += 10 * t
+            s[e][1] += 10
+            split.observe(e, s[e][0], s[e][1], now)
+        split.update(now)
+    return split.p
+
+
+def test_share_follows_the_engine_with_the_lower_tpot():
+    split = TrafficSplit(p=0.1, seed=1)
+    assert feed(split, tpot_plain=0.006, tpot_spec=0.003, polls=20) == pytest.approx(split.p_max)
+    split = TrafficSplit(p=0.5, seed=1)
+    assert feed(split, tpot_plain=0.004, tpot_spec=0.012, polls=20) == pytest.approx(split.p_min)
+    split = TrafficSplit(p=0.5, seed=1)
+    assert feed(split, tpot_plain=0.005, tpot_spec=0.005, polls=20) == pytest.approx(0.5)
+
+
+def test_stale_tpot_does_not_move_the_share():
+    split = TrafficSplit(p=0.2, max_age_s=5.0)
+    split.observe(PLAIN, 0.0, 0, 0.0)
+    split.observe(SPECULATIVE, 0.0, 0, 0.0)
+    split.observe(PLAIN, 0.05, 10, 0.5)
+    split.observe(SPECULATIVE, 0.01, 10, 0.5)
+    split.update(30.0)  # both last measured 29.5 s ago
+    assert split.p == pytest.approx(0.2) and split.updates == 0
+
+
+def test_choose_draws_by_share_and_fixed_modes_send_everything_to_one_engine():
+    split = TrafficSplit(p=0.25, seed=3)
+    picks = [split.choose() for _ in range(4000)]
+    assert 0.22 < picks.count(SPECULATIVE) / len(picks) < 0.28
+    split.set_mode(PLAIN)
+    assert {split.choose() for _ in range(50)} == {PLAIN}
+    split.set_mode(SPECULATIVE)
+    assert {split.choose() for _ in range(50)} == {SPECULATIVE}
+    assert split.routed[PLAIN] + split.routed[SPECULATIVE] == 4100
+    with pytest.raises(ValueError, match="routing must be one of"):
+        split.set_mode("random")
+    assert split.mode == SPECULATIVE
+    with pytest.raises(ValueError, match="p_min"):
+        TrafficSplit(p_min=0.6, p_max=0.4)
+
+
+def _engine_text(tpot_values: list[float], tokens: float) -> str:
+    reg = CollectorRegistry()
+    h = Histogram("vllm:request_time_per_output_token_seconds", "TPOT", ["model_name"], registry=reg)
+    c = Counter("vllm:generation_tokens", "tokens", ["model_name"], registry=reg)
+    for v in tpot_values:
+        h.labels("m").observe(v)
+    c.labels("m").inc(tokens)
+    return generate_latest(reg).decode()
+
+
+def test_tpot_totals_read_vllms_histogram():
+    assert tpot_totals(_engine_text([0.01, 0.03], 5)) == (pytest.approx(0.04), 2.0)
+    assert tpot_totals("# nothing here\n") is None
+
+
+def test_merged_metrics_label_each_engine_and_add_router_series():
+    state = RouterState(backends={PLAIN: Backend(PLAIN, "http://p", "t"), SPECULATIVE: Backend(SPECULATIVE, "http://s", "t")})
+    text = merged_metrics({PLAIN: _engine_text([0.01], 100), SPECULATIVE: _engine_text([0.02], 40)}, state).decode()
+    gen = {}
+    names = set()
+    for fam in text_string_to_metric_families(text):
+        names.add(fam.name)
+        for s in fam.samples:
+            if s.name == "vllm:generation_tokens_total":
+                gen[s.labels["engine"]] = s.value
+    assert gen == {PLAIN: 100.0, SPECULATIVE: 40.0}
+    assert {"specpilot:router_speculative_share", "specpilot:router_requests_routed"} <= names
