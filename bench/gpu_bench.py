@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from engine_host.model import prepare_default_model
-from engine_host.process import EngineHostProcess, RouterProcess, free_port
+from engine_host.process import EngineHostProcess, RouterProcess
 
 from .workloads import Workload
 
@@ -193,12 +193,18 @@ async def measure(eh: EngineHostProcess, model: str, is_host: bool, args: argpar
 
 
 def run_harness(eh: EngineHostProcess, args: argparse.Namespace, out: Path, rec: dict) -> None:
+    """``python -m bench run`` per ``--harness`` cell; on a dual engine host also
+    ``--mode plain`` against its plain engine directly (no router in the path)."""
     env = dict(os.environ, SPECPILOT_CONTROL_TOKEN=eh.token)
     rec["harness"] = {}
-    for wl_conc in args.harness:
+    targets = [(rec["name"], eh.url, args.modes)]
+    if isinstance(eh, RouterProcess):
+        st = httpx.get(eh.url + "/control/state", headers=eh.control_headers, timeout=30).json()
+        targets.append((rec["name"] + "-plain-direct", st["router"]["engines"]["plain"]["url"], "plain"))
+    for (label, url, modes), wl_conc in ((t, w) for w in args.harness for t in targets):
         wl, _, conc = wl_conc.partition("@")
-        dest = out / "harness" / f"{rec['name']}-{wl}-c{conc}"
-        cmd = [sys.executable, "-m", "bench", "run", "--url", eh.url, "--workload", wl, "--mode", args.modes,
+        dest = out / "harness" / f"{label}-{wl}-c{conc}"
+        cmd = [sys.executable, "-m", "bench", "run", "--url", url, "--workload", wl, "--mode", modes,
                "--concurrency", conc, "--duration", str(args.harness_duration), "--warmup", "3",
                "--max-tokens", str(args.max_tokens), "--no-png", "--quiet", "--out", str(dest),
                *shlex.split(args.harness_args)]
@@ -206,9 +212,10 @@ def run_harness(eh: EngineHostProcess, args: argparse.Namespace, out: Path, rec:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         print(p.stdout[-3000:], p.stderr[-1500:], flush=True)
         summary = dest / "summary.md"
-        rec["harness"][wl_conc] = {"command": "python -m bench " + shlex.join(cmd[3:]), "rc": p.returncode,
-                                   "seconds": round(time.monotonic() - t0, 1),
-                                   "summary_md": summary.read_text() if summary.is_file() else p.stderr[-2000:]}
+        key = wl_conc if label == rec["name"] else f"{wl_conc} {label}"
+        rec["harness"][key] = {"command": "python -m bench " + shlex.join(cmd[3:]), "rc": p.returncode,
+                               "seconds": round(time.monotonic() - t0, 1),
+                               "summary_md": summary.read_text() if summary.is_file() else p.stderr[-2000:]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,12 +11,16 @@ config, so vLLM keeps async scheduling, its newest model runner and full CUDA gr
   :class:`engine_host.routing.TrafficSplit` from the two engines' measured TPOT;
 * ``/health`` (200 while both engines answer), ``/ready`` (200 once both are ready);
 * ``/metrics``: both engines' series with a label ``engine="plain"|"speculative"``,
-  plus ``specpilot:router_*`` series (share, TPOT, requests routed);
+  plus ``specpilot:router_*`` series (share, TPOT, requests routed; with ``--workers`` > 1
+  these and ``/control/state``'s ``router`` section are the answering worker's);
 * ``/control/state``: the speculative engine's state with a ``router`` section;
   ``/control/config``: the engine host's body plus ``"routing": "auto"|"plain"|"speculative"``
   (speculation goes to the speculative engine, batch caps to both); ``/control/samples``.
 
 ``--plain-url`` and ``--spec-url`` attach to engine hosts already running instead.
+``--workers N`` runs N router processes on the port (uvicorn workers): each relays requests
+and keeps its own split from the same TPOT polls; the routing mode is shared through a file
+under ``$SPECPILOT_HOME/run`` that every worker checks before each request.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import httpx
@@ -40,12 +46,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from .auth import ENV_TOKEN, control_token, require_control_token
+from .home import subdir
 from .routing import ENGINES, PLAIN, ROUTING_MODES, SPECULATIVE, TrafficSplit
 
 logger = logging.getLogger("specpilot.router")
 
 TPOT_FAMILY = "vllm:request_time_per_output_token_seconds"
-POLL_INTERVAL_S = 0.5
+POLL_INTERVAL_S = 0.25
+ENV_ROUTER_CONFIG = "SPECPILOT_ROUTER_CONFIG"
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 
 
@@ -74,6 +82,33 @@ class RouterState:
     client: httpx.AsyncClient | None = None
     started_at: float = field(default_factory=time.time)
     poll_errors: int = 0
+    mode_file: Path | None = None
+    _mode_mtime: float = 0.0
+
+    def publish_mode(self, mode: str) -> None:
+        """Set the routing mode here and, through :attr:`mode_file`, in every worker.
+
+        Raises:
+            ValueError: an unknown mode (nothing changes).
+        """
+        self.split.set_mode(mode)
+        if self.mode_file is not None:
+            tmp = self.mode_file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(mode)
+            os.replace(tmp, self.mode_file)
+            self._mode_mtime = self.mode_file.stat().st_mtime
+
+    def follow_mode(self) -> None:
+        """Take up a mode another worker published."""
+        if self.mode_file is None:
+            return
+        try:
+            mtime = self.mode_file.stat().st_mtime
+            if mtime != self._mode_mtime:
+                self._mode_mtime = mtime
+                self.split.set_mode(self.mode_file.read_text().strip())
+        except (OSError, ValueError):
+            pass
 
 
 def tpot_totals(metrics_text: str) -> tuple[float, float] | None:
@@ -167,6 +202,7 @@ async def poll_loop(state: RouterState) -> None:
                 state.poll_errors += 1
                 b.last_error = f"{type(exc).__name__}: {exc}"
         state.split.update(now)
+        state.follow_mode()
         await asyncio.sleep(POLL_INTERVAL_S)
 
 
@@ -190,6 +226,7 @@ def create_app(state: RouterState) -> FastAPI:
 
     async def proxy(request: Request, path: str) -> Any:
         body = await request.body()
+        state.follow_mode()  # one stat(): a mode set through another worker holds from its answer on
         engine = state.split.choose()
         b = state.backends[engine]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS | {"host"}}
@@ -273,7 +310,8 @@ def create_app(state: RouterState) -> FastAPI:
         return PlainTextResponse(merged_metrics(texts, state), media_type="text/plain; version=0.0.4")
 
     def router_section() -> dict[str, Any]:
-        return {**state.split.describe(),
+        state.follow_mode()
+        return {**state.split.describe(), "worker_pid": os.getpid(),
                 "in_flight": {e: b.inflight for e, b in state.backends.items()},
                 "engines": {e: {"url": b.url, "last_poll_error": b.last_error} for e, b in state.backends.items()},
                 "poll_errors": state.poll_errors}
@@ -334,11 +372,31 @@ def create_app(state: RouterState) -> FastAPI:
                                             headers=plain.headers, timeout=60.0)
                 answer["plain_engine"] = {"status": rp.status_code, "answer": rp.json()}
         if routing is not None:
-            state.split.set_mode(routing)
+            state.publish_mode(routing)
         answer["router"] = router_section()
         return answer
 
     return app
+
+
+def app_from_env() -> FastAPI:
+    """The app for one uvicorn worker, built from ``$SPECPILOT_ROUTER_CONFIG`` (JSON written
+    by :func:`main`: backends, split bounds, mode file). Every worker polls the engines and
+    keeps its own split; the routing mode is shared through the mode file.
+
+    Raises:
+        RuntimeError: the variable is missing (the router was not started by :func:`main`).
+    """
+    raw = os.environ.get(ENV_ROUTER_CONFIG)
+    if not raw:
+        raise RuntimeError(f"${ENV_ROUTER_CONFIG} is not set: start the router with python -m engine_host.router")
+    cfg = json.loads(raw)
+    token = os.environ.get(ENV_TOKEN, "")
+    backends = {name: Backend(name, url, token) for name, url in cfg["backends"].items()}
+    split = TrafficSplit(p=cfg["p_start"], p_min=cfg["p_min"], p_max=cfg["p_max"], eta=cfg["eta"])
+    state = RouterState(backends=backends, split=split, mode_file=Path(cfg["mode_file"]))
+    state.follow_mode()
+    return create_app(state)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -356,8 +414,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GPU memory fraction for EACH engine (GPU build; two engines share one GPU: e.g. 0.4)")
     p.add_argument("--routing", choices=ROUTING_MODES, default="auto", help="initial routing")
     p.add_argument("--p-start", type=float, default=0.1, help="initial share of requests for the speculative engine")
-    p.add_argument("--p-min", type=float, default=0.03, help="smallest share of requests for the speculative engine")
+    p.add_argument("--p-min", type=float, default=0.01, help="smallest share of requests for the speculative engine")
     p.add_argument("--p-max", type=float, default=0.97, help="largest share of requests for the speculative engine")
+    p.add_argument("--eta", type=float, default=0.5, help="step of the share's update per poll (0.25 s)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="router processes (each relays requests; use 4 or more at thousands of tokens/s)")
     p.add_argument("--plain-url", default=None, help="attach to this running plain engine host instead")
     p.add_argument("--spec-url", default=None, help="attach to this running speculative engine host instead")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for both engines")
@@ -367,6 +428,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.engine_args = args.engine_args[1:]
     if bool(args.plain_url) != bool(args.spec_url):
         p.error("--plain-url and --spec-url go together")
+    if not 0.0 <= args.p_min <= args.p_start <= args.p_max <= 1.0:
+        p.error("need 0 <= --p-min <= --p-start <= --p-max <= 1")
+    if args.workers < 1:
+        p.error("--workers must be at least 1")
     return args
 
 
@@ -401,19 +466,24 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        for c in children:
+        # one after the other: vLLM sizes its KV cache from the GPU memory that changes while
+        # it profiles, so an engine starting beside another one sees the other's KV cache
+        # appear and fails ("Available KV cache memory: -1.01 GiB", seen on an H100)
+        for c, name in zip(children, ENGINES):
+            print(f"starting the {name} engine host: {c.url} (log {c.log_path})", flush=True)
             c.start()
-            print(f"starting the {'plain' if c is children[0] else 'speculative'} engine host: "
-                  f"{c.url} (log {c.log_path})", flush=True)
-        for c in children:
-            c.wait_ready(timeout_s=args.ready_timeout)
-        split = TrafficSplit(p=args.p_start, p_min=args.p_min, p_max=args.p_max)
-        split.set_mode(args.routing)
-        state = RouterState(backends=backends, split=split)
+            secs = c.wait_ready(timeout_s=args.ready_timeout)
+            print(f"  {name} engine host ready in {secs:.1f} s", flush=True)
+        mode_file = subdir("run") / f"router-{args.port}.routing"
+        mode_file.write_text(args.routing)
+        os.environ[ENV_ROUTER_CONFIG] = json.dumps({
+            "backends": {name: b.url for name, b in backends.items()}, "p_start": args.p_start,
+            "p_min": args.p_min, "p_max": args.p_max, "eta": args.eta, "mode_file": str(mode_file)})
         print(f"SpecPilot engine router on http://{args.host}:{args.port} "
-              f"(plain {backends[PLAIN].url}, speculative {backends[SPECULATIVE].url}, routing {args.routing})",
-              flush=True)
-        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="warning")
+              f"(plain {backends[PLAIN].url}, speculative {backends[SPECULATIVE].url}, routing {args.routing}, "
+              f"{args.workers} worker(s))", flush=True)
+        uvicorn.run("engine_host.router:app_from_env", factory=True, host=args.host, port=args.port,
+                    workers=args.workers, log_level="warning")
     except EngineHostError as exc:
         print(f"error: an engine host did not start: {exc}", file=sys.stderr)
         return 1
