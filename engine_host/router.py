@@ -41,9 +41,12 @@ from typing import Any, AsyncIterator
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+from control.metrics_parse import select_families
 
 from .auth import ENV_TOKEN, control_token, require_control_token
 from .home import subdir
@@ -116,7 +119,8 @@ def tpot_totals(metrics_text: str) -> tuple[float, float] | None:
     added), or None when the family is absent."""
     total_s = count = 0.0
     found = False
-    for fam in text_string_to_metric_families(metrics_text):
+    # only the one family is parsed: vLLM's full exposition is large and this runs 4x a second
+    for fam in text_string_to_metric_families(select_families(metrics_text, {TPOT_FAMILY})):
         if fam.name != TPOT_FAMILY:
             continue
         for s in fam.samples:
@@ -240,17 +244,26 @@ def create_app(state: RouterState) -> FastAPI:
             return JSONResponse({"error": {"message": f"the {engine} engine did not answer: {exc}",
                                            "type": "engine_unavailable", "code": 502}}, status_code=502)
 
+        closed = False
+
+        async def close() -> None:  # once, whether the relay ran to its end or never started
+            nonlocal closed
+            if not closed:
+                closed = True
+                b.inflight -= 1
+                await upstream.aclose()
+
         async def relay() -> AsyncIterator[bytes]:
             try:
                 async for chunk in upstream.aiter_raw():
                     yield chunk
             finally:
-                b.inflight -= 1
-                await upstream.aclose()
+                await close()
 
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
         out_headers["x-specpilot-engine"] = engine
-        return StreamingResponse(relay(), status_code=upstream.status_code, headers=out_headers)
+        return StreamingResponse(relay(), status_code=upstream.status_code, headers=out_headers,
+                                 background=BackgroundTask(close))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -455,9 +468,14 @@ def main(argv: list[str] | None = None) -> int:
             common = ["--model", args.model, *common]
         if args.gpu_memory_utilization is not None:
             common += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-        plain = EngineHostProcess(token=token, extra_args=[*common, "--k-max", "0"])
-        spec = EngineHostProcess(token=token, extra_args=[*common, "--k-max", str(args.k_max),
-                                                          "--speculation-mode", args.speculation_mode])
+        # CPU build: vLLM pins each engine's worker to the same cores ("auto" binding), and a
+        # worker kept busy by polls spins there; a second engine pinned beside it got about 1 %
+        # of a core and never finished loading (2-core machine). Unpinned, the OS spreads them.
+        # The GPU build ignores this variable.
+        env = {} if "VLLM_CPU_OMP_THREADS_BIND" in os.environ else {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        plain = EngineHostProcess(token=token, env=env, extra_args=[*common, "--k-max", "0"])
+        spec = EngineHostProcess(token=token, env=env, extra_args=[*common, "--k-max", str(args.k_max),
+                                                                   "--speculation-mode", args.speculation_mode])
         children = [plain, spec]
         backends = {PLAIN: Backend(PLAIN, plain.url, token), SPECULATIVE: Backend(SPECULATIVE, spec.url, token)}
 
