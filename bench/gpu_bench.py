@@ -16,7 +16,8 @@ engine's arguments say otherwise), measured, and stopped:
 * the vLLM log lines that say which model runner, CUDA-graph mode and scheduling vLLM chose.
 
 Engines: ``plain`` (``vllm serve``: no speculative config, no SpecPilot scheduler or plugins,
-vLLM's defaults), ``host:NAME:ARGS`` (``python -m engine_host ARGS``) or ``dual:NAME:ARGS``
+vLLM's defaults; ``serve:NAME:ARGS`` adds ARGS, e.g. a speculative config), ``host:NAME:ARGS``
+(``python -m engine_host ARGS``) or ``dual:NAME:ARGS``
 (``python -m engine_host.router ARGS``: a plain and a speculative engine behind one address). Results go to
 ``--out/results.json`` (rewritten after each engine) and the logs to ``--out/logs/``.
 """
@@ -222,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", action="append", required=True,
-                    help="'plain', 'host:NAME:ARGS' (python -m engine_host ARGS) or 'dual:NAME:ARGS' "
-                         "(python -m engine_host.router ARGS); repeatable, run in order")
+                    help="'plain', 'serve:NAME:ARGS' (vllm serve ARGS, no SpecPilot part), 'host:NAME:ARGS' "
+                         "(python -m engine_host ARGS) or 'dual:NAME:ARGS' (python -m engine_host.router ARGS); "
+                         "repeatable, run in order")
     ap.add_argument("--loads", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 64],
                     help="concurrencies (closed loop)")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per run")
@@ -252,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         if spec == "plain":
             name, eh, is_host = "plain", None, False
             eh = PlainServe(model, ["--max-model-len", "2048"], log_path=out / "logs" / "plain.log")
+        elif spec.startswith("serve:"):
+            _, name, eargs = spec.split(":", 2)
+            is_host = False
+            eh = PlainServe(model, ["--max-model-len", "2048", *shlex.split(eargs)], log_path=out / "logs" / f"{name}.log")
         else:
             kind, name, eargs = spec.split(":", 2)
             is_host = True
