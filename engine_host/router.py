@@ -355,7 +355,10 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.get("/control/samples", dependencies=[Depends(require_control_token)])
     async def control_samples(since: float = 0.0) -> Any:
-        r = await get_json(SPECULATIVE, "/control/samples", auth=True, since=since)
+        try:
+            r = await get_json(SPECULATIVE, "/control/samples", auth=True, since=since)
+        except httpx.HTTPError as exc:
+            raise HTTPException(503, f"the speculative engine did not answer: {exc}") from None
         return JSONResponse(r.json(), status_code=r.status_code)
 
     @app.put("/control/config", dependencies=[Depends(require_control_token)])
@@ -375,15 +378,22 @@ def create_app(state: RouterState) -> FastAPI:
         assert state.client is not None
         if patch:
             spec = state.backends[SPECULATIVE]
-            r = await state.client.put(spec.url + "/control/config", json=patch, headers=spec.headers, timeout=60.0)
+            try:
+                r = await state.client.put(spec.url + "/control/config", json=patch, headers=spec.headers,
+                                           timeout=60.0)
+            except httpx.HTTPError as exc:  # nothing was applied, routing included
+                raise HTTPException(503, f"the speculative engine did not answer: {exc}") from None
             if r.status_code != 200:  # refused: nothing changes, routing included
                 return JSONResponse(r.json(), status_code=r.status_code)
             answer = r.json()
             if "batch" in patch:
                 plain = state.backends[PLAIN]
-                rp = await state.client.put(plain.url + "/control/config", json={"batch": patch["batch"]},
-                                            headers=plain.headers, timeout=60.0)
-                answer["plain_engine"] = {"status": rp.status_code, "answer": rp.json()}
+                try:
+                    rp = await state.client.put(plain.url + "/control/config", json={"batch": patch["batch"]},
+                                                headers=plain.headers, timeout=60.0)
+                    answer["plain_engine"] = {"status": rp.status_code, "answer": rp.json()}
+                except httpx.HTTPError as exc:
+                    answer["plain_engine"] = {"status": None, "error": f"did not answer: {exc}"}
         if routing is not None:
             state.publish_mode(routing)
         answer["router"] = router_section()

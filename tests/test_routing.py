@@ -94,3 +94,27 @@ def test_merged_metrics_label_each_engine_and_add_router_series():
                 gen[s.labels["engine"]] = s.value
     assert gen == {PLAIN: 100.0, SPECULATIVE: 40.0}
     assert {"specpilot:router_speculative_share", "specpilot:router_requests_routed"} <= names
+
+
+def test_down_engines_are_reported_not_crashed(monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from engine_host.process import free_port
+    from engine_host.router import create_app
+
+    monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", "tok")
+    down = {e: Backend(e, f"http://127.0.0.1:{free_port()}", "tok") for e in (PLAIN, SPECULATIVE)}
+    state = RouterState(backends=down)
+    auth = {"Authorization": "Bearer tok"}
+    with TestClient(create_app(state)) as c:
+        h = c.get("/health")
+        assert h.status_code == 503 and h.json()["engines"][PLAIN].startswith("down")
+        assert c.get("/ready").status_code == 503
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 502 and "did not answer" in r.json()["error"]["message"]
+        assert c.get("/control/samples", headers=auth).status_code == 503
+        assert c.get("/control/state", headers=auth).status_code == 503
+        r = c.put("/control/config", headers=auth, json={"routing": "plain", "speculation": {"mode": "off"}})
+        assert r.status_code == 503
+        assert state.split.mode == "auto"  # refused: routing unchanged
+        assert c.get("/metrics").status_code == 200
