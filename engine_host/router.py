@@ -57,7 +57,8 @@ logger = logging.getLogger("specpilot.router")
 TPOT_FAMILY = "vllm:request_time_per_output_token_seconds"
 POLL_INTERVAL_S = 0.25
 ENV_ROUTER_CONFIG = "SPECPILOT_ROUTER_CONFIG"
-HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+# hop-by-hop headers and the length (the relay re-chunks); Content-Encoding stays: the bytes are relayed as sent
+HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 
 
 @dataclass
@@ -68,7 +69,6 @@ class Backend:
     url: str
     token: str
     inflight: int = 0
-    ready: bool = False
     last_error: str | None = None
 
     @property
@@ -83,7 +83,6 @@ class RouterState:
     backends: dict[str, Backend]
     split: TrafficSplit = field(default_factory=TrafficSplit)
     client: httpx.AsyncClient | None = None
-    started_at: float = field(default_factory=time.time)
     poll_errors: int = 0
     mode_file: Path | None = None
     _mode_mtime: float = 0.0
@@ -306,8 +305,6 @@ def create_app(state: RouterState) -> FastAPI:
     async def ready() -> Any:
         st = await probe("/ready")
         ok = all(v == 200 for v in st.values())
-        for e in ENGINES:
-            state.backends[e].ready = st[e] == 200
         return JSONResponse({"phase": "ready" if ok else "loading", "engines": st}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
