@@ -173,8 +173,11 @@ class EngineControl:
         return data[0]["id"]
 
     async def state(self) -> dict[str, Any]:
-        """``GET /control/state``."""
+        """``GET /control/state``; ``{}`` from a bare vLLM server (``vllm serve``: no
+        control plane, 404), which the harness measures in mode ``plain`` only."""
         r = await self.http.get("/control/state")
+        if r.status_code == 404:
+            return {}
         if r.status_code == 401:
             raise BenchError("the control token was refused (401): pass the engine host's token with --token-env")
         r.raise_for_status()
@@ -191,6 +194,11 @@ class EngineControl:
         """
         st = await self.state()
         patch = mode_patch(mode)
+        if not st:  # a bare vLLM server: nothing to switch
+            if mode.strip() == "plain":
+                return {}
+            raise BenchError(f"mode {mode!r} needs an engine host (this server has no /control/state); "
+                             "a bare vLLM server runs mode 'plain' only")
         if "router" in st:  # the dual engine host: route as the mode says
             patch = router_patch(mode)
         elif mode == "plain" and (st.get("speculation") or {}).get("k_max_engine"):
@@ -216,6 +224,8 @@ class EngineControl:
     async def samples(self, since_unix_s: float) -> list[dict[str, Any]]:
         """Per-second samples after ``since_unix_s`` from ``GET /control/samples``."""
         r = await self.http.get("/control/samples", params={"since": since_unix_s})
+        if r.status_code == 404:  # a bare vLLM server
+            return []
         r.raise_for_status()
         return r.json().get("samples", [])
 

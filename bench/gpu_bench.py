@@ -193,15 +193,21 @@ async def measure(eh: EngineHostProcess, model: str, is_host: bool, args: argpar
         rec["state"] = {k: st.get(k) for k in ("limits", "speculation", "overhead", "warmup", "k_current")}
 
 
-def run_harness(eh: EngineHostProcess, args: argparse.Namespace, out: Path, rec: dict) -> None:
-    """``python -m bench run`` per ``--harness`` cell; on a dual engine host also
-    ``--mode plain`` against its plain engine directly (no router in the path)."""
+def run_harness(eh: EngineHostProcess, args: argparse.Namespace, out: Path, rec: dict, is_host: bool = True) -> None:
+    """``python -m bench run`` per ``--harness`` cell. On a bare vLLM server (``plain``,
+    ``serve:``) the modes are ``plain`` only; on a dual engine host with the relay front also
+    ``--mode plain`` against its plain engine's own port (no router in the path). Each
+    cell's modes run in the order given (repeat a mode to interleave repetitions); the
+    output tokens/s of every run are kept in ``rec["harness"][cell]["runs"]``."""
     env = dict(os.environ, SPECPILOT_CONTROL_TOKEN=eh.token)
     rec["harness"] = {}
-    targets = [(rec["name"], eh.url, args.modes)]
+    modes = args.modes if is_host else ",".join(["plain"] * max(1, args.modes.split(",").count("plain")))
+    targets = [(rec["name"], eh.url, modes)]
     if isinstance(eh, RouterProcess):
         st = httpx.get(eh.url + "/control/state", headers=eh.control_headers, timeout=30).json()
-        targets.append((rec["name"] + "-plain-direct", st["router"]["engines"]["plain"]["url"], "plain"))
+        plain_url = st["router"]["engines"]["plain"]["url"]
+        if plain_url.rsplit(":", 1)[-1] != eh.url.rsplit(":", 1)[-1]:  # relay front: its plain engine apart
+            targets.append((rec["name"] + "-plain-direct", plain_url, "plain"))
     for (label, url, modes), wl_conc in ((t, w) for w in args.harness for t in targets):
         wl, _, conc = wl_conc.partition("@")
         dest = out / "harness" / f"{label}-{wl}-c{conc}"
@@ -214,8 +220,13 @@ def run_harness(eh: EngineHostProcess, args: argparse.Namespace, out: Path, rec:
         print(p.stdout[-3000:], p.stderr[-1500:], flush=True)
         summary = dest / "summary.md"
         key = wl_conc if label == rec["name"] else f"{wl_conc} {label}"
+        runs = []
+        if (dest / "results.json").is_file():
+            for r in json.loads((dest / "results.json").read_text())["runs"]:
+                runs.append([r["spec"]["mode"], r["client"]["output_tokens_per_s"]])
+        print(f"  {key}: " + ", ".join(f"{m} {v:.1f}" for m, v in runs), flush=True)
         rec["harness"][key] = {"command": "python -m bench " + shlex.join(cmd[3:]), "rc": p.returncode,
-                               "seconds": round(time.monotonic() - t0, 1),
+                               "seconds": round(time.monotonic() - t0, 1), "runs": runs,
                                "summary_md": summary.read_text() if summary.is_file() else p.stderr[-2000:]}
 
 
@@ -235,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=None, help="PUT fixed K before the loads (engine hosts)")
     ap.add_argument("--no-loads", action="store_true", help="start-up and TTFT only")
     ap.add_argument("--harness", action="append", default=[], metavar="WORKLOAD@CONC",
-                    help="after the loads, python -m bench run on this workload and concurrency (engine hosts)")
+                    help="after the loads, python -m bench run on this workload and concurrency (bare vLLM "
+                         "servers: mode plain only, as often as --modes names it)")
     ap.add_argument("--modes", default="fixed:0,fixed:2,fixed:4,fixed:8,adaptive")
     ap.add_argument("--harness-duration", type=float, default=10.0)
     ap.add_argument("--harness-args", default="",
@@ -268,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         eh.start()
         try:
             asyncio.run(measure(eh, model, is_host, args, rec))
-            if is_host and args.harness:
-                run_harness(eh, args, out, rec)
+            if args.harness:
+                run_harness(eh, args, out, rec, is_host)
         except Exception as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"
             print(f"  {name} failed: {rec['error']}\n{eh.log_tail(30)}", flush=True)

@@ -401,9 +401,17 @@ class SpecPilotEndpoints:
     required_tasks = None
 
     def attach_router(self, app: FastAPI) -> None:
-        """Add ``/control/*`` and ``/ready`` to vLLM's app."""
+        """Add ``/control/*`` and ``/ready`` to vLLM's app, and the in-engine front of the
+        dual engine host when ``$SPECPILOT_ROUTER_CONFIG`` asks for it (:mod:`engine_host.front`)."""
         app.include_router(control_router)
         app.include_router(health_router)
+        from .router import router_config_from_env
+
+        cfg = router_config_from_env()
+        if cfg and cfg.get("front") == "engine":
+            from .front import install_front
+
+            install_front(app, cfg)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         """Open the channel, register metrics, schedule the start-up warm-up."""
@@ -416,6 +424,10 @@ class SpecPilotEndpoints:
             logger.error("SpecPilot control channel unavailable: %s", exc)
         SAMPLES.k_source = HOST.core_state
         _register_collector()
+        from . import front
+
+        if front.FRONT_STATE is not None:
+            await front.FRONT_STATE.start()
         HOST.phase = "warming_up"
         k_max = int(((HOST.core_state() or {}).get("limits") or {}).get("k_max") or 0)
         start_background_tasks(HOST, args, k_max, os.environ.get(ENV_WARMUP, "full"))

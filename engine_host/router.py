@@ -2,25 +2,31 @@
 
 ``python -m engine_host.router [--model M] [--port 8000] [--k-max 8] [--gpu-memory-utilization 0.4] ...``
 
-starts two engine hosts on free ports (the *plain* one with ``--k-max 0``: no speculative
-config, so vLLM keeps async scheduling, its newest model runner and full CUDA graphs; the
+starts two engine hosts (the *plain* one with ``--k-max 0``: no speculative config, so
+vLLM keeps async scheduling, its newest model runner and full CUDA graphs; the
 *speculative* one with n-gram drafts and SpecPilot's adaptive K) and serves, on one port:
 
 * the OpenAI API (``/v1/completions``, ``/v1/chat/completions``, streaming or not,
   ``/v1/models``): each request goes to one engine, chosen by
-  :class:`engine_host.routing.TrafficSplit` from the two engines' measured TPOT;
+  :class:`engine_host.routing.TrafficSplit` from the two engines' measured TPOT; the
+  answer says which in the header ``x-specpilot-engine``;
 * ``/health`` (200 while both engines answer), ``/ready`` (200 once both are ready);
 * ``/metrics``: both engines' series with a label ``engine="plain"|"speculative"``,
-  plus ``specpilot:router_*`` series (share, TPOT, requests routed; with ``--workers`` > 1
-  these and ``/control/state``'s ``router`` section are the answering worker's);
+  plus ``specpilot:router_*`` series (share, TPOT, requests routed);
 * ``/control/state``: the speculative engine's state with a ``router`` section;
   ``/control/config``: the engine host's body plus ``"routing": "auto"|"plain"|"speculative"``
   (speculation goes to the speculative engine, batch caps to both); ``/control/samples``.
 
-``--plain-url`` and ``--spec-url`` attach to engine hosts already running instead.
-``--workers N`` runs N router processes on the port (uvicorn workers): each relays requests
-and keeps its own split from the same TPOT polls; the routing mode is shared through a file
-under ``$SPECPILOT_HOME/run`` that every worker checks before each request.
+Two fronts serve that port:
+
+* ``--front engine`` (default): the plain engine host itself listens on the port and
+  routes inside vLLM's server (:mod:`engine_host.front`): a request for the plain engine
+  costs no extra hop; one for the speculative engine is relayed over HTTP.
+* ``--front relay``: a separate router process (this module's app under uvicorn) relays
+  every request; ``--workers N`` runs N of them (each keeps its own split from the same
+  TPOT polls; with N > 1 the ``router`` figures are the answering worker's). The routing
+  mode is shared through a file under ``$SPECPILOT_HOME/run`` that is checked before each
+  request. ``--plain-url`` and ``--spec-url`` attach it to engine hosts already running.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -57,23 +63,33 @@ logger = logging.getLogger("specpilot.router")
 TPOT_FAMILY = "vllm:request_time_per_output_token_seconds"
 POLL_INTERVAL_S = 0.25
 ENV_ROUTER_CONFIG = "SPECPILOT_ROUTER_CONFIG"
+SCOPE_ENGINE = "specpilot.engine"  # ASGI scope key: the engine a request was routed to
 # hop-by-hop headers and the length (the relay re-chunks); Content-Encoding stays: the bytes are relayed as sent
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 
 
 @dataclass
 class Backend:
-    """One engine host behind the router: base URL, control token, requests in flight."""
+    """One engine host behind the router: base URL, control token, requests in flight.
+
+    Attributes:
+        extra_headers: sent with every request the router makes to it (the in-engine
+            front marks requests to its own engine, see :mod:`engine_host.front`).
+        local_tpot: reads the TPOT histogram's ``(sum_s, count)`` without HTTP (the
+            in-engine front's own engine); None: poll ``/metrics``.
+    """
 
     name: str
     url: str
     token: str
     inflight: int = 0
     last_error: str | None = None
+    extra_headers: dict[str, str] = field(default_factory=dict)
+    local_tpot: Callable[[], tuple[float, float] | None] | None = None
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
+        return {"Authorization": f"Bearer {self.token}", **self.extra_headers}
 
 
 @dataclass
@@ -86,6 +102,26 @@ class RouterState:
     poll_errors: int = 0
     mode_file: Path | None = None
     _mode_mtime: float = 0.0
+    _poll_task: "asyncio.Task[None] | None" = None
+
+    async def start(self) -> None:
+        """Open the HTTP client and start :func:`poll_loop` (in the running event loop)."""
+        if self.client is None:
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+            self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
+        if self._poll_task is None:
+            self._poll_task = asyncio.create_task(poll_loop(self))
+
+    async def aclose(self) -> None:
+        """Stop polling and close the HTTP client."""
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poll_task
+            self._poll_task = None
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
 
     def publish_mode(self, mode: str) -> None:
         """Set the routing mode here and, through :attr:`mode_file`, in every worker.
@@ -116,10 +152,25 @@ class RouterState:
 def tpot_totals(metrics_text: str) -> tuple[float, float] | None:
     """``(sum_s, count)`` of vLLM's TPOT histogram in a ``/metrics`` text (all label sets
     added), or None when the family is absent."""
+    # only the one family is parsed: vLLM's full exposition is large and this runs 4x a second
+    return _tpot_from(text_string_to_metric_families(select_families(metrics_text, {TPOT_FAMILY})))
+
+
+def local_tpot_totals() -> tuple[float, float] | None:
+    """``(sum_s, count)`` of vLLM's TPOT histogram in this process's Prometheus registry
+    (the in-engine front reads its own engine so, without rendering the whole exposition
+    4x a second), or None when vLLM has not registered it here."""
+    from prometheus_client import REGISTRY
+
+    # the registry's name index (prometheus_client's, unchanged since 0.4) finds the one collector
+    collector = getattr(REGISTRY, "_names_to_collectors", {}).get(TPOT_FAMILY + "_sum")
+    return None if collector is None else _tpot_from(collector.collect())
+
+
+def _tpot_from(families: Any) -> tuple[float, float] | None:
     total_s = count = 0.0
     found = False
-    # only the one family is parsed: vLLM's full exposition is large and this runs 4x a second
-    for fam in text_string_to_metric_families(select_families(metrics_text, {TPOT_FAMILY})):
+    for fam in families:
         if fam.name != TPOT_FAMILY:
             continue
         for s in fam.samples:
@@ -195,9 +246,11 @@ async def poll_loop(state: RouterState) -> None:
         now = time.monotonic()
         for name, b in state.backends.items():
             try:
-                r = await state.client.get(b.url + "/metrics", timeout=5.0)
-                r.raise_for_status()
-                totals = tpot_totals(r.text)
+                totals = b.local_tpot() if b.local_tpot is not None else None
+                if totals is None:
+                    r = await state.client.get(b.url + "/metrics", headers=b.extra_headers or None, timeout=5.0)
+                    r.raise_for_status()
+                    totals = tpot_totals(r.text)
                 if totals is not None:
                     state.split.observe(name, totals[0], totals[1], now)
                 b.last_error = None
@@ -214,23 +267,20 @@ def create_app(state: RouterState) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        state.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
-        task = asyncio.create_task(poll_loop(state))
+        await state.start()
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await state.client.aclose()
+            await state.aclose()
 
     app = FastAPI(title="SpecPilot engine router", lifespan=lifespan)
 
     async def proxy(request: Request, path: str) -> Any:
         body = await request.body()
-        state.follow_mode()  # one stat(): a mode set through another worker holds from its answer on
-        engine = state.split.choose()
+        engine = request.scope.get(SCOPE_ENGINE)  # chosen already by the in-engine front
+        if engine is None:
+            state.follow_mode()  # one stat(): a mode set through another worker holds from its answer on
+            engine = state.split.choose()
         b = state.backends[engine]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS | {"host"}}
         assert state.client is not None
@@ -275,8 +325,8 @@ def create_app(state: RouterState) -> FastAPI:
     async def get_json(engine: str, path: str, auth: bool = False, **params: Any) -> httpx.Response:
         b = state.backends[engine]
         assert state.client is not None
-        return await state.client.get(b.url + path, headers=b.headers if auth else None, params=params or None,
-                                      timeout=30.0)
+        return await state.client.get(b.url + path, headers=b.headers if auth else (b.extra_headers or None),
+                                      params=params or None, timeout=30.0)
 
     @app.get("/v1/models")
     async def models() -> Any:
@@ -399,24 +449,34 @@ def create_app(state: RouterState) -> FastAPI:
     return app
 
 
-def app_from_env() -> FastAPI:
-    """The app for one uvicorn worker, built from ``$SPECPILOT_ROUTER_CONFIG`` (JSON written
-    by :func:`main`: backends, split bounds, mode file). Every worker polls the engines and
-    keeps its own split; the routing mode is shared through the mode file.
-
-    Raises:
-        RuntimeError: the variable is missing (the router was not started by :func:`main`).
-    """
-    raw = os.environ.get(ENV_ROUTER_CONFIG)
-    if not raw:
-        raise RuntimeError(f"${ENV_ROUTER_CONFIG} is not set: start the router with python -m engine_host.router")
-    cfg = json.loads(raw)
-    token = os.environ.get(ENV_TOKEN, "")
+def state_from_config(cfg: dict[str, Any], token: str) -> RouterState:
+    """A :class:`RouterState` from the JSON :func:`main` passes in ``$SPECPILOT_ROUTER_CONFIG``
+    (backends by name and URL, split bounds and step, mode file)."""
     backends = {name: Backend(name, url, token) for name, url in cfg["backends"].items()}
     split = TrafficSplit(p=cfg["p_start"], p_min=cfg["p_min"], p_max=cfg["p_max"], eta=cfg["eta"])
     state = RouterState(backends=backends, split=split, mode_file=Path(cfg["mode_file"]))
     state.follow_mode()
-    return create_app(state)
+    return state
+
+
+def router_config_from_env() -> dict[str, Any] | None:
+    """The parsed ``$SPECPILOT_ROUTER_CONFIG``, or None when it is not set."""
+    raw = os.environ.get(ENV_ROUTER_CONFIG)
+    return json.loads(raw) if raw else None
+
+
+def app_from_env() -> FastAPI:
+    """The app for one uvicorn worker of the relay front (``--front relay``), built from
+    ``$SPECPILOT_ROUTER_CONFIG`` (see :func:`state_from_config`). Every worker polls the
+    engines and keeps its own split; the routing mode is shared through the mode file.
+
+    Raises:
+        RuntimeError: the variable is missing (the router was not started by :func:`main`).
+    """
+    cfg = router_config_from_env()
+    if not cfg:
+        raise RuntimeError(f"${ENV_ROUTER_CONFIG} is not set: start the router with python -m engine_host.router")
+    return create_app(state_from_config(cfg, os.environ.get(ENV_TOKEN, "")))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -437,10 +497,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--p-min", type=float, default=0.01, help="smallest share of requests for the speculative engine")
     p.add_argument("--p-max", type=float, default=0.97, help="largest share of requests for the speculative engine")
     p.add_argument("--eta", type=float, default=0.5, help="step of the share's update per poll (0.25 s)")
+    p.add_argument("--front", choices=("engine", "relay"), default=None,
+                   help="engine: the plain engine's own server takes the port and routes inside it (plain "
+                        "requests cost no extra hop); relay: a separate router process relays every request "
+                        "(default: engine; relay with --plain-url/--spec-url)")
     p.add_argument("--workers", type=int, default=1,
-                   help="router processes (each relays requests; use 4 or more at thousands of tokens/s)")
-    p.add_argument("--plain-url", default=None, help="attach to this running plain engine host instead")
-    p.add_argument("--spec-url", default=None, help="attach to this running speculative engine host instead")
+                   help="relay front: router processes (each relays requests; 4 or more at thousands of tokens/s)")
+    p.add_argument("--plain-url", default=None, help="relay front: attach to this running plain engine host")
+    p.add_argument("--spec-url", default=None, help="relay front: attach to this running speculative engine host")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for both engines")
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -452,23 +516,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("need 0 <= --p-min <= --p-start <= --p-max <= 1")
     if args.workers < 1:
         p.error("--workers must be at least 1")
+    if args.front is None:
+        args.front = "relay" if args.plain_url else "engine"
+    if args.front == "engine" and args.plain_url:
+        p.error("--plain-url/--spec-url attach to running engines: only the relay front can (--front relay)")
+    if args.front == "engine" and args.workers > 1:
+        p.error("--workers is for the relay front; the engine front runs inside the plain engine's server")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Start both engine hosts (or attach), then serve the router until Ctrl-C / SIGTERM."""
-    import uvicorn
+    """Start both engine hosts (or attach), then serve until Ctrl-C / SIGTERM.
 
+    ``--front engine``: the speculative engine host starts on a free port, then the plain
+    one on ``--port`` with :mod:`engine_host.front` inside; this process only watches them.
+    ``--front relay``: both start on free ports and uvicorn serves :func:`app_from_env`.
+    """
     from .process import EngineHostError, EngineHostProcess
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     token, _ = control_token()
     os.environ[ENV_TOKEN] = token
-    children: list[EngineHostProcess] = []
+    os.environ.pop(ENV_ROUTER_CONFIG, None)  # set below for the one process that routes
+    mode_file = subdir("run") / f"router-{args.port}.routing"
+    mode_file.write_text(args.routing)
+    config = {"p_start": args.p_start, "p_min": args.p_min, "p_max": args.p_max, "eta": args.eta,
+              "mode_file": str(mode_file), "front": args.front}
+    children: list[tuple[str, EngineHostProcess]] = []
     if args.plain_url:
-        backends = {PLAIN: Backend(PLAIN, args.plain_url.rstrip("/"), token),
-                    SPECULATIVE: Backend(SPECULATIVE, args.spec_url.rstrip("/"), token)}
+        config["backends"] = {PLAIN: args.plain_url.rstrip("/"), SPECULATIVE: args.spec_url.rstrip("/")}
     else:
         common = list(args.engine_args)
         if args.model != "default":
@@ -480,11 +557,20 @@ def main(argv: list[str] | None = None) -> int:
         # of a core and never finished loading (2-core machine). Unpinned, the OS spreads them.
         # The GPU build ignores this variable.
         env = {} if "VLLM_CPU_OMP_THREADS_BIND" in os.environ else {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-        plain = EngineHostProcess(token=token, env=env, extra_args=[*common, "--k-max", "0"])
         spec = EngineHostProcess(token=token, env=env, extra_args=[*common, "--k-max", str(args.k_max),
                                                                    "--speculation-mode", args.speculation_mode])
-        children = [plain, spec]
-        backends = {PLAIN: Backend(PLAIN, plain.url, token), SPECULATIVE: Backend(SPECULATIVE, spec.url, token)}
+        if args.front == "engine":
+            self_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+            config["backends"] = {PLAIN: f"http://{self_host}:{args.port}", SPECULATIVE: spec.url}
+            plain = EngineHostProcess(port=args.port, host=args.host, token=token, extra_args=[*common, "--k-max", "0"],
+                                      env={**env, ENV_ROUTER_CONFIG: json.dumps(config)})
+            # the speculative one first: the plain one takes the public port and answers
+            # /ready only once both engines are ready
+            children = [(SPECULATIVE, spec), (PLAIN, plain)]
+        else:
+            plain = EngineHostProcess(token=token, env=env, extra_args=[*common, "--k-max", "0"])
+            config["backends"] = {PLAIN: plain.url, SPECULATIVE: spec.url}
+            children = [(PLAIN, plain), (SPECULATIVE, spec)]
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt  # start-up is cut short like Ctrl-C; uvicorn has its own handlers later
@@ -494,19 +580,20 @@ def main(argv: list[str] | None = None) -> int:
         # one after the other: vLLM sizes its KV cache from the GPU memory that changes while
         # it profiles, so an engine starting beside another one sees the other's KV cache
         # appear and fails ("Available KV cache memory: -1.01 GiB", seen on an H100)
-        for c, name in zip(children, ENGINES):
+        for name, c in children:
             print(f"starting the {name} engine host: {c.url} (log {c.log_path})", flush=True)
             c.start()
             secs = c.wait_ready(timeout_s=args.ready_timeout)
             print(f"  {name} engine host ready in {secs:.1f} s", flush=True)
-        mode_file = subdir("run") / f"router-{args.port}.routing"
-        mode_file.write_text(args.routing)
-        os.environ[ENV_ROUTER_CONFIG] = json.dumps({
-            "backends": {name: b.url for name, b in backends.items()}, "p_start": args.p_start,
-            "p_min": args.p_min, "p_max": args.p_max, "eta": args.eta, "mode_file": str(mode_file)})
-        print(f"SpecPilot engine router on http://{args.host}:{args.port} "
-              f"(plain {backends[PLAIN].url}, speculative {backends[SPECULATIVE].url}, routing {args.routing}, "
-              f"{args.workers} worker(s))", flush=True)
+        b = config["backends"]
+        print(f"SpecPilot engine router on http://{args.host}:{args.port} ({args.front} front; "
+              f"plain {b[PLAIN]}, speculative {b[SPECULATIVE]}, routing {args.routing}"
+              + (f", {args.workers} worker(s))" if args.front == "relay" else ")"), flush=True)
+        if args.front == "engine":
+            return watch(children)
+        import uvicorn
+
+        os.environ[ENV_ROUTER_CONFIG] = json.dumps(config)
         uvicorn.run("engine_host.router:app_from_env", factory=True, host=args.host, port=args.port,
                     workers=args.workers, log_level="warning")
     except EngineHostError as exc:
@@ -517,9 +604,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for c in children:
+        for _, c in children:
             c.stop()
     return 0
+
+
+def watch(children: list[tuple[str, Any]], interval_s: float = 1.0) -> int:
+    """Wait while every engine host runs; returns 1 (with the reason on stderr) when one
+    exits. Ctrl-C / SIGTERM end the wait with KeyboardInterrupt."""
+    while True:
+        for name, c in children:
+            if not c.alive():
+                print(f"error: the {name} engine host exited ({c.proc and c.proc.returncode}):\n{c.log_tail()}",
+                      file=sys.stderr)
+                return 1
+        time.sleep(interval_s)
 
 
 if __name__ == "__main__":

@@ -364,3 +364,28 @@ def test_makespan_is_the_last_token_or_completion():
     recs = [_rec(0.0, [(0.5, 1), (2.0, 3)], done=2.1), _rec(1.0, [(1.5, 2)], done=None)]
     assert bm.makespan_s(recs) == pytest.approx(2.1)
     assert bm.makespan_s([]) == 0.0
+
+
+def test_a_bare_vllm_server_runs_mode_plain_only():
+    import asyncio
+
+    import httpx
+
+    from bench.engine_control import BenchError, EngineControl
+
+    def vllm_serve(request: httpx.Request) -> httpx.Response:  # no /control/* routes
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    async def go() -> None:
+        ec = EngineControl("http://vllm", token=None)
+        ec.http = httpx.AsyncClient(base_url="http://vllm", transport=httpx.MockTransport(vllm_serve))
+        try:
+            assert await ec.state() == {}
+            assert await ec.samples(0.0) == []
+            assert await ec.apply_mode("plain") == {}
+            with pytest.raises(BenchError, match="needs an engine host"):
+                await ec.apply_mode("fixed:4")
+        finally:
+            await ec.aclose()
+
+    asyncio.run(go())

@@ -20,7 +20,7 @@ def router(default_model, tmp_path_factory, artifacts_dir):
     home = tmp_path_factory.mktemp("router-home")
     rp = RouterProcess(model=default_model, env={"SPECPILOT_HOME": str(home)},
                        extra_args=["--speculation-mode", "fixed", "--p-start", "0.5", "--p-min", "0.5",
-                                   "--p-max", "0.5", "--workers", "2",
+                                   "--p-max", "0.5",
                                    "--", "--enforce-eager", "--max-num-seqs", "4", "--max-model-len", "1024",
                                    "--warmup", "quick"],
                        log_path=artifacts_dir / "router.log")

@@ -118,3 +118,80 @@ def test_down_engines_are_reported_not_crashed(monkeypatch):
         assert r.status_code == 503
         assert state.split.mode == "auto"  # refused: routing unchanged
         assert c.get("/metrics").status_code == 200
+
+
+def test_in_engine_front_serves_plain_requests_in_process_and_relays_the_rest(monkeypatch):
+    import httpx
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from engine_host.front import INTERNAL_HEADER, RouterFront
+    from engine_host.router import Backend
+
+    monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", "tok")
+    inner = FastAPI()  # stands in for vLLM's app (the plain engine's own routes)
+    inner_hits: list[str] = []
+
+    @inner.post("/v1/completions")
+    async def inner_completions() -> dict:
+        inner_hits.append("/v1/completions")
+        return {"engine": "inner"}
+
+    @inner.get("/ready")
+    async def inner_ready() -> dict:
+        inner_hits.append("/ready")
+        return {"ready": True}
+
+    seen: list[tuple[str, str | None]] = []  # (url, internal header) of the front's own HTTP calls
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append((str(request.url), request.headers.get(INTERNAL_HEADER)))
+        if request.url.path == "/v1/completions":  # streamed as an engine does (the relay reads it raw)
+            return httpx.Response(200, headers={"content-type": "application/json"},
+                                  stream=httpx.ByteStream(b'{"engine": "speculative-upstream"}'))
+        return httpx.Response(200, json={"ready": True})
+
+    backends = {PLAIN: Backend(PLAIN, "http://127.0.0.1:1", "tok", extra_headers={INTERNAL_HEADER: "1"}),
+                SPECULATIVE: Backend(SPECULATIVE, "http://127.0.0.1:2", "tok")}
+    state = RouterState(backends=backends, split=TrafficSplit(seed=0))
+    state.client = httpx.AsyncClient(transport=httpx.MockTransport(upstream))
+    c = TestClient(RouterFront(inner, state))
+
+    state.split.set_mode(PLAIN)
+    r = c.post("/v1/completions", json={"prompt": "x"})
+    assert r.json() == {"engine": "inner"} and r.headers["x-specpilot-engine"] == "plain"
+    assert seen == [] and backends[PLAIN].inflight == 0  # no HTTP hop for the plain engine
+
+    state.split.set_mode(SPECULATIVE)
+    r = c.post("/v1/completions", json={"prompt": "x"})
+    assert r.json() == {"engine": "speculative-upstream"} and r.headers["x-specpilot-engine"] == "speculative"
+    assert seen == [("http://127.0.0.1:2/v1/completions", None)]
+    assert inner_hits == ["/v1/completions"]
+    assert state.split.routed == {PLAIN: 1, SPECULATIVE: 1}
+
+    # /ready is the router's (both engines), and it reaches its own engine past the front
+    seen.clear()
+    r = c.get("/ready")
+    assert r.status_code == 200 and r.json()["engines"] == {PLAIN: 200, SPECULATIVE: 200}
+    assert ("http://127.0.0.1:1/ready", "1") in seen
+    # with the internal header a request goes to the engine's own route, unrouted
+    r = c.post("/v1/completions", json={"prompt": "x"}, headers={INTERNAL_HEADER: "1"})
+    assert r.json() == {"engine": "inner"} and "x-specpilot-engine" not in r.headers
+    assert c.get("/ready", headers={INTERNAL_HEADER: "1"}).json() == {"ready": True}
+    assert state.split.routed == {PLAIN: 1, SPECULATIVE: 1}
+
+
+def test_local_tpot_reads_the_histogram_from_this_process_registry():
+    from prometheus_client import REGISTRY, Histogram
+
+    from engine_host.router import TPOT_FAMILY, local_tpot_totals
+
+    h = Histogram(TPOT_FAMILY, "test", labelnames=["model_name"])
+    try:
+        h.labels("a").observe(0.02)
+        h.labels("b").observe(0.04)
+        total, count = local_tpot_totals()
+        assert count == 2 and abs(total - 0.06) < 1e-9
+    finally:
+        REGISTRY.unregister(h)
+    assert local_tpot_totals() is None
