@@ -62,8 +62,23 @@ class PlainServe(EngineHostProcess):
                 Path(str(self.model)).name, "--host", self.host, "--port", str(self.port), *self.extra]
 
     def start(self):
-        self.env["VLLM_PLUGINS"] = ""  # no plugin of any kind
+        self.env.setdefault("VLLM_PLUGINS", "")  # no plugin of any kind unless the spec names some
         return super().start()
+
+
+ENV_TOKEN_RE = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+
+
+def split_env(eargs: str) -> tuple[dict[str, str], list[str]]:
+    """Split an engine spec's ARGS into leading ``NAME=value`` environment settings and
+    the arguments: ``"VLLM_PLUGINS=specpilot_stats --max-num-seqs 64"`` ->
+    ``({"VLLM_PLUGINS": "specpilot_stats"}, ["--max-num-seqs", "64"])``."""
+    tokens = shlex.split(eargs)
+    env = {}
+    while tokens and ENV_TOKEN_RE.match(tokens[0]):
+        k, _, v = tokens.pop(0).partition("=")
+        env[k] = v
+    return env, tokens
 
 
 async def wait_url(eh: EngineHostProcess, path: str, timeout_s: float) -> float:
@@ -120,8 +135,13 @@ async def ttft(url: str, model: str, wl: Workload) -> float:
     return float("nan")
 
 
-async def closed_loop(url: str, model: str, concurrency: int, duration: float, max_tokens: int, seed: int) -> dict:
-    wl = Workload("chat", seed=seed)
+async def closed_loop(url: str, model: str, concurrency: int, duration: float, max_tokens: int, seed: int,
+                      workload: str = "chat") -> dict:
+    """``concurrency`` clients, each sending the next prompt of ``workload`` as soon as its
+    last request finished, for ``duration`` seconds. Returns ``{"tokens_per_s"}`` (vLLM's
+    ``vllm:generation_tokens_total`` over the window from 1 s after the start, tokens/s) and
+    the client-side figures."""
+    wl = Workload(workload, seed=seed)
     t_end = time.monotonic() + duration
     done_tokens = 0
     failed = 0
@@ -236,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", action="append", required=True,
                     help="'plain', 'serve:NAME:ARGS' (vllm serve ARGS, no SpecPilot part), 'host:NAME:ARGS' "
                          "(python -m engine_host ARGS) or 'dual:NAME:ARGS' (python -m engine_host.router ARGS); "
+                         "ARGS may start with NAME=value environment settings (e.g. VLLM_PLUGINS=specpilot_stats); "
                          "repeatable, run in order")
     ap.add_argument("--loads", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 64],
                     help="concurrencies (closed loop)")
@@ -269,13 +290,16 @@ def main(argv: list[str] | None = None) -> int:
         elif spec.startswith("serve:"):
             _, name, eargs = spec.split(":", 2)
             is_host = False
-            eh = PlainServe(model, ["--max-model-len", "2048", *shlex.split(eargs)], log_path=out / "logs" / f"{name}.log")
+            env, eargs_l = split_env(eargs)
+            eh = PlainServe(model, ["--max-model-len", "2048", *eargs_l], log_path=out / "logs" / f"{name}.log",
+                            env=env)
         else:
             kind, name, eargs = spec.split(":", 2)
             is_host = True
             cls = RouterProcess if kind == "dual" else EngineHostProcess
-            eh = cls(model=model, extra_args=shlex.split(eargs), log_path=out / "logs" / f"{name}.log")
-        rec = {"name": name, "command": shlex.join(eh.command()), "t_start_unix": time.time()}
+            env, eargs_l = split_env(eargs)
+            eh = cls(model=model, extra_args=eargs_l, log_path=out / "logs" / f"{name}.log", env=env)
+        rec = {"name": name, "command": shlex.join(eh.command()), "env": eh.env, "t_start_unix": time.time()}
         print(f"== {name}: {rec['command']}", flush=True)
         eh.start()
         try:
