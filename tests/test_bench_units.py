@@ -389,3 +389,38 @@ def test_a_bare_vllm_server_runs_mode_plain_only():
             await ec.aclose()
 
     asyncio.run(go())
+
+
+def test_engine_spec_environment_settings_are_split_from_arguments():
+    from bench.gpu_bench import split_env
+
+    env, argv = split_env("VLLM_PLUGINS=specpilot_stats A_B=1 --max-num-seqs 64 X=2")
+    assert env == {"VLLM_PLUGINS": "specpilot_stats", "A_B": "1"}
+    assert argv == ["--max-num-seqs", "64", "X=2"]  # only leading settings are environment
+    assert split_env("") == ({}, [])
+
+
+def test_host_overhead_engine_specs_and_refusal(tmp_path):
+    from bench.host_overhead import make_engine
+    from engine_host.process import RouterProcess
+
+    name, eh, kind = make_engine("serve:stats:VLLM_PLUGINS=specpilot_stats --max-num-seqs 8", "/m/model", tmp_path)
+    assert (name, kind) == ("stats", "serve")
+    assert eh.env == {"VLLM_PLUGINS": "specpilot_stats"} and eh.command()[-2:] == ["--max-num-seqs", "8"]
+    name, eh, kind = make_engine("dual:d:--gpu-memory-utilization 0.3 -- --warmup quick", "/m/model", tmp_path)
+    assert kind == "dual" and isinstance(eh, RouterProcess) and eh.extra_args[-2:] == ["--warmup", "quick"]
+    with pytest.raises(SystemExit, match="expected serve:NAME:ARGS"):
+        make_engine("plain", "/m/model", tmp_path)
+
+
+def test_host_overhead_table_gives_ratio_of_medians_to_the_first_row():
+    from bench.host_overhead import summarize
+
+    table = summarize({"rows": [
+        {"name": "bare", "loads": {"chat@c64": [100.0, 300.0, 200.0]}, "ttft_ms": [20.0, 30.0, 25.0]},
+        {"name": "dual/auto", "loads": {"chat@c64": [150.0, 190.0, 170.0]}, "ttft_ms": [22.0]},
+    ]})
+    lines = table.splitlines()
+    assert "chat@c64" in lines[0]
+    assert "| bare | 200 (100, 300, 200) | 1.000 | 25.0 |" == lines[2]
+    assert "| dual/auto | 170 (150, 190, 170) | 0.850 | 22.0 |" == lines[3]
