@@ -1,12 +1,14 @@
-"""What the engine host's own parts cost on a plain engine, side by side with bare ``vllm serve``.
+"""Engines side by side on one GPU: the engine host against bare ``vllm serve``, or a dual
+engine host's routing modes against each other.
 
 Every ``--engine`` (same spec syntax as :mod:`bench.gpu_bench`: ``serve:NAME:ARGS``,
-``host:NAME:ARGS``, ARGS may start with ``NAME=value`` environment settings) is started in
-turn and left running, each with its share of GPU memory (``--gpu-memory-utilization`` in
-its ARGS). Once all are up, the closed-loop loads run round-robin over the engines
-(``--rounds`` rounds: engine 1, 2, ..., then again), so that drift of the machine over time
-hits every engine alike, and single-request TTFTs are taken the same way. Ratios are
-against the first engine.
+``host:NAME:ARGS``, ``dual:NAME:ARGS``; ARGS may start with ``NAME=value`` environment
+settings) is started in turn and left running, each with its share of GPU memory
+(``--gpu-memory-utilization`` in its ARGS). Once all are up, the closed-loop loads run
+round-robin over the rows (``--rounds`` rounds: row 1, 2, ..., then again; a dual engine
+host gives one row per ``--modes`` routing mode, set with ``PUT /control/config`` before
+each window), so that drift of the machine over time hits every row alike, and
+single-request TTFTs are taken the same way. Ratios are of medians, against the first row.
 
 Throughput is vLLM's own ``vllm:generation_tokens_total`` over each window (tokens/s), as
 in :mod:`bench.gpu_bench`; TTFT in ms of one streamed 32-token request.
@@ -92,6 +94,13 @@ async def set_routing(eh: EngineHostProcess, mode: str) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict:
+    """Start the engines, take the loads and TTFTs round-robin, stop them.
+
+    Returns:
+        ``{"engines": [...], "rows": [{"name", "loads": {"WORKLOAD@cN": [tokens/s, ...]},
+        "ttft_ms": [...]}], "args"}``, also written to ``--out/overhead.json`` after each
+        window. An engine that does not come up is recorded with its ``error`` and left out.
+    """
     out = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
     model = str(prepare_default_model(quiet=True))
