@@ -525,6 +525,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def cpu_child_env(environ: dict[str, str] | None = None, ncpu: int | None = None) -> dict[str, str]:
+    """Environment for the two engine hosts on vLLM's CPU build ({} on the GPU build).
+
+    vLLM's "auto" binding pins each engine's OpenMP threads to the same cores: a second
+    engine pinned beside a busy first one got about 1 % of a core and never finished loading
+    (2-core machine). Unpinned, the OpenMP runtime starts a thread per core in each engine
+    and spins 200 ms after every parallel region, so two engines (and any other on the
+    machine) slow each other down several times over. Each engine therefore gets half the
+    cores (at least one), unpinned, with vLLM's own short spin (``KMP_BLOCKTIME=5`` ms).
+    Settings already in the environment win.
+
+    Args:
+        environ: the environment to respect (default ``os.environ``).
+        ncpu: cores on this machine (default ``os.cpu_count()``).
+    """
+    from .launcher import is_cpu_build
+
+    environ = os.environ if environ is None else environ
+    if not is_cpu_build() or "VLLM_CPU_OMP_THREADS_BIND" in environ:
+        return {}
+    threads = max(1, (ncpu or os.cpu_count() or 2) // 2)
+    wanted = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads), "KMP_BLOCKTIME": "5"}
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Start both engine hosts (or attach), then serve until Ctrl-C / SIGTERM.
 
@@ -552,11 +577,7 @@ def main(argv: list[str] | None = None) -> int:
             common = ["--model", args.model, *common]
         if args.gpu_memory_utilization is not None:
             common += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-        # CPU build: vLLM pins each engine's worker to the same cores ("auto" binding), and a
-        # worker kept busy by polls spins there; a second engine pinned beside it got about 1 %
-        # of a core and never finished loading (2-core machine). Unpinned, the OS spreads them.
-        # The GPU build ignores this variable.
-        env = {} if "VLLM_CPU_OMP_THREADS_BIND" in os.environ else {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        env = cpu_child_env()
         spec = EngineHostProcess(token=token, env=env, extra_args=[*common, "--k-max", str(args.k_max),
                                                                    "--speculation-mode", args.speculation_mode])
         if args.front == "engine":

@@ -195,3 +195,19 @@ def test_local_tpot_reads_the_histogram_from_this_process_registry():
     finally:
         REGISTRY.unregister(h)
     assert local_tpot_totals() is None
+
+
+def test_cpu_engines_get_half_the_cores_unpinned_and_a_short_spin(monkeypatch):
+    from engine_host import launcher
+    from engine_host.router import cpu_child_env
+
+    monkeypatch.setattr(launcher, "is_cpu_build", lambda: True)
+    assert cpu_child_env({}, ncpu=2) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+                                         "KMP_BLOCKTIME": "5"}
+    assert cpu_child_env({}, ncpu=16)["OMP_NUM_THREADS"] == "8"
+    # the operator's own settings win
+    assert cpu_child_env({"OMP_NUM_THREADS": "3"}, ncpu=16) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                                                "KMP_BLOCKTIME": "5"}
+    assert cpu_child_env({"VLLM_CPU_OMP_THREADS_BIND": "0"}, ncpu=2) == {}
+    monkeypatch.setattr(launcher, "is_cpu_build", lambda: False)
+    assert cpu_child_env({}, ncpu=16) == {}  # the GPU build sets its own threads
