@@ -530,9 +530,10 @@ def cpu_child_env(environ: dict[str, str] | None = None, ncpu: int | None = None
 
     vLLM's "auto" binding pins each engine's OpenMP threads to the same cores: a second
     engine pinned beside a busy first one got about 1 % of a core and never finished loading
-    (2-core machine). Unpinned, the OpenMP runtime starts a thread per core in each engine
-    and spins 200 ms after every parallel region, so two engines (and any other on the
-    machine) slow each other down several times over. Each engine therefore gets half the
+    (2-core machine). Unpinned, each engine starts an OpenMP thread per core, and the Intel
+    OpenMP runtime by default spins 200 ms after every parallel region, so two engines (and
+    any other on the machine) slowed each other down several times over (a test case: 479 s
+    beside another engine, 54 s alone). Each engine therefore gets half the
     cores (at least one), unpinned, with vLLM's own short spin (``KMP_BLOCKTIME=5`` ms).
     Settings already in the environment win.
 
