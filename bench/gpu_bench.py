@@ -81,6 +81,29 @@ def split_env(eargs: str) -> tuple[dict[str, str], list[str]]:
     return env, tokens
 
 
+def make_engine(spec: str, model: str, logs: Path) -> tuple[str, EngineHostProcess, str]:
+    """``(name, process, kind)`` for one ``--engine`` spec; kind is serve (``plain`` and
+    ``serve:NAME:ARGS``), host or dual. The process is not started; its log goes to
+    ``logs/NAME.log``.
+
+    Raises:
+        SystemExit: the spec is not ``plain``, ``serve:NAME:ARGS``, ``host:NAME:ARGS`` or
+            ``dual:NAME:ARGS``.
+    """
+    if spec == "plain":
+        return "plain", PlainServe(model, ["--max-model-len", "2048"], log_path=logs / "plain.log"), "serve"
+    kind, _, rest = spec.partition(":")
+    name, _, eargs = rest.partition(":")
+    if kind not in ("serve", "host", "dual") or not name:
+        raise SystemExit(f"error: --engine {spec!r}: expected plain, serve:NAME:ARGS, host:NAME:ARGS or dual:NAME:ARGS")
+    env, argv = split_env(eargs)
+    log = logs / f"{name}.log"
+    if kind == "serve":
+        return name, PlainServe(model, ["--max-model-len", "2048", *argv], log_path=log, env=env), kind
+    cls = RouterProcess if kind == "dual" else EngineHostProcess
+    return name, cls(model=model, extra_args=argv, log_path=log, env=env), kind
+
+
 async def wait_url(eh: EngineHostProcess, path: str, timeout_s: float) -> float:
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=2.0) as c:
@@ -284,21 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     res_path = out / "results.json"
     results = json.loads(res_path.read_text()) if res_path.is_file() else {"engines": []}
     for spec in args.engine:
-        if spec == "plain":
-            name, eh, is_host = "plain", None, False
-            eh = PlainServe(model, ["--max-model-len", "2048"], log_path=out / "logs" / "plain.log")
-        elif spec.startswith("serve:"):
-            _, name, eargs = spec.split(":", 2)
-            is_host = False
-            env, eargs_l = split_env(eargs)
-            eh = PlainServe(model, ["--max-model-len", "2048", *eargs_l], log_path=out / "logs" / f"{name}.log",
-                            env=env)
-        else:
-            kind, name, eargs = spec.split(":", 2)
-            is_host = True
-            cls = RouterProcess if kind == "dual" else EngineHostProcess
-            env, eargs_l = split_env(eargs)
-            eh = cls(model=model, extra_args=eargs_l, log_path=out / "logs" / f"{name}.log", env=env)
+        name, eh, kind = make_engine(spec, model, out / "logs")
+        is_host = kind != "serve"
         rec = {"name": name, "command": shlex.join(eh.command()), "env": eh.env, "t_start_unix": time.time()}
         print(f"== {name}: {rec['command']}", flush=True)
         eh.start()

@@ -40,28 +40,10 @@ from pathlib import Path
 import httpx
 
 from engine_host.model import prepare_default_model
-from engine_host.process import EngineHostProcess, RouterProcess
+from engine_host.process import EngineHostProcess
 
-from .gpu_bench import PlainServe, closed_loop, log_lines, split_env, ttft, wait_url
+from .gpu_bench import closed_loop, log_lines, make_engine, ttft, wait_url
 from .workloads import Workload
-
-
-def make_engine(spec: str, model: str, logs: Path) -> tuple[str, EngineHostProcess, str]:
-    """``(name, process, kind)`` for one ``--engine`` spec; kind is serve, host or dual.
-
-    Raises:
-        SystemExit: the spec is not ``serve:NAME:ARGS``, ``host:NAME:ARGS`` or ``dual:NAME:ARGS``.
-    """
-    kind, _, rest = spec.partition(":")
-    name, _, eargs = rest.partition(":")
-    if kind not in ("serve", "host", "dual") or not name:
-        raise SystemExit(f"error: --engine {spec!r}: expected serve:NAME:ARGS, host:NAME:ARGS or dual:NAME:ARGS")
-    env, argv = split_env(eargs)
-    log = logs / f"{name}.log"
-    if kind == "serve":
-        return name, PlainServe(model, ["--max-model-len", "2048", *argv], log_path=log, env=env), kind
-    cls = RouterProcess if kind == "dual" else EngineHostProcess
-    return name, cls(model=model, extra_args=argv, log_path=log, env=env), kind
 
 
 def summarize(res: dict) -> str:
@@ -178,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", type=lambda s: [x for x in s.split(",") if x], default=["chat"],
                     help="harness workloads whose prompts the clients send (chat: open-ended, code: predictable)")
     ap.add_argument("--loads", type=lambda s: [int(x) for x in s.split(",") if x], default=[64],
-                    help="concurrencies (closed loop, open-ended chat prompts)")
+                    help="concurrencies (closed loop)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all engines")
     ap.add_argument("--duration", type=float, default=6.0, help="seconds per window")
     ap.add_argument("--warm", type=float, default=3.0, help="seconds of untimed load before each window")

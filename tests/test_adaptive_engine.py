@@ -81,10 +81,10 @@ def test_copy_traffic_drives_adaptive_k_up(engine_host, control, restore_config)
     steps = _steps_delta(before, st["controller"]["steps_at_k"])
     assert st["speculation"]["mode"] == "adaptive"
     assert _mean_k(steps) >= 3.0, steps
-    # Not asserted: the policy's K at the end. Its last observations are most likely the drain tail (one
-    # request left, generating past the copied text with ignore_eos, where drafts stop being
-    # accepted), so K = 0 there is right; one CI run saw k_best 0 at batch size 1 after a mean
-    # K above 3 over the traffic.
+    # Not asserted: the policy's K at the end. Its last observations are most likely the
+    # drain tail (one request left, generating past the copied text with ignore_eos, where
+    # drafts stop being accepted), so K = 0 there is right; one CI run saw k_best 0 at batch
+    # size 1 after a mean K above 3 over the traffic.
     # the controller's estimate agrees with vLLM's own counters: first-position
     # acceptance of a draft = r_1 / q_1 (per decode request-step) against
     # accepted_per_pos[0] / drafts over the same traffic

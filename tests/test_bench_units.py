@@ -401,7 +401,7 @@ def test_engine_spec_environment_settings_are_split_from_arguments():
 
 
 def test_host_overhead_engine_specs_and_refusal(tmp_path):
-    from bench.host_overhead import make_engine
+    from bench.gpu_bench import make_engine
     from engine_host.process import RouterProcess
 
     name, eh, kind = make_engine("serve:stats:VLLM_PLUGINS=specpilot_stats --max-num-seqs 8", "/m/model", tmp_path)
@@ -409,8 +409,10 @@ def test_host_overhead_engine_specs_and_refusal(tmp_path):
     assert eh.env == {"VLLM_PLUGINS": "specpilot_stats"} and eh.command()[-2:] == ["--max-num-seqs", "8"]
     name, eh, kind = make_engine("dual:d:--gpu-memory-utilization 0.3 -- --warmup quick", "/m/model", tmp_path)
     assert kind == "dual" and isinstance(eh, RouterProcess) and eh.extra_args[-2:] == ["--warmup", "quick"]
-    with pytest.raises(SystemExit, match="expected serve:NAME:ARGS"):
-        make_engine("plain", "/m/model", tmp_path)
+    name, eh, kind = make_engine("plain", "/m/model", tmp_path)
+    assert (name, kind) == ("plain", "serve") and eh.env == {}
+    with pytest.raises(SystemExit, match="expected plain, serve:NAME:ARGS"):
+        make_engine("hots:x:--k-max 0", "/m/model", tmp_path)
 
 
 def test_host_overhead_table_gives_ratio_of_medians_to_the_first_row():
