@@ -8,10 +8,20 @@ settings) is started in turn and left running, each with its share of GPU memory
 round-robin over the rows (``--rounds`` rounds: row 1, 2, ..., then again; a dual engine
 host gives one row per ``--modes`` routing mode, set with ``PUT /control/config`` before
 each window), so that drift of the machine over time hits every row alike, and
-single-request TTFTs are taken the same way. Ratios are of medians, against the first row.
+single-request TTFTs are taken the same way.
 
 Throughput is vLLM's own ``vllm:generation_tokens_total`` over each window (tokens/s), as
-in :mod:`bench.gpu_bench`; TTFT in ms of one streamed 32-token request.
+in :mod:`bench.gpu_bench`; TTFT in ms of one streamed 32-token request. The table gives,
+per row and cell, the median over windows, the ratio of medians to the baseline row, and the
+ratios taken round by round (each window against the baseline's window of the same round:
+their spread says how well repetitions agree once the machine's drift is paired out).
+
+Runs longer than one command may last: ``--state FILE --keep`` leaves the engines running
+(they run in sessions of their own) and records them with the windows so far; a later call
+with the same ``--state`` attaches to them, starts only the ``--engine`` specs not yet up,
+appends its windows, and stops every engine unless ``--keep`` is given again. ``--only``
+picks the engines measured in one call, ``--time-budget`` ends a call before a round that
+would not fit.
 
 Typical use on a GPU host (docs/gpu.md), to split the engine host's cost into its parts::
 
@@ -21,6 +31,8 @@ Typical use on a GPU host (docs/gpu.md), to split the engine host's cost into it
       --engine 'serve:hook:--gpu-memory-utilization 0.2 --no-enable-prefix-caching --async-scheduling \\
                 --scheduler-cls engine_host.scheduler.SpecPilotAsyncScheduler' \\
       --engine 'serve:stats:VLLM_PLUGINS=specpilot_stats --gpu-memory-utilization 0.2 --no-enable-prefix-caching'
+
+    python -m bench.host_overhead --report overhead.json --baseline ngram4   # table only
 
 Results: ``--out/overhead.json`` (rewritten after each step) and a table on stdout.
 """
@@ -32,6 +44,8 @@ import asyncio
 import json
 import os
 import shlex
+import shutil
+import signal
 import statistics
 import sys
 import time
@@ -40,70 +54,161 @@ from pathlib import Path
 import httpx
 
 from engine_host.model import prepare_default_model
-from engine_host.process import EngineHostProcess
 
 from .gpu_bench import closed_loop, log_lines, make_engine, ttft, wait_url
 from .workloads import Workload
 
 
-def summarize(res: dict) -> str:
-    """Markdown table: per row (engine, or engine/routing mode) and cell (workload@load),
-    median tokens/s with every window, the ratio of medians to the first row, TTFT p50."""
+def _fmt_ratio(x: float | None) -> str:
+    return f"{x:.3f}" if x is not None else "-"
+
+
+def summarize(res: dict, baseline: str | None = None) -> str:
+    """Markdown table, one line per row (engine, or engine/routing mode) and cell
+    (``WORKLOAD@cN``): median tokens/s with every window, the ratio of medians to the
+    baseline row (default: the first row), and the per-round ratios to the baseline (each
+    window over the baseline's window of the same round) as ``median [min, max] (n)``;
+    TTFT p50 in ms.
+
+    Raises:
+        KeyError: ``baseline`` names no row.
+    """
     rows = res["rows"]
+    if not rows:
+        return "(no rows)"
+    by_name = {r["name"]: r for r in rows}
+    base = by_name[baseline] if baseline else rows[0]
     cells = list(dict.fromkeys(k for r in rows for k in r.get("loads", {})))
-    base = rows[0] if rows else {}
-    head = "| row | " + " | ".join(f"{k} tok/s (windows) | x {base.get('name')}" for k in cells) + " | TTFT p50 ms |"
-    lines = [head, "|" + "---|" * (2 + 2 * len(cells))]
+    lines = [f"| row | cell | tok/s median (windows) | x {base['name']} (medians) | "
+             f"x {base['name']} per round: median [min, max] (n) | TTFT p50 ms |",
+             "|---|---|---|---:|---|---:|"]
     for r in rows:
-        out = []
+        tt = r.get("ttft_ms", [])
+        tt_s = f"{statistics.median(tt):.2f}" if tt else "-"
         for k in cells:
             runs = r.get("loads", {}).get(k, [])
+            if not runs:
+                continue
             b = base.get("loads", {}).get(k, [])
-            med = statistics.median(runs) if runs else None
-            bmed = statistics.median(b) if b else None
-            out.append(f"{med:.0f} ({', '.join(f'{x:.0f}' for x in runs)})" if med else "-")
-            out.append(f"{med / bmed:.3f}" if med and bmed else "-")
-        tt = r.get("ttft_ms", [])
-        lines.append(f"| {r['name']} | " + " | ".join(out) + f" | {round(statistics.median(tt), 2) if tt else '-'} |")
+            med = statistics.median(runs)
+            ratio = med / statistics.median(b) if b and statistics.median(b) > 0 else None
+            paired = paired_ratios(r, base, k)
+            p_s = (f"{statistics.median(paired):.3f} [{min(paired):.3f}, {max(paired):.3f}] ({len(paired)})"
+                   if paired and r is not base else "-")
+            lines.append(f"| {r['name']} | {k} | {med:.0f} ({', '.join(f'{x:.0f}' for x in runs)}) | "
+                         f"{_fmt_ratio(ratio)} | {p_s} | {tt_s} |")
     return "\n".join(lines)
 
 
-async def set_routing(eh: EngineHostProcess, mode: str) -> None:
+def paired_ratios(row: dict, base: dict, cell: str) -> list[float]:
+    """Per-round ratios ``row / base`` for one cell, pairing windows by round id
+    (``row["rounds"][cell]``; rows without round ids pair by position)."""
+    a, b = row.get("loads", {}).get(cell, []), base.get("loads", {}).get(cell, [])
+    ra = row.get("rounds", {}).get(cell, list(range(len(a))))
+    rb = dict(zip(base.get("rounds", {}).get(cell, list(range(len(b)))), b))
+    return [x / rb[i] for i, x in zip(ra, a) if rb.get(i)]
+
+
+class AttachedEngine:
+    """An engine left running by an earlier call (``--keep``): its URL, control token and
+    process group, enough to load it, switch its routing and stop it."""
+
+    def __init__(self, url: str, token: str, pid: int, log_path: str):
+        self.url, self.token, self.pid, self.log_path = url, token, pid, Path(log_path)
+
+    @property
+    def control_headers(self) -> dict[str, str]:
+        """``Authorization`` header for ``/control/*``."""
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def alive(self) -> bool:
+        """True while the process exists and is not a zombie."""
+        try:
+            os.kill(self.pid, 0)
+            return Path(f"/proc/{self.pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGINT to the process group, SIGKILL after ``timeout_s``."""
+        for sig, wait in ((signal.SIGINT, timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and self.alive():
+                time.sleep(0.2)
+            if not self.alive():
+                return
+
+
+async def set_routing(eh, mode: str) -> None:
     """PUT the dual engine host's routing mode (plain, auto, speculative)."""
     async with httpx.AsyncClient(base_url=eh.url, headers=eh.control_headers, timeout=30) as c:
         r = await c.put("/control/config", json={"routing": mode})
         r.raise_for_status()
 
 
+def load_state(path: Path | None) -> tuple[dict | None, list[dict]]:
+    """``(results, live engines)`` from a ``--state`` file, or ``(None, [])`` when there is none."""
+    if path is None or not path.exists():
+        return None, []
+    st = json.loads(path.read_text())
+    return st["res"], st["live"]
+
+
 async def run(args: argparse.Namespace) -> dict:
-    """Start the engines, take the loads and TTFTs round-robin, stop them.
+    """Start (or attach to) the engines, take the loads and TTFTs round-robin, stop them
+    unless ``--keep``.
 
     Returns:
         ``{"engines": [...], "rows": [{"name", "loads": {"WORKLOAD@cN": [tokens/s, ...]},
-        "ttft_ms": [...]}], "args"}``, also written to ``--out/overhead.json`` after each
-        window. An engine that does not come up is recorded with its ``error`` and left out.
+        "rounds": {"WORKLOAD@cN": [round id, ...]}, "ttft_ms": [...]}], "rounds": N, "args"}``,
+        also written to ``--out/overhead.json`` after each window. An engine that does not
+        come up is recorded with its ``error`` and left out.
     """
     out = args.out
+    # engines kept for a later call log next to the state file: --out may be emptied between calls
+    logs = args.state.parent / "logs" if args.state else out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     model = str(prepare_default_model(quiet=True))
     name_m = Path(model).name
-    res: dict = {"engines": [], "rows": [], "args": {k: str(v) for k, v in vars(args).items()}}
-    rows: list[tuple[dict, EngineHostProcess, str | None]] = []  # (row record, process, routing mode)
-    procs: list[tuple[dict, EngineHostProcess]] = []
+    res, live = load_state(args.state)
+    res = res or {"engines": [], "rows": [], "rounds": 0}
+    res.setdefault("calls", []).append({k: str(v) for k, v in vars(args).items()})
+    engines: dict[str, tuple[dict, object, str]] = {}  # name -> (engine record, process, kind)
     t_begin = time.monotonic()
 
     def save() -> None:
         (out / "overhead.json").write_text(json.dumps(res, indent=1))
+        if args.state:
+            args.state.parent.mkdir(parents=True, exist_ok=True)
+            args.state.write_text(json.dumps({"res": res, "live": live}, indent=1))
 
+    for lv in live:  # engines an earlier call left running
+        eh = AttachedEngine(lv["url"], lv["token"], lv["pid"], lv["log_path"])
+        rec = next(e for e in res["engines"] if e["name"] == lv["name"])
+        if eh.alive():
+            engines[lv["name"]] = (rec, eh, lv["kind"])
+            print(f"== {lv['name']}: attached ({eh.url}, pid {eh.pid})", flush=True)
+        else:
+            rec["error"] = "gone before a later call attached"
+            print(f"== {lv['name']}: gone, left out", flush=True)
+    live[:] = [lv for lv in live if lv["name"] in engines]
     try:
-        for spec in args.engine:
-            if procs and time.monotonic() - t_begin > args.start_budget:
+        for spec in args.engine or []:
+            name = spec.partition(":")[2].partition(":")[0] or spec
+            if name in engines:
+                continue
+            if engines and time.monotonic() - t_begin > args.start_budget:
                 print(f"start budget of {args.start_budget:.0f} s spent: {spec!r} left out", flush=True)
                 break
-            name, eh, kind = make_engine(spec, model, out / "logs")
+            name, eh, kind = make_engine(spec, model, logs)
             rec = {"name": name, "kind": kind, "command": shlex.join(eh.command()), "env": eh.env}
             print(f"== {name}: {rec['command']}", flush=True)
-            res["engines"].append(rec)
+            res["engines"] = [e for e in res["engines"] if e["name"] != name] + [rec]
             eh.start()
             try:
                 rec["health_s"] = round(await wait_url(eh, "/health", 900), 1)
@@ -117,14 +222,30 @@ async def run(args: argparse.Namespace) -> dict:
                 save()
                 continue
             print(f"  up in {rec.get('ready_s', rec['health_s'])} s", flush=True)
-            procs.append((rec, eh))
+            engines[name] = (rec, eh, kind)
+            live.append({"name": name, "kind": kind, "url": eh.url, "token": eh.token,
+                         "pid": eh.proc.pid, "log_path": str(eh.log_path)})
             for mode in (args.modes if kind == "dual" else [None]):
-                row = {"name": f"{name}/{mode}" if mode else name, "loads": {}, "ttft_ms": []}
-                res["rows"].append(row)
-                rows.append((row, eh, mode))
+                rname = f"{name}/{mode}" if mode else name
+                if not any(r["name"] == rname for r in res["rows"]):
+                    res["rows"].append({"name": rname, "loads": {}, "rounds": {}, "ttft_ms": []})
             save()
+        only = set(args.only) if args.only else set(engines)
+        rows = []  # (row record, process, routing mode)
+        for row in res["rows"]:
+            ename, _, mode = row["name"].partition("/")
+            if ename in engines and ename in only:
+                rows.append((row, engines[ename][1], mode or None))
         cells = [(wl, conc) for wl in args.workloads for conc in args.loads]
-        for rnd in range(args.rounds):
+        t_round = len(cells) * len(rows) * (args.warm + args.duration + 2.0)  # first guess, then measured
+        for _ in range(args.rounds):
+            left = args.time_budget - (time.monotonic() - t_begin) if args.time_budget else None
+            if left is not None and left < t_round * 1.05:
+                print(f"time budget: {left:.0f} s left, a round took {t_round:.0f} s: stopping", flush=True)
+                break
+            t0 = time.monotonic()
+            rnd = res["rounds"]
+            res["rounds"] += 1
             for wl, conc in cells:
                 for row, eh, mode in rows:
                     if mode:
@@ -132,8 +253,10 @@ async def run(args: argparse.Namespace) -> dict:
                     if args.warm > 0:  # untimed: caches, and the routing split settling after a switch
                         await closed_loop(eh.url, name_m, conc, args.warm, args.max_tokens, args.seed + 99, wl)
                     r = await closed_loop(eh.url, name_m, conc, args.duration, args.max_tokens, args.seed + rnd, wl)
-                    row["loads"].setdefault(f"{wl}@c{conc}", []).append(r["tokens_per_s"])
-                    print(f"  round {rnd + 1} {wl}@c{conc} {row['name']}: {r['tokens_per_s']} tok/s", flush=True)
+                    cell = f"{wl}@c{conc}"
+                    row["loads"].setdefault(cell, []).append(r["tokens_per_s"])
+                    row.setdefault("rounds", {}).setdefault(cell, []).append(rnd)
+                    print(f"  round {rnd + 1} {cell} {row['name']}: {r['tokens_per_s']} tok/s", flush=True)
                     save()
             ttft_wl = {row["name"]: Workload("chat", seed=args.seed + 7 + rnd) for row, _, _ in rows}
             for row, eh, mode in rows:
@@ -142,18 +265,26 @@ async def run(args: argparse.Namespace) -> dict:
                 for _ in range(args.ttfts):
                     row["ttft_ms"].append(await ttft(eh.url, name_m, ttft_wl[row["name"]]))
             save()
+            t_round = time.monotonic() - t0
     finally:
-        for rec, eh in procs:
-            eh.stop()
-            rec["vllm_log"] = log_lines(eh.log_path)
+        if not args.keep:
+            for rec, eh, _ in engines.values():
+                eh.stop()
+                rec["vllm_log"] = log_lines(eh.log_path)
+            live.clear()
+        if logs != out / "logs":
+            for _, eh, _ in engines.values():
+                if eh.log_path.exists():
+                    shutil.copy(eh.log_path, out / "logs" / eh.log_path.name)
         save()
     return res
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line; see the module docstring."""
     ap = argparse.ArgumentParser(prog="python -m bench.host_overhead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", action="append", required=True,
+    ap.add_argument("--engine", action="append",
                     help="serve:NAME:ARGS, host:NAME:ARGS or dual:NAME:ARGS (repeatable; the first is the baseline)")
     ap.add_argument("--modes", type=lambda s: [x for x in s.split(",") if x], default=["plain", "auto"],
                     help="routing modes measured on each dual engine host, each a row of its own")
@@ -168,11 +299,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttfts", type=int, default=3, help="single-request TTFTs per engine per round")
     ap.add_argument("--start-budget", type=float, default=420.0,
                     help="seconds after which no further engine is started (the loads still run)")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds for this call: no round is begun that the last round's time says would not fit")
+    ap.add_argument("--state", type=Path, default=None,
+                    help="file recording the engines left running and the windows so far (see --keep)")
+    ap.add_argument("--keep", action="store_true", help="leave the engines running for a later call with --state")
+    ap.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], default=None,
+                    help="engine names measured in this call (default: all)")
+    ap.add_argument("--baseline", default=None, help="row the table's ratios are taken against (default: the first)")
+    ap.add_argument("--report", type=Path, default=None,
+                    help="print the table of an overhead.json and exit (no engine is started)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-results")))
     args = ap.parse_args(argv)
+    if args.report:
+        try:
+            print(summarize(json.loads(args.report.read_text()), args.baseline))
+        except (OSError, ValueError, KeyError) as exc:
+            ap.error(f"--report {args.report}: {type(exc).__name__}: {exc}")
+        return 0
+    if not args.engine and not (args.state and args.state.exists()):
+        ap.error("give at least one --engine, or a --state file of engines left running")
+    if args.keep and not args.state:
+        ap.error("--keep needs --state (the file a later call attaches from)")
     res = asyncio.run(run(args))
-    print(summarize(res), flush=True)
+    try:
+        print(summarize(res, args.baseline), flush=True)
+    except KeyError:
+        print(summarize(res), flush=True)
     return 0
 
 

@@ -415,14 +415,93 @@ def test_host_overhead_engine_specs_and_refusal(tmp_path):
         make_engine("hots:x:--k-max 0", "/m/model", tmp_path)
 
 
-def test_host_overhead_table_gives_ratio_of_medians_to_the_first_row():
+def test_host_overhead_table_gives_ratio_of_medians_and_per_round_ratios():
     from bench.host_overhead import summarize
 
-    table = summarize({"rows": [
-        {"name": "bare", "loads": {"chat@c64": [100.0, 300.0, 200.0]}, "ttft_ms": [20.0, 30.0, 25.0]},
-        {"name": "dual/auto", "loads": {"chat@c64": [150.0, 190.0, 170.0]}, "ttft_ms": [22.0]},
-    ]})
-    lines = table.splitlines()
-    assert "chat@c64" in lines[0]
-    assert "| bare | 200 (100, 300, 200) | 1.000 | 25.0 |" == lines[2]
-    assert "| dual/auto | 170 (150, 190, 170) | 0.850 | 22.0 |" == lines[3]
+    res = {"rows": [
+        {"name": "bare", "loads": {"chat@c64": [100.0, 300.0, 200.0]}, "rounds": {"chat@c64": [0, 1, 2]},
+         "ttft_ms": [20.0, 30.0, 25.0]},
+        {"name": "dual/auto", "loads": {"chat@c64": [150.0, 190.0, 170.0]}, "rounds": {"chat@c64": [0, 2, 3]},
+         "ttft_ms": [22.0]},
+    ]}
+    lines = summarize(res).splitlines()
+    assert "x bare (medians)" in lines[0]
+    assert lines[2] == "| bare | chat@c64 | 200 (100, 300, 200) | 1.000 | - | 25.00 |"
+    # medians 170 / 200; per round: round 0 150/100, round 2 190/200 (round 3 has no pair)
+    assert lines[3] == "| dual/auto | chat@c64 | 170 (150, 190, 170) | 0.850 | 1.225 [0.950, 1.500] (2) | 22.00 |"
+    assert "x dual/auto" in summarize(res, "dual/auto").splitlines()[0]
+    with pytest.raises(KeyError):
+        summarize(res, "nope")
+
+
+def test_host_overhead_keeps_engines_for_a_later_call_and_stops_them_at_the_end(tmp_path, monkeypatch):
+    """Two calls: the first starts an engine (a real process in its own session) and keeps it;
+    the second attaches by --state, appends its windows, and stops the process group."""
+    import subprocess
+
+    import bench.host_overhead as ho
+
+    procs = []
+
+    class FakeEngine:
+        def __init__(self, log_path):
+            self.url, self.token, self.env, self.log_path = "http://127.0.0.1:9", "tok", {}, log_path
+            self.proc = None
+
+        def command(self):
+            return ["sleep", "300"]
+
+        def start(self):
+            self.log_path.write_text("engine log\n")
+            self.proc = subprocess.Popen(self.command(), start_new_session=True)
+            procs.append(self.proc)
+
+        def stop(self):
+            self.proc.kill()
+
+    async def fake_wait_url(eh, path, timeout_s):
+        return 1.0
+
+    windows = iter(range(1000, 2000, 10))
+
+    async def fake_closed_loop(url, model, conc, duration, max_tokens, seed, wl):
+        return {"tokens_per_s": float(next(windows))}
+
+    async def fake_ttft(url, model, wl):
+        return 20.0
+
+    monkeypatch.setattr(ho, "make_engine", lambda spec, model, logs: ("e1", FakeEngine(logs / "e1.log"), "serve"))
+    monkeypatch.setattr(ho, "wait_url", fake_wait_url)
+    monkeypatch.setattr(ho, "closed_loop", fake_closed_loop)
+    monkeypatch.setattr(ho, "ttft", fake_ttft)
+    monkeypatch.setattr(ho, "prepare_default_model", lambda quiet: tmp_path / "model")
+    state, out = tmp_path / "scratch" / "state.json", tmp_path / "out"
+    common = ["--state", str(state), "--out", str(out), "--warm", "0", "--duration", "1", "--ttfts", "1"]
+    assert ho.main(["--engine", "serve:e1:--x", "--rounds", "2", "--keep", *common]) == 0
+    assert procs[0].poll() is None  # left running
+    first = json.loads(state.read_text())
+    assert [lv["pid"] for lv in first["live"]] == [procs[0].pid]
+    assert first["res"]["rows"][0]["loads"]["chat@c64"] == [1000.0, 1010.0]
+    # the second call names the same engine: attached, not started again
+    assert ho.main(["--engine", "serve:e1:--x", "--rounds", "1", *common]) == 0
+    assert len(procs) == 1
+    procs[0].wait(timeout=15)  # stopped through its process group
+    done = json.loads((out / "overhead.json").read_text())
+    assert done["rows"][0]["loads"]["chat@c64"] == [1000.0, 1010.0, 1020.0]
+    assert done["rows"][0]["rounds"]["chat@c64"] == [0, 1, 2] and done["rounds"] == 3
+    assert json.loads(state.read_text())["live"] == []
+    assert (out / "logs" / "e1.log").read_text() == "engine log\n"  # copied from the scratch folder
+
+
+def test_host_overhead_refuses_keep_without_state_and_a_bad_report(tmp_path, capsys):
+    from bench.host_overhead import main
+
+    with pytest.raises(SystemExit):
+        main(["--engine", "plain", "--keep"])
+    assert "--keep needs --state" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--report", str(tmp_path / "missing.json")])
+    assert "--report" in capsys.readouterr().err
+    (tmp_path / "o.json").write_text(json.dumps({"rows": [{"name": "a", "loads": {"code@c8": [5.0]}}]}))
+    assert main(["--report", str(tmp_path / "o.json")]) == 0
+    assert "| a | code@c8 | 5 (5) | 1.000 | - | - |" in capsys.readouterr().out
