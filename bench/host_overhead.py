@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds for this call: no round is begun that the last round's time says would not fit")
     ap.add_argument("--state", type=Path, default=None,
-                    help="file recording the engines left running and the windows so far (see --keep)")
+                    help="file recording the engines left running and the windows so far (see --keep); "
+                         "a later call continues its results: delete it to start afresh")
     ap.add_argument("--keep", action="store_true", help="leave the engines running for a later call with --state")
     ap.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], default=None,
                     help="engine names measured in this call (default: all)")
