@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -448,12 +449,14 @@ def test_host_overhead_keeps_engines_for_a_later_call_and_stops_them_at_the_end(
             self.url, self.token, self.env, self.log_path = "http://127.0.0.1:9", "tok", {}, log_path
             self.proc = None
 
-        def command(self):
-            return ["sleep", "300"]
+        def command(self):  # SIGINT restored: a shell's background job starts with it ignored
+            return [sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                    "print('up', flush=True); time.sleep(300)"]
 
         def start(self):
             self.log_path.write_text("engine log\n")
-            self.proc = subprocess.Popen(self.command(), start_new_session=True)
+            self.proc = subprocess.Popen(self.command(), start_new_session=True, stdout=subprocess.PIPE)
+            assert self.proc.stdout.readline() == b"up\n"  # the handler is in place before any SIGINT
             procs.append(self.proc)
 
         def stop(self):

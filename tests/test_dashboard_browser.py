@@ -197,7 +197,13 @@ def test_live_charts_fill_while_load_runs(page, stack, engine_host, artifacts_di
     assert "tok/s" in out.inner_text()
     assert page.get_by_text("samples from the store").count() == 1
     loader.join()
-    assert page.locator(".js-plotly-plot").count() >= 8
+    # The page reruns every few seconds; a count taken mid-rerun can catch the charts being
+    # redrawn, so wait (bounded) for all of them to be there at once.
+    charts = page.locator(".js-plotly-plot")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and charts.count() < 8:
+        time.sleep(0.5)
+    assert charts.count() >= 8
     shot(page, artifacts_dir, "live")
 
 
