@@ -130,8 +130,8 @@ class AttachedEngine:
             return False
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGINT to the process group, SIGKILL after ``timeout_s``."""
-        for sig, wait in ((signal.SIGINT, timeout_s), (signal.SIGKILL, 10.0)):
+        """SIGINT to the process group, SIGTERM after ``timeout_s``, SIGKILL 10 s later."""
+        for sig, wait in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(self.pid, sig)
             except ProcessLookupError:

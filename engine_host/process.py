@@ -37,6 +37,14 @@ class EngineHostError(RuntimeError):
     """The engine host exited or did not become ready; the message has its log tail."""
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default. A process started from a
+    shell's background job (``cmd &`` in a script, as CI may run) inherits SIGINT ignored,
+    and Python then never turns Ctrl-C into KeyboardInterrupt: such an engine host or
+    router would not stop on SIGINT, and a router killed later leaves its engines behind."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class EngineHostProcess:
     """An engine host (``python -m engine_host``) run as a child process.
 
@@ -98,7 +106,8 @@ class EngineHostProcess:
         self._log = open(self.log_path, "ab")
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
-            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=_default_sigint,
         )
         return self
 
@@ -137,19 +146,22 @@ class EngineHostProcess:
         raise EngineHostError(f"engine host not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop the process group: SIGINT, then SIGKILL after ``timeout_s``."""
+        """Stop the process group: SIGINT (what Ctrl-C sends), SIGTERM after ``timeout_s``,
+        SIGKILL 10 s after that."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
+        for sig, wait in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            if self.proc.poll() is not None:
+                break
             try:
-                os.killpg(self.proc.pid, signal.SIGINT)
-                self.proc.wait(timeout=timeout_s)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=10)
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
         if self._log:
             self._log.close()
             self._log = None
