@@ -97,6 +97,16 @@ def summarize(res: dict, baseline: str | None = None) -> str:
                    if paired and r is not base else "-")
             lines.append(f"| {r['name']} | {k} | {med:.0f} ({', '.join(f'{x:.0f}' for x in runs)}) | "
                          f"{_fmt_ratio(ratio)} | {p_s} | {tt_s} |")
+    split_lines = []
+    for r in rows:
+        for k, seen in (r.get("router") or {}).items():
+            ps = [x["p_speculative"] for x in seen if x.get("p_speculative") is not None]
+            if ps:
+                split_lines.append(f"| {r['name']} | {k} | {statistics.median(ps):.3f} "
+                                   f"[{min(ps):.3f}, {max(ps):.3f}] ({len(ps)}) |")
+    if split_lines:
+        lines += ["", "| row | cell | share sent to the speculative engine at window ends: median [min, max] (n) |",
+                  "|---|---|---|", *split_lines]
     return "\n".join(lines)
 
 
@@ -143,10 +153,49 @@ class AttachedEngine:
                 return
 
 
-async def set_routing(eh, mode: str) -> None:
-    """PUT the dual engine host's routing mode (plain, auto, speculative)."""
+def parse_mode(item: str) -> tuple[str, dict[str, float]]:
+    """A ``--modes`` item: a routing mode, optionally with split settings for that row,
+    ``MODE[:KEY=VALUE...]`` (``auto:tpot_margin=0.25:p_min=0``) -> ``("auto", {...})``.
+
+    Raises:
+        ValueError: an unknown mode, key or a value that is not a number.
+    """
+    from engine_host.routing import ROUTING_MODES, SPLIT_SETTINGS
+
+    mode, *pairs = item.split(":")
+    if mode not in ROUTING_MODES:
+        raise ValueError(f"routing mode must be one of {', '.join(ROUTING_MODES)}, got {mode!r}")
+    settings = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or key not in SPLIT_SETTINGS:
+            raise ValueError(f"{pair!r}: expected KEY=VALUE with KEY one of {', '.join(SPLIT_SETTINGS)}")
+        settings[key] = float(value)
+    return mode, settings
+
+
+async def router_state(eh) -> dict | None:
+    """The dual engine host's ``router`` section of ``/control/state`` (share, settings,
+    TPOT per engine, requests routed), or None when it does not answer."""
+    try:
+        async with httpx.AsyncClient(base_url=eh.url, headers=eh.control_headers, timeout=30) as c:
+            r = await c.get("/control/state")
+            r.raise_for_status()
+            return r.json().get("router")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def set_routing(eh, item: str, base_settings: dict | None = None) -> None:
+    """PUT the dual engine host's routing mode (a ``--modes`` item, :func:`parse_mode`) with
+    its split settings on top of ``base_settings`` (the engine's own at the start), so that
+    rows without settings run with the engine's defaults whatever row ran before."""
+    mode, settings = parse_mode(item)
+    body: dict = {"routing": mode}
+    if base_settings or settings:
+        body["router"] = {**(base_settings or {}), **settings}
     async with httpx.AsyncClient(base_url=eh.url, headers=eh.control_headers, timeout=30) as c:
-        r = await c.put("/control/config", json={"routing": mode})
+        r = await c.put("/control/config", json=body)
         r.raise_for_status()
 
 
@@ -237,6 +286,11 @@ async def run(args: argparse.Namespace) -> dict:
             if ename in engines and ename in only:
                 rows.append((row, engines[ename][1], mode or None))
         cells = [(wl, conc) for wl in args.workloads for conc in args.loads]
+        base_settings: dict[int, dict | None] = {}  # per dual engine (id of its process): settings at the start
+        for _, eh, mode in rows:
+            if mode and id(eh) not in base_settings:
+                st = await router_state(eh)
+                base_settings[id(eh)] = (st or {}).get("settings")
         t_round = len(cells) * len(rows) * (args.warm + args.duration + 2.0)  # first guess, then measured
         for _ in range(args.rounds):
             left = args.time_budget - (time.monotonic() - t_begin) if args.time_budget else None
@@ -249,19 +303,25 @@ async def run(args: argparse.Namespace) -> dict:
             for wl, conc in cells:
                 for row, eh, mode in rows:
                     if mode:
-                        await set_routing(eh, mode)
+                        await set_routing(eh, mode, base_settings.get(id(eh)))
                     if args.warm > 0:  # untimed: caches, and the routing split settling after a switch
                         await closed_loop(eh.url, name_m, conc, args.warm, args.max_tokens, args.seed + 99, wl)
                     r = await closed_loop(eh.url, name_m, conc, args.duration, args.max_tokens, args.seed + rnd, wl)
                     cell = f"{wl}@c{conc}"
                     row["loads"].setdefault(cell, []).append(r["tokens_per_s"])
                     row.setdefault("rounds", {}).setdefault(cell, []).append(rnd)
-                    print(f"  round {rnd + 1} {cell} {row['name']}: {r['tokens_per_s']} tok/s", flush=True)
+                    extra = ""
+                    if mode:  # where the split stood at the window's end
+                        st = await router_state(eh) or {}
+                        seen = {k: st.get(k) for k in ("p_speculative", "tpot_ms", "routed")}
+                        row.setdefault("router", {}).setdefault(cell, []).append(seen)
+                        extra = f" (p_speculative {seen['p_speculative']}, TPOT ms {seen['tpot_ms']})"
+                    print(f"  round {rnd + 1} {cell} {row['name']}: {r['tokens_per_s']} tok/s{extra}", flush=True)
                     save()
             ttft_wl = {row["name"]: Workload("chat", seed=args.seed + 7 + rnd) for row, _, _ in rows}
             for row, eh, mode in rows:
                 if mode:
-                    await set_routing(eh, mode)
+                    await set_routing(eh, mode, base_settings.get(id(eh)))
                 for _ in range(args.ttfts):
                     row["ttft_ms"].append(await ttft(eh.url, name_m, ttft_wl[row["name"]]))
             save()
@@ -287,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", action="append",
                     help="serve:NAME:ARGS, host:NAME:ARGS or dual:NAME:ARGS (repeatable; the first is the baseline)")
     ap.add_argument("--modes", type=lambda s: [x for x in s.split(",") if x], default=["plain", "auto"],
-                    help="routing modes measured on each dual engine host, each a row of its own")
+                    help="routing modes measured on each dual engine host, each a row of its own; a mode may "
+                         "carry split settings for its row, MODE:KEY=VALUE... (e.g. auto:tpot_margin=0.25); "
+                         "the p_speculative seen at each window's end is recorded")
     ap.add_argument("--workloads", type=lambda s: [x for x in s.split(",") if x], default=["chat"],
                     help="harness workloads whose prompts the clients send (chat: open-ended, code: predictable)")
     ap.add_argument("--loads", type=lambda s: [int(x) for x in s.split(",") if x], default=[64],
@@ -319,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError) as exc:
             ap.error(f"--report {args.report}: {type(exc).__name__}: {exc}")
         return 0
+    for item in args.modes:
+        try:
+            parse_mode(item)
+        except ValueError as exc:
+            ap.error(f"--modes {item!r}: {exc}")
     if not args.engine and not (args.state and args.state.exists()):
         ap.error("give at least one --engine, or a --state file of engines left running")
     if args.keep and not args.state:

@@ -15,6 +15,7 @@ vLLM keeps async scheduling, its newest model runner and full CUDA graphs; the
   plus ``specpilot:router_*`` series (share, TPOT, requests routed);
 * ``/control/state``: the speculative engine's state with a ``router`` section;
   ``/control/config``: the engine host's body plus ``"routing": "auto"|"plain"|"speculative"``
+  and ``"router": {"p_min", "p_max", "eta", "tpot_margin"}`` (the split's settings, live)
   (speculation goes to the speculative engine, batch caps to both); ``/control/samples``.
 
 Two fronts serve that port:
@@ -123,28 +124,41 @@ class RouterState:
             await self.client.aclose()
             self.client = None
 
-    def publish_mode(self, mode: str) -> None:
-        """Set the routing mode here and, through :attr:`mode_file`, in every worker.
+    def publish_mode(self, mode: str | None = None, settings: dict | None = None) -> None:
+        """Set the routing mode and/or split settings (:meth:`TrafficSplit.configure`) here
+        and, through :attr:`mode_file` (JSON ``{"mode", "settings"}``), in every worker.
 
         Raises:
-            ValueError: an unknown mode (nothing changes).
+            ValueError: an unknown mode or invalid settings (nothing changes).
         """
-        self.split.set_mode(mode)
+        if mode is not None and mode not in ROUTING_MODES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {mode!r}")
+        if settings:
+            self.split.configure(settings)
+        if mode is not None:
+            self.split.set_mode(mode)
         if self.mode_file is not None:
             tmp = self.mode_file.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(mode)
+            tmp.write_text(json.dumps({"mode": self.split.mode, "settings": self.split.settings()}))
             os.replace(tmp, self.mode_file)
             self._mode_mtime = self.mode_file.stat().st_mtime
 
     def follow_mode(self) -> None:
-        """Take up a mode another worker published."""
+        """Take up a mode (and split settings) another worker published."""
         if self.mode_file is None:
             return
         try:
             mtime = self.mode_file.stat().st_mtime
             if mtime != self._mode_mtime:
                 self._mode_mtime = mtime
-                self.split.set_mode(self.mode_file.read_text().strip())
+                text = self.mode_file.read_text().strip()
+                if text.startswith("{"):
+                    doc = json.loads(text)
+                    if doc.get("settings"):
+                        self.split.configure(doc["settings"])
+                    self.split.set_mode(doc["mode"])
+                else:  # a bare mode name (the file as main() first writes it)
+                    self.split.set_mode(text)
         except (OSError, ValueError):
             pass
 
@@ -421,6 +435,12 @@ def create_app(state: RouterState) -> FastAPI:
             return JSONResponse({"error": "invalid_config",
                                  "message": f"routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}"},
                                 status_code=422)
+        split_patch = patch.pop("router", None)
+        if split_patch is not None:
+            try:
+                state.split.check_settings(split_patch)
+            except ValueError as exc:
+                return JSONResponse({"error": "invalid_config", "message": str(exc)}, status_code=422)
         answer: dict[str, Any] = {}
         assert state.client is not None
         if patch:
@@ -441,8 +461,8 @@ def create_app(state: RouterState) -> FastAPI:
                     answer["plain_engine"] = {"status": rp.status_code, "answer": rp.json()}
                 except httpx.HTTPError as exc:
                     answer["plain_engine"] = {"status": None, "error": f"did not answer: {exc}"}
-        if routing is not None:
-            state.publish_mode(routing)
+        if routing is not None or split_patch:
+            state.publish_mode(routing, split_patch)
         answer["router"] = router_section()
         return answer
 
@@ -453,7 +473,8 @@ def state_from_config(cfg: dict[str, Any], token: str) -> RouterState:
     """A :class:`RouterState` from the JSON :func:`main` passes in ``$SPECPILOT_ROUTER_CONFIG``
     (backends by name and URL, split bounds and step, mode file)."""
     backends = {name: Backend(name, url, token) for name, url in cfg["backends"].items()}
-    split = TrafficSplit(p=cfg["p_start"], p_min=cfg["p_min"], p_max=cfg["p_max"], eta=cfg["eta"])
+    split = TrafficSplit(p=cfg["p_start"], p_min=cfg["p_min"], p_max=cfg["p_max"], eta=cfg["eta"],
+                         tpot_margin=cfg.get("tpot_margin", 0.0))
     state = RouterState(backends=backends, split=split, mode_file=Path(cfg["mode_file"]))
     state.follow_mode()
     return state
@@ -497,6 +518,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--p-min", type=float, default=0.01, help="smallest share of requests for the speculative engine")
     p.add_argument("--p-max", type=float, default=0.97, help="largest share of requests for the speculative engine")
     p.add_argument("--eta", type=float, default=0.5, help="step of the share's update per poll (0.25 s)")
+    p.add_argument("--tpot-margin", type=float, default=0.0,
+                   help="fraction by which the speculative engine's TPOT must beat the plain engine's before it "
+                        "gains traffic (both share one GPU: see engine_host.routing); changeable live")
     p.add_argument("--front", choices=("engine", "relay"), default=None,
                    help="engine: the plain engine's own server takes the port and routes inside it (plain "
                         "requests cost no extra hop); relay: a separate router process relays every request "
@@ -514,6 +538,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--plain-url and --spec-url go together")
     if not 0.0 <= args.p_min <= args.p_start <= args.p_max <= 1.0:
         p.error("need 0 <= --p-min <= --p-start <= --p-max <= 1")
+    if not 0.0 <= args.tpot_margin <= 10.0:
+        p.error("--tpot-margin must be in [0, 10]")
     if args.workers < 1:
         p.error("--workers must be at least 1")
     if args.front is None:
@@ -568,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     mode_file = subdir("run") / f"router-{args.port}.routing"
     mode_file.write_text(args.routing)
     config = {"p_start": args.p_start, "p_min": args.p_min, "p_max": args.p_max, "eta": args.eta,
+              "tpot_margin": args.tpot_margin,
               "mode_file": str(mode_file), "front": args.front}
     children: list[tuple[str, EngineHostProcess]] = []
     if args.plain_url:

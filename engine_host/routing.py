@@ -19,6 +19,17 @@ a request's TPOT grows with its engine's batch, which is what stops the flow). O
 predictable traffic the speculative engine's adaptive K makes its TPOT the lower one and
 ``p`` rises to ``p_max``; on open-ended traffic or under load ``p`` falls to ``p_min``,
 which keeps a trickle of requests there so its estimates stay fresh.
+
+The margin: with ``tpot_margin`` m > 0 the update uses ``TPOT_plain / (TPOT_spec (1 + m))``,
+so the speculative engine gains traffic only while it is more than m faster per token, and
+the split settles where it is exactly that much faster. Both engines share one GPU and
+the host's cores: every request the speculative engine serves also slows the plain
+engine's steps, a cost that neither engine's own TPOT shows to the requests choosing it.
+Equalizing TPOT is the *selfish* equilibrium, and with such shared costs it can be worse
+for the whole than sending everything one way (Roughgarden & Tardos, "How bad is selfish
+routing?", J. ACM 49(2), 2002). The margin is the price of that interference, measured on
+the GPU host (docs/gpu.md); it can be changed live (``PUT /control/config`` with
+``{"router": {"tpot_margin": m}}``).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ PLAIN = "plain"
 SPECULATIVE = "speculative"
 ENGINES = (PLAIN, SPECULATIVE)
 ROUTING_MODES = ("auto", PLAIN, SPECULATIVE)
+SPLIT_SETTINGS = ("p_min", "p_max", "eta", "tpot_margin")
 
 
 @dataclass
@@ -79,6 +91,8 @@ class TrafficSplit:
         p_min, p_max: bounds of the share in ``auto`` (0..1); p_min > 0 keeps the
             speculative engine's acceptance estimates alive, p_max < 1 the plain engine's TPOT.
         eta: step size of the multiplicative update (per poll).
+        tpot_margin: fraction (>= 0) by which the speculative engine's TPOT must beat the
+            plain engine's before it gains traffic (module docstring); 0: the plain Wardrop split.
         max_age_s: a TPOT older than this (s) does not move ``p``.
         seed: seed of the per-request draw.
     """
@@ -87,6 +101,7 @@ class TrafficSplit:
     p_min: float = 0.03
     p_max: float = 0.97
     eta: float = 0.5
+    tpot_margin: float = 0.0
     max_age_s: float = 5.0
     seed: int | None = None
     mode: str = "auto"
@@ -95,10 +110,54 @@ class TrafficSplit:
     updates: int = 0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.p_min <= self.p_max <= 1.0:
-            raise ValueError(f"need 0 <= p_min <= p_max <= 1, got {self.p_min}, {self.p_max}")
+        self.check_settings(self.settings())
         self.p = min(max(self.p, self.p_min), self.p_max)
         self._rng = random.Random(self.seed)
+
+    def settings(self) -> dict[str, float]:
+        """The live-changeable settings: ``p_min``, ``p_max`` (fractions 0..1), ``eta``,
+        ``tpot_margin`` (fraction >= 0)."""
+        return {k: float(getattr(self, k)) for k in SPLIT_SETTINGS}
+
+    def check_settings(self, patch: dict) -> dict[str, float]:
+        """The settings that ``patch`` (a subset of :data:`SPLIT_SETTINGS`) would leave in
+        force, validated; nothing is changed.
+
+        Raises:
+            ValueError: an unknown key, a value that is not a number, ``p_min``/``p_max``
+                outside ``0 <= p_min <= p_max <= 1``, ``eta`` outside (0, 5], or
+                ``tpot_margin`` outside [0, 10].
+        """
+        if not isinstance(patch, dict):
+            raise ValueError("router settings must be a JSON object")
+        unknown = sorted(set(patch) - set(SPLIT_SETTINGS))
+        if unknown:
+            raise ValueError(f"unknown router setting(s) {', '.join(unknown)}; known: {', '.join(SPLIT_SETTINGS)}")
+        new = {k: float(getattr(self, k)) for k in SPLIT_SETTINGS}
+        for k, v in patch.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                raise ValueError(f"router setting {k} must be a number, got {v!r}")
+            new[k] = float(v)
+        if not 0.0 <= new["p_min"] <= new["p_max"] <= 1.0:
+            raise ValueError(f"need 0 <= p_min <= p_max <= 1, got {new['p_min']}, {new['p_max']}")
+        if not 0.0 < new["eta"] <= 5.0:
+            raise ValueError(f"eta must be in (0, 5], got {new['eta']}")
+        if not 0.0 <= new["tpot_margin"] <= 10.0:
+            raise ValueError(f"tpot_margin must be in [0, 10], got {new['tpot_margin']}")
+        return new
+
+    def configure(self, patch: dict) -> dict[str, float]:
+        """Apply a settings patch (see :meth:`check_settings`) all at once, clip ``p`` into
+        the new bounds, and return the settings now in force.
+
+        Raises:
+            ValueError: as :meth:`check_settings`; nothing changes then.
+        """
+        new = self.check_settings(patch)
+        for k, v in new.items():
+            setattr(self, k, v)
+        self.p = min(max(self.p, self.p_min), self.p_max)
+        return new
 
     def set_mode(self, mode: str) -> None:
         """``auto`` (follow TPOT), ``plain`` or ``speculative`` (all requests to one engine).
@@ -118,7 +177,7 @@ class TrafficSplit:
         """Move ``p`` towards the engine with the lower TPOT; returns the new ``p``."""
         ws, wp = self.windows[SPECULATIVE], self.windows[PLAIN]
         if (ws.tpot_s and wp.tpot_s and ws.is_fresh(now, self.max_age_s) and wp.is_fresh(now, self.max_age_s)):
-            ratio = wp.tpot_s / ws.tpot_s
+            ratio = wp.tpot_s / (ws.tpot_s * (1.0 + self.tpot_margin))
             self.p = min(max(self.p * math.exp(self.eta * math.log(ratio)), self.p_min), self.p_max)
             self.updates += 1
         return self.p
@@ -133,11 +192,12 @@ class TrafficSplit:
         return engine
 
     def describe(self) -> dict:
-        """JSON-able state: mode, share, TPOT per engine (ms), requests routed."""
+        """JSON-able state: mode, share, settings, TPOT per engine (ms), requests routed."""
         return {
             "mode": self.mode,
             "p_speculative": round(self.p, 4),
             "p_bounds": [self.p_min, self.p_max],
+            "settings": self.settings(),
             "tpot_ms": {e: (round(w.tpot_s * 1000.0, 3) if w.tpot_s is not None else None)
                         for e, w in self.windows.items()},
             "routed": dict(self.routed),

@@ -508,3 +508,19 @@ def test_host_overhead_refuses_keep_without_state_and_a_bad_report(tmp_path, cap
     (tmp_path / "o.json").write_text(json.dumps({"rows": [{"name": "a", "loads": {"code@c8": [5.0]}}]}))
     assert main(["--report", str(tmp_path / "o.json")]) == 0
     assert "| a | code@c8 | 5 (5) | 1.000 | - | - |" in capsys.readouterr().out
+
+
+def test_host_overhead_modes_carry_split_settings_per_row():
+    from bench.host_overhead import parse_mode, summarize
+
+    assert parse_mode("plain") == ("plain", {})
+    assert parse_mode("auto:tpot_margin=0.25:p_min=0") == ("auto", {"tpot_margin": 0.25, "p_min": 0.0})
+    for bad in ("fastest", "auto:margin=1", "auto:tpot_margin", "auto:tpot_margin=x"):
+        with pytest.raises(ValueError):
+            parse_mode(bad)
+    res = {"rows": [{"name": "d/plain", "loads": {"chat@c8": [100.0]}, "rounds": {"chat@c8": [0]}, "ttft_ms": []},
+                    {"name": "d/auto", "loads": {"chat@c8": [90.0]}, "rounds": {"chat@c8": [0]}, "ttft_ms": [],
+                     "router": {"chat@c8": [{"p_speculative": 0.2}, {"p_speculative": 0.01}]}}]}
+    text = summarize(res)
+    assert "| d/auto | chat@c8 | 0.900 |" not in text  # the share table is separate from the ratios
+    assert "| d/auto | chat@c8 | 0.105 [0.010, 0.200] (2) |" in text

@@ -211,3 +211,52 @@ def test_cpu_engines_get_half_the_cores_unpinned_and_a_short_spin(monkeypatch):
     assert cpu_child_env({"VLLM_CPU_OMP_THREADS_BIND": "0"}, ncpu=2) == {}
     monkeypatch.setattr(launcher, "is_cpu_build", lambda: False)
     assert cpu_child_env({}, ncpu=16) == {}  # the GPU build sets its own threads
+
+
+def test_tpot_margin_sends_traffic_only_to_a_clearly_faster_speculative_engine():
+    # 10 % faster per token is within a 25 % margin: the share falls to p_min
+    split = TrafficSplit(p=0.5, seed=1, tpot_margin=0.25)
+    assert feed(split, tpot_plain=0.0044, tpot_spec=0.0040, polls=80) == pytest.approx(split.p_min)
+    # without the margin the same TPOTs pull traffic towards the speculative engine
+    assert feed(TrafficSplit(p=0.5, seed=1), tpot_plain=0.0044, tpot_spec=0.0040, polls=40) > 0.9
+    # twice as fast per token clears the margin
+    split = TrafficSplit(p=0.1, seed=1, tpot_margin=0.25)
+    assert feed(split, tpot_plain=0.008, tpot_spec=0.004, polls=40) == pytest.approx(split.p_max)
+
+
+def test_split_settings_change_live_and_bad_ones_change_nothing():
+    split = TrafficSplit(p=0.5)
+    before = split.settings()
+    for bad, match in (({"tpot_margin": -0.1}, "tpot_margin"), ({"p_min": 0.9, "p_max": 0.5}, "p_min"),
+                       ({"eta": 0}, "eta"), ({"speed": 1}, "unknown"), ({"p_min": "low"}, "number"),
+                       ({"p_min": True}, "number")):
+        with pytest.raises(ValueError, match=match):
+            split.configure(bad)
+        assert split.settings() == before and split.p == 0.5
+    assert split.configure({"p_max": 0.3, "tpot_margin": 0.2}) == {**before, "p_max": 0.3, "tpot_margin": 0.2}
+    assert split.p == 0.3  # clipped into the new bounds
+    assert split.describe()["settings"]["tpot_margin"] == 0.2
+
+
+def test_router_config_sets_split_settings_live_and_shares_them_through_the_mode_file(monkeypatch, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from engine_host.process import free_port
+    from engine_host.router import create_app
+
+    monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", "tok")
+    mode_file = tmp_path / "router.routing"
+    mode_file.write_text("auto")  # as main() first writes it
+    down = {e: Backend(e, f"http://127.0.0.1:{free_port()}", "tok") for e in (PLAIN, SPECULATIVE)}
+    state = RouterState(backends=down, mode_file=mode_file)
+    other = RouterState(backends=down, mode_file=mode_file)  # a second relay worker
+    auth = {"Authorization": "Bearer tok"}
+    with TestClient(create_app(state)) as c:
+        r = c.put("/control/config", headers=auth, json={"router": {"tpot_margin": 0.3, "p_min": 0.0}})
+        assert r.status_code == 200, r.text
+        assert r.json()["router"]["settings"]["tpot_margin"] == 0.3
+        r = c.put("/control/config", headers=auth, json={"routing": "plain", "router": {"tpot_margin": -1}})
+        assert r.status_code == 422 and "tpot_margin" in r.json()["message"]
+        assert state.split.mode == "auto" and state.split.tpot_margin == 0.3  # refused: nothing changed
+    other.follow_mode()
+    assert other.split.tpot_margin == 0.3 and other.split.p_min == 0.0 and other.split.mode == "auto"
