@@ -280,17 +280,27 @@ async def run(args: argparse.Namespace) -> dict:
                     res["rows"].append({"name": rname, "loads": {}, "rounds": {}, "ttft_ms": []})
             save()
         only = set(args.only) if args.only else set(engines)
+        for ename, (_, _, kind) in engines.items():  # this call's --modes, on engines attached too
+            for mode in (args.modes if kind == "dual" else []):
+                if not any(r["name"] == f"{ename}/{mode}" for r in res["rows"]):
+                    res["rows"].append({"name": f"{ename}/{mode}", "loads": {}, "rounds": {}, "ttft_ms": []})
         rows = []  # (row record, process, routing mode)
         for row in res["rows"]:
             ename, _, mode = row["name"].partition("/")
-            if ename in engines and ename in only:
+            kind = engines[ename][2] if ename in engines else None
+            if ename in only and kind is not None and (kind != "dual" or mode in args.modes):
                 rows.append((row, engines[ename][1], mode or None))
         cells = [(wl, conc) for wl in args.workloads for conc in args.loads]
-        base_settings: dict[int, dict | None] = {}  # per dual engine (id of its process): settings at the start
-        for _, eh, mode in rows:
+        # per dual engine: its split settings as first seen (kept in the results, so that a later
+        # call does not take the settings a row of the last call left in force for the defaults)
+        known = res.setdefault("router_settings_at_start", {})
+        base_settings: dict[int, dict | None] = {}
+        for row, eh, mode in rows:
+            ename = row["name"].partition("/")[0]
             if mode and id(eh) not in base_settings:
-                st = await router_state(eh)
-                base_settings[id(eh)] = (st or {}).get("settings")
+                if ename not in known:
+                    known[ename] = ((await router_state(eh)) or {}).get("settings")
+                base_settings[id(eh)] = known[ename]
         t_round = len(cells) * len(rows) * (args.warm + args.duration + 2.0)  # first guess, then measured
         for _ in range(args.rounds):
             left = args.time_budget - (time.monotonic() - t_begin) if args.time_budget else None

@@ -17,8 +17,18 @@ so traffic moves towards the engine that currently gives a request more tokens p
 second, until both give the same (a Wardrop equilibrium of the two "routes"; under load
 a request's TPOT grows with its engine's batch, which is what stops the flow). On
 predictable traffic the speculative engine's adaptive K makes its TPOT the lower one and
-``p`` rises to ``p_max``; on open-ended traffic or under load ``p`` falls to ``p_min``,
-which keeps a trickle of requests there so its estimates stay fresh.
+``p`` rises to ``p_max``; on open-ended traffic or under load ``p`` falls to ``p_min``.
+
+Resting and probes: while ``p`` rests at ``p_min`` the speculative engine gets *no*
+requests, except during a probe of ``probe_s`` seconds every ``probe_every_s`` seconds,
+when it gets the share ``p_probe``. A constant trickle would keep it stepping most of the
+time (at 64 clients a 1 % share kept about one request in flight there), and its steps
+take GPU time slices and host cores from the plain engine: on an offline H100, chat at
+64 clients, the dual host in ``auto`` with a 1 % floor ran at 0.946-0.966x of the same
+split at 0 in three paired rounds (docs/gpu.md). Probes bunch the same few requests into
+one short burst, so the engine is busy a small part of the time and its TPOT is still
+measured (a probe's requests refresh it, and ``p`` moves again if it has become the
+faster engine). ``probe_every_s = 0`` restores the constant trickle at ``p_min``.
 
 The margin: with ``tpot_margin`` m > 0 the update uses ``TPOT_plain / (TPOT_spec (1 + m))``,
 so the speculative engine gains traffic only while it is more than m faster per token, and
@@ -36,13 +46,14 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import dataclass, field
 
 PLAIN = "plain"
 SPECULATIVE = "speculative"
 ENGINES = (PLAIN, SPECULATIVE)
 ROUTING_MODES = ("auto", PLAIN, SPECULATIVE)
-SPLIT_SETTINGS = ("p_min", "p_max", "eta", "tpot_margin")
+SPLIT_SETTINGS = ("p_min", "p_max", "eta", "tpot_margin", "p_probe", "probe_every_s", "probe_s")
 
 
 @dataclass
@@ -88,8 +99,12 @@ class TrafficSplit:
 
     Args:
         p: initial share.
-        p_min, p_max: bounds of the share in ``auto`` (0..1); p_min > 0 keeps the
-            speculative engine's acceptance estimates alive, p_max < 1 the plain engine's TPOT.
+        p_min, p_max: bounds of the share in ``auto`` (0..1); p_max < 1 keeps the plain
+            engine's TPOT measured. While ``p`` rests at ``p_min`` (and ``p_min < p_max``),
+            only probes reach the speculative engine (module docstring).
+        p_probe: share (0..1) sent to the speculative engine during a probe.
+        probe_every_s, probe_s: a probe of ``probe_s`` seconds starts every
+            ``probe_every_s`` seconds (monotonic clock); 0: no probes, a constant ``p_min``.
         eta: step size of the multiplicative update (per poll).
         tpot_margin: fraction (>= 0) by which the speculative engine's TPOT must beat the
             plain engine's before it gains traffic (module docstring); 0: the plain Wardrop split.
@@ -102,6 +117,9 @@ class TrafficSplit:
     p_max: float = 0.97
     eta: float = 0.5
     tpot_margin: float = 0.0
+    p_probe: float = 0.1
+    probe_every_s: float = 20.0
+    probe_s: float = 1.0
     max_age_s: float = 5.0
     seed: int | None = None
     mode: str = "auto"
@@ -115,8 +133,8 @@ class TrafficSplit:
         self._rng = random.Random(self.seed)
 
     def settings(self) -> dict[str, float]:
-        """The live-changeable settings: ``p_min``, ``p_max`` (fractions 0..1), ``eta``,
-        ``tpot_margin`` (fraction >= 0)."""
+        """The live-changeable settings: ``p_min``, ``p_max``, ``p_probe`` (fractions 0..1),
+        ``eta``, ``tpot_margin`` (fraction >= 0), ``probe_every_s``, ``probe_s`` (s)."""
         return {k: float(getattr(self, k)) for k in SPLIT_SETTINGS}
 
     def check_settings(self, patch: dict) -> dict[str, float]:
@@ -126,7 +144,8 @@ class TrafficSplit:
         Raises:
             ValueError: an unknown key, a value that is not a number, ``p_min``/``p_max``
                 outside ``0 <= p_min <= p_max <= 1``, ``eta`` outside (0, 5], or
-                ``tpot_margin`` outside [0, 10].
+                ``tpot_margin`` outside [0, 10], ``p_probe`` outside [0, 1], a negative
+                ``probe_every_s``, or ``probe_s`` outside (0, probe_every_s].
         """
         if not isinstance(patch, dict):
             raise ValueError("router settings must be a JSON object")
@@ -144,6 +163,12 @@ class TrafficSplit:
             raise ValueError(f"eta must be in (0, 5], got {new['eta']}")
         if not 0.0 <= new["tpot_margin"] <= 10.0:
             raise ValueError(f"tpot_margin must be in [0, 10], got {new['tpot_margin']}")
+        if not 0.0 <= new["p_probe"] <= 1.0:
+            raise ValueError(f"p_probe must be in [0, 1], got {new['p_probe']}")
+        if new["probe_every_s"] < 0.0:
+            raise ValueError(f"probe_every_s must be >= 0 (0: no probes), got {new['probe_every_s']}")
+        if new["probe_every_s"] > 0.0 and not 0.0 < new["probe_s"] <= new["probe_every_s"]:
+            raise ValueError(f"probe_s must be in (0, probe_every_s], got {new['probe_s']}")
         return new
 
     def configure(self, patch: dict) -> dict[str, float]:
@@ -182,10 +207,25 @@ class TrafficSplit:
             self.updates += 1
         return self.p
 
-    def choose(self) -> str:
-        """The engine for the next request (counts it)."""
+    def resting(self) -> bool:
+        """True while ``p`` rests at its floor ``p_min`` (below ``p_max``): only probes then
+        reach the speculative engine."""
+        return self.p_min < self.p_max and self.p <= self.p_min and self.probe_every_s > 0
+
+    def share_now(self, now: float | None = None) -> float:
+        """Share (0..1) of a request arriving at ``now`` (monotonic s) that goes to the
+        speculative engine in ``auto``: ``p``, or while resting ``p_probe`` during a probe
+        and 0 between probes."""
+        if not self.resting():
+            return self.p
+        now = time.monotonic() if now is None else now
+        return self.p_probe if now % self.probe_every_s < self.probe_s else 0.0
+
+    def choose(self, now: float | None = None) -> str:
+        """The engine for the next request arriving at ``now`` (monotonic s; default: the
+        clock's); counts it."""
         if self.mode == "auto":
-            engine = SPECULATIVE if self._rng.random() < self.p else PLAIN
+            engine = SPECULATIVE if self._rng.random() < self.share_now(now) else PLAIN
         else:
             engine = self.mode
         self.routed[engine] += 1
@@ -197,6 +237,7 @@ class TrafficSplit:
             "mode": self.mode,
             "p_speculative": round(self.p, 4),
             "p_bounds": [self.p_min, self.p_max],
+            "resting": self.resting(),
             "settings": self.settings(),
             "tpot_ms": {e: (round(w.tpot_s * 1000.0, 3) if w.tpot_s is not None else None)
                         for e, w in self.windows.items()},

@@ -104,3 +104,31 @@ def test_auto_routing_measures_both_engines_and_metrics_name_them(router):
     assert engines == {"plain", "speculative"}
     health = httpx.get(router.url + "/health", timeout=30)
     assert health.status_code == 200 and health.json()["engines"] == {"plain": 200, "speculative": 200}
+
+
+def test_split_settings_change_live_and_a_resting_speculative_engine_gets_only_probes(router):
+    h = router.control_headers
+    pinned = {"p_min": 0.5, "p_max": 0.5, "probe_every_s": 20.0, "probe_s": 1.0, "p_probe": 0.1, "tpot_margin": 0.0}
+
+    def put(body: dict) -> httpx.Response:
+        return httpx.put(router.url + "/control/config", headers=h, timeout=60, json=body)
+
+    try:
+        # the share rests at its floor (p = p_min < p_max; a margin no engine clears keeps it
+        # there) and the next probe is an hour away
+        r = put({"routing": "auto", "router": {"p_max": 0.97, "tpot_margin": 10.0, "probe_every_s": 3600.0,
+                                               "probe_s": 1.0}})
+        assert r.status_code == 200, r.text
+        st = r.json()["router"]
+        assert st["resting"] and st["settings"]["probe_every_s"] == 3600.0
+        assert set(_complete(router.url, 8)) == {"plain"}
+        # a probe that never ends, at share 1: every request goes to the speculative engine
+        assert put({"router": {"probe_every_s": 2.0, "probe_s": 2.0, "p_probe": 1.0}}).status_code == 200
+        assert set(_complete(router.url, 4)) == {"speculative"}
+        # invalid settings are refused with the reason, and nothing changes
+        r = put({"routing": "plain", "router": {"probe_s": 5.0}})
+        assert r.status_code == 422 and "probe_s" in r.json()["message"]
+        st = httpx.get(router.url + "/control/state", headers=h, timeout=30).json()["router"]
+        assert st["mode"] == "auto" and st["settings"]["p_probe"] == 1.0
+    finally:
+        assert put({"router": pinned}).status_code == 200

@@ -260,3 +260,22 @@ def test_router_config_sets_split_settings_live_and_shares_them_through_the_mode
         assert state.split.mode == "auto" and state.split.tpot_margin == 0.3  # refused: nothing changed
     other.follow_mode()
     assert other.split.tpot_margin == 0.3 and other.split.p_min == 0.0 and other.split.mode == "auto"
+
+
+def test_resting_speculative_engine_gets_only_probes():
+    split = TrafficSplit(p=0.01, p_min=0.01, p_probe=0.5, probe_every_s=20.0, probe_s=1.0, seed=2)
+    assert split.resting()
+    between = [split.choose(now=100.0 + 2.0 + i * 0.01) for i in range(500)]  # 102..107 s: no probe
+    assert set(between) == {PLAIN}
+    during = [split.choose(now=120.0 + i * 0.001) for i in range(500)]  # 120..120.5 s: a probe
+    assert 0.4 < during.count(SPECULATIVE) / len(during) < 0.6
+    # once p is above its floor, the share is p at every instant
+    split.configure({"p_min": 0.001})
+    split.p = 0.3
+    assert not split.resting() and split.share_now(103.0) == 0.3
+    # pinned bounds never rest; probe_every_s = 0 is the constant trickle at p_min
+    assert not TrafficSplit(p=0.5, p_min=0.5, p_max=0.5).resting()
+    trickle = TrafficSplit(p=0.01, p_min=0.01, probe_every_s=0.0)
+    assert not trickle.resting() and trickle.share_now(103.0) == 0.01
+    with pytest.raises(ValueError, match="probe_s"):
+        split.configure({"probe_s": 30.0})
