@@ -544,6 +544,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--plain-url and --spec-url go together")
     if not 0.0 <= args.p_min <= args.p_start <= args.p_max <= 1.0:
         p.error("need 0 <= --p-min <= --p-start <= --p-max <= 1")
+    if not 0.0 < args.eta <= 5.0:
+        p.error("--eta must be in (0, 5]")
     if not 0.0 <= args.tpot_margin <= 10.0:
         p.error("--tpot-margin must be in [0, 10]")
     if not 0.0 <= args.p_probe <= 1.0:

@@ -37,8 +37,9 @@ the host's cores: every request the speculative engine serves also slows the pla
 engine's steps, a cost that neither engine's own TPOT shows to the requests choosing it.
 Equalizing TPOT is the *selfish* equilibrium, and with such shared costs it can be worse
 for the whole than sending everything one way (Roughgarden & Tardos, "How bad is selfish
-routing?", J. ACM 49(2), 2002). The margin is the price of that interference, measured on
-the GPU host (docs/gpu.md); it can be changed live (``PUT /control/config`` with
+routing?", J. ACM 49(2), 2002). The margin prices that interference in. Default 0: in the
+GPU runs so far the share already sat at its floor in every cell, and a margin of 0.3
+changed nothing there (docs/gpu.md). It can be changed live (``PUT /control/config`` with
 ``{"router": {"tpot_margin": m}}``).
 """
 
