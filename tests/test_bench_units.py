@@ -450,7 +450,7 @@ def test_host_overhead_keeps_engines_for_a_later_call_and_stops_them_at_the_end(
             self.proc = None
 
         def command(self):  # SIGINT restored: a shell's background job starts with it ignored
-            return [sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+            return [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL); "
                     "print('up', flush=True); time.sleep(300)"]
 
         def start(self):
