@@ -150,6 +150,8 @@ class HostStatus:
             time T(B,K) in ms, predicted goodput per K in tokens/s, steps per K).
         config: the full config in force (a ``LiveConfig`` dict).
         limits: the engine's start-up settings (``EngineLimits`` dict).
+        router: a dual engine host's ``router`` section (mode, share sent to the
+            speculative engine, settings, TPOT per engine in ms); empty for one engine.
         checked_at: when this was read (UTC).
     """
 
@@ -171,6 +173,7 @@ class HostStatus:
     controller: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)
+    router: dict[str, Any] = field(default_factory=dict)
     engine_started_at: datetime | None = None
     checked_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
@@ -205,8 +208,32 @@ def status_from_state(name: str, url: str, state: dict[str, Any]) -> HostStatus:
         controller=state.get("controller") or {},
         config=state.get("config") or {},
         limits=state.get("limits") or {},
+        router=state.get("router") or {},
         engine_started_at=_utc(eng.get("started_at")),
     )
+
+
+def routing_summary(router: dict[str, Any]) -> str | None:
+    """One line on a dual engine host's routing from its ``router`` section, e.g.
+    ``routing auto · speculative engine resting: probes of 1 s every 20 s at 10% ·
+    TPOT plain 4.1 ms, speculative 10.6 ms``; None for a single engine host."""
+    if not router or not router.get("mode"):
+        return None
+    parts = [f"routing {router['mode']}"]
+    p = router.get("p_speculative")
+    if router["mode"] == "auto" and isinstance(p, (int, float)):
+        settings = router.get("settings") or {}
+        if router.get("resting") and settings.get("probe_every_s"):
+            share = (f"speculative engine resting: probes of {settings.get('probe_s', 1):g} s every "
+                     f"{settings['probe_every_s']:g} s at {settings.get('p_probe', 0):.0%}")
+        else:
+            share = f"{p:.0%} to the speculative engine"
+        parts.append(share)
+    tpot = router.get("tpot_ms") or {}
+    shown = [f"{e} {v:.1f} ms" for e, v in tpot.items() if isinstance(v, (int, float))]
+    if shown:
+        parts.append("TPOT " + ", ".join(shown))
+    return " · ".join(parts)
 
 
 def host_status(name: str) -> HostStatus:

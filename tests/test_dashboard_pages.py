@@ -53,7 +53,8 @@ class FakeBackend:
                                "predicted_goodput_tokens_per_s": {str(k): 100 + 10 * k - k * k for k in range(9)},
                                "expected_tokens_per_step": {str(k): 1 + 0.5 * k for k in range(9)},
                                "step_time_ms": {str(k): 20 + k for k in range(9)}},
-                "engine": {"phase": "ready", "started_at": self.now - 3600}}
+                "engine": {"phase": "ready", "started_at": self.now - 3600},
+                **({"router": self.router} if getattr(self, "router", None) else {})}
 
     def _samples(self, since, until=None, step=1.0):
         out = []
@@ -285,3 +286,21 @@ def test_planner_display_points_are_binned_but_fit_uses_all():
     assert shown["rate_rps"].is_monotonic_increasing
     few = views.PlannerView(fits={}, problems={}, points=pts.head(10), days=7, window_s=60)
     assert len(views.planner_points_for_display(few, max_per_k=50)) == 10
+
+
+def test_live_page_shows_a_dual_hosts_routing(backend):
+    backend.router = {"mode": "auto", "p_speculative": 0.01, "resting": True,
+                      "settings": {"probe_every_s": 20.0, "probe_s": 1.0, "p_probe": 0.1},
+                      "tpot_ms": {"plain": 4.13, "speculative": 10.64}}
+    at = _app(VIEWER, "pages/live.py")
+    assert not at.exception, at.exception
+    assert ("routing auto · speculative engine resting: probes of 1 s every 20 s at 10% · "
+            "TPOT plain 4.1 ms, speculative 10.6 ms") in _texts(at)
+
+
+def test_routing_summary_says_the_share_when_not_resting_and_nothing_for_one_engine():
+    assert views.routing_summary({}) is None
+    r = {"mode": "auto", "p_speculative": 0.62, "resting": False, "settings": {"probe_every_s": 20.0},
+         "tpot_ms": {"plain": 6.0, "speculative": None}}
+    assert views.routing_summary(r) == "routing auto · 62% to the speculative engine · TPOT plain 6.0 ms"
+    assert views.routing_summary({"mode": "plain", "p_speculative": 0.62}) == "routing plain"

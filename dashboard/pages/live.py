@@ -37,6 +37,9 @@ def _status_line(view: views.LiveView) -> None:
         f"(engine K_max {s.k_max_engine}) · config **v{s.config_version}** · "
         f"caps: {s.max_num_seqs} sequences, {s.max_num_batched_tokens} tokens/step"
     )
+    routing = views.routing_summary(s.router)
+    if routing:
+        st.caption(routing)
 
 
 def _tiles(view: views.LiveView) -> None:
