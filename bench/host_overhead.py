@@ -101,12 +101,16 @@ def summarize(res: dict, baseline: str | None = None) -> str:
     for r in rows:
         for k, seen in (r.get("router") or {}).items():
             ps = [x["p_speculative"] for x in seen if x.get("p_speculative") is not None]
+            sent = [x["spec_requests"] for x in seen if x.get("spec_requests") is not None]
+            sent_s = (f"{sum(1 for n in sent if n > 0)} of {len(sent)} ({', '.join(str(n) for n in sent)})"
+                      if sent else "-")
             if ps:
                 split_lines.append(f"| {r['name']} | {k} | {statistics.median(ps):.3f} "
-                                   f"[{min(ps):.3f}, {max(ps):.3f}] ({len(ps)}) |")
+                                   f"[{min(ps):.3f}, {max(ps):.3f}] ({len(ps)}) | {sent_s} |")
     if split_lines:
-        lines += ["", "| row | cell | share sent to the speculative engine at window ends: median [min, max] (n) |",
-                  "|---|---|---|", *split_lines]
+        lines += ["", "| row | cell | share sent to the speculative engine at window ends: median [min, max] (n) "
+                  "| windows with requests to the speculative engine (requests per window) |",
+                  "|---|---|---|---|", *split_lines]
     return "\n".join(lines)
 
 
@@ -316,6 +320,7 @@ async def run(args: argparse.Namespace) -> dict:
                         await set_routing(eh, mode, base_settings.get(id(eh)))
                     if args.warm > 0:  # untimed: caches, and the routing split settling after a switch
                         await closed_loop(eh.url, name_m, conc, args.warm, args.max_tokens, args.seed + 99, wl)
+                    before = ((await router_state(eh) or {}).get("routed") or {}) if mode else {}
                     r = await closed_loop(eh.url, name_m, conc, args.duration, args.max_tokens, args.seed + rnd, wl)
                     cell = f"{wl}@c{conc}"
                     row["loads"].setdefault(cell, []).append(r["tokens_per_s"])
@@ -323,9 +328,13 @@ async def run(args: argparse.Namespace) -> dict:
                     extra = ""
                     if mode:  # where the split stood at the window's end
                         st = await router_state(eh) or {}
-                        seen = {k: st.get(k) for k in ("p_speculative", "tpot_ms", "routed")}
+                        seen = {k: st.get(k) for k in ("p_speculative", "tpot_ms", "routed", "probes")}
+                        # requests sent to the speculative engine during the timed window
+                        seen["spec_requests"] = ((seen["routed"] or {}).get("speculative", 0)
+                                                 - before.get("speculative", 0))
                         row.setdefault("router", {}).setdefault(cell, []).append(seen)
-                        extra = f" (p_speculative {seen['p_speculative']}, TPOT ms {seen['tpot_ms']})"
+                        extra = (f" (p_speculative {seen['p_speculative']}, {seen['spec_requests']} requests to the "
+                                 f"speculative engine, TPOT ms {seen['tpot_ms']})")
                     print(f"  round {rnd + 1} {cell} {row['name']}: {r['tokens_per_s']} tok/s{extra}", flush=True)
                     save()
             ttft_wl = {row["name"]: Workload("chat", seed=args.seed + 7 + rnd) for row, _, _ in rows}

@@ -215,8 +215,8 @@ def status_from_state(name: str, url: str, state: dict[str, Any]) -> HostStatus:
 
 def routing_summary(router: dict[str, Any]) -> str | None:
     """One line on a dual engine host's routing from its ``router`` section, e.g.
-    ``routing auto · speculative engine resting: probes of 1 s every 20 s at 10% ·
-    TPOT plain 4.1 ms, speculative 10.6 ms``; None for a single engine host."""
+    ``routing auto · speculative engine resting: probes of 1 s every 80 s at 10%, next in
+    31 s · TPOT plain 4.1 ms, speculative 10.6 ms`` (the interval as backed off now); None for a single engine host."""
     if not router or not router.get("mode"):
         return None
     parts = [f"routing {router['mode']}"]
@@ -224,8 +224,12 @@ def routing_summary(router: dict[str, Any]) -> str | None:
     if router["mode"] == "auto" and isinstance(p, (int, float)):
         settings = router.get("settings") or {}
         if router.get("resting") and settings.get("probe_every_s"):
+            probes = router.get("probes") or {}
+            every = probes.get("every_s", settings["probe_every_s"])
             share = (f"speculative engine resting: probes of {settings.get('probe_s', 1):g} s every "
-                     f"{settings['probe_every_s']:g} s at {settings.get('p_probe', 0):.0%}")
+                     f"{every:g} s at {settings.get('p_probe', 0):.0%}")
+            if isinstance(probes.get("next_in_s"), (int, float)):
+                share += " (probing now)" if probes["next_in_s"] <= 0 else f", next in {probes['next_in_s']:.0f} s"
         else:
             share = f"{p:.0%} to the speculative engine"
         parts.append(share)

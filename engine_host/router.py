@@ -15,7 +15,8 @@ vLLM keeps async scheduling, its newest model runner and full CUDA graphs; the
   plus ``specpilot:router_*`` series (share, TPOT, requests routed);
 * ``/control/state``: the speculative engine's state with a ``router`` section;
   ``/control/config``: the engine host's body plus ``"routing": "auto"|"plain"|"speculative"``
-  and ``"router": {"p_min", "p_max", "eta", "tpot_margin", "p_probe", "probe_every_s", "probe_s"}``
+  and ``"router": {"p_min", "p_max", "eta", "tpot_margin", "p_probe", "probe_every_s", "probe_s",
+  "probe_backoff", "probe_every_max_s"}``
   (the split's settings, live: :class:`engine_host.routing.TrafficSplit`)
   (speculation goes to the speculative engine, batch caps to both); ``/control/samples``.
 
@@ -475,7 +476,8 @@ def state_from_config(cfg: dict[str, Any], token: str) -> RouterState:
     (backends by name and URL, split bounds and step, mode file)."""
     backends = {name: Backend(name, url, token) for name, url in cfg["backends"].items()}
     split = TrafficSplit(p=cfg["p_start"], p_min=cfg["p_min"], p_max=cfg["p_max"], eta=cfg["eta"],
-                         **{k: cfg[k] for k in ("tpot_margin", "p_probe", "probe_every_s") if k in cfg})
+                         **{k: cfg[k] for k in ("tpot_margin", "p_probe", "probe_every_s", "probe_backoff",
+                                                 "probe_every_max_s") if k in cfg})
     state = RouterState(backends=backends, split=split, mode_file=Path(cfg["mode_file"]))
     state.follow_mode()
     return state
@@ -520,8 +522,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="floor of the speculative engine's share; resting there, it gets only probes")
     p.add_argument("--p-probe", type=float, default=0.1, help="share sent to the speculative engine during a probe")
     p.add_argument("--probe-every", type=float, default=20.0,
-                   help="seconds between probes of the resting speculative engine (1 s each); 0: a constant "
-                        "share of --p-min instead")
+                   help="seconds from the share's coming to rest to the first probe of the speculative engine "
+                        "(1 s each); 0: a constant share of --p-min instead")
+    p.add_argument("--probe-backoff", type=float, default=2.0,
+                   help="factor on the time to the next probe after each probe that leaves the share at its floor "
+                        "(1: a probe every --probe-every seconds)")
+    p.add_argument("--probe-every-max", type=float, default=300.0,
+                   help="longest time between probes (s) that the backoff reaches")
     p.add_argument("--p-max", type=float, default=0.97, help="largest share of requests for the speculative engine")
     p.add_argument("--eta", type=float, default=0.5, help="step of the share's update per poll (0.25 s)")
     p.add_argument("--tpot-margin", type=float, default=0.0,
@@ -552,6 +559,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--p-probe must be in [0, 1]")
     if not (args.probe_every == 0 or args.probe_every >= 1.0):
         p.error("--probe-every must be 0 (no probes) or at least 1 s (a probe lasts 1 s)")
+    if not 1.0 <= args.probe_backoff <= 10.0:
+        p.error("--probe-backoff must be in [1, 10]")
+    if args.probe_every_max < 0:
+        p.error("--probe-every-max must be >= 0")
     if args.workers < 1:
         p.error("--workers must be at least 1")
     if args.front is None:
@@ -607,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     mode_file.write_text(args.routing)
     config = {"p_start": args.p_start, "p_min": args.p_min, "p_max": args.p_max, "eta": args.eta,
               "tpot_margin": args.tpot_margin, "p_probe": args.p_probe, "probe_every_s": args.probe_every,
+              "probe_backoff": args.probe_backoff, "probe_every_max_s": args.probe_every_max,
               "mode_file": str(mode_file), "front": args.front}
     children: list[tuple[str, EngineHostProcess]] = []
     if args.plain_url:

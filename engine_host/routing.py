@@ -30,6 +30,20 @@ one short burst, so the engine is busy a small part of the time and its TPOT is 
 measured (a probe's requests refresh it, and ``p`` moves again if it has become the
 faster engine). ``probe_every_s = 0`` restores the constant trickle at ``p_min``.
 
+Backoff: each probe that leaves the share at its floor multiplies the time to the next one
+by ``probe_backoff`` (default 2), up to ``probe_every_max_s`` (default 300 s): 20, 40, 80,
+160, 300, 300 s... The first probe comes ``probe_every_s`` after the share reaches its
+floor, and the interval starts again from ``probe_every_s`` once the share leaves it (or
+the schedule's settings change). Even bunched, a probe costs more than its share: on an offline H100,
+chat at 64 clients, the dual host in ``auto`` with a probe every 20 s ran at 0.80-0.97x of
+``plain`` in 4 paired rounds of 18 s (median 0.85, docs/gpu.md), because a probe's
+requests decode at the speculative engine's slower TPOT for seconds after the probe's
+second, while both processes share the GPU. The backoff is the usual answer to a
+measurement that costs every time it comes back negative (binary exponential backoff, as
+in Ethernet: Metcalfe & Boggs, "Ethernet: distributed packet switching for local computer
+networks", CACM 19(7), 1976): a speculative engine that keeps losing is asked ever less
+often, down to a probe in 300 s, while a change of traffic is still seen within minutes.
+
 The margin: with ``tpot_margin`` m > 0 the update uses ``TPOT_plain / (TPOT_spec (1 + m))``,
 so the speculative engine gains traffic only while it is more than m faster per token, and
 the split settles where it is exactly that much faster. Both engines share one GPU and
@@ -54,7 +68,8 @@ PLAIN = "plain"
 SPECULATIVE = "speculative"
 ENGINES = (PLAIN, SPECULATIVE)
 ROUTING_MODES = ("auto", PLAIN, SPECULATIVE)
-SPLIT_SETTINGS = ("p_min", "p_max", "eta", "tpot_margin", "p_probe", "probe_every_s", "probe_s")
+SPLIT_SETTINGS = ("p_min", "p_max", "eta", "tpot_margin", "p_probe", "probe_every_s", "probe_s",
+                  "probe_backoff", "probe_every_max_s")
 
 
 @dataclass
@@ -104,8 +119,12 @@ class TrafficSplit:
             engine's TPOT measured. While ``p`` rests at ``p_min`` (and ``p_min < p_max``),
             only probes reach the speculative engine (module docstring).
         p_probe: share (0..1) sent to the speculative engine during a probe.
-        probe_every_s, probe_s: a probe of ``probe_s`` seconds starts every
-            ``probe_every_s`` seconds (monotonic clock); 0: no probes, a constant ``p_min``.
+        probe_every_s, probe_s: a probe of ``probe_s`` seconds starts ``probe_every_s``
+            seconds after the share comes to rest (monotonic clock); 0: no probes, a
+            constant ``p_min``.
+        probe_backoff: factor (1..10) on the interval after each probe that leaves the share
+            at its floor; 1: a probe every ``probe_every_s`` seconds.
+        probe_every_max_s: the interval grows up to ``max(probe_every_max_s, probe_every_s)`` s.
         eta: step size of the multiplicative update (per poll).
         tpot_margin: fraction (>= 0) by which the speculative engine's TPOT must beat the
             plain engine's before it gains traffic (module docstring); 0: the plain Wardrop split.
@@ -121,6 +140,8 @@ class TrafficSplit:
     p_probe: float = 0.1
     probe_every_s: float = 20.0
     probe_s: float = 1.0
+    probe_backoff: float = 2.0
+    probe_every_max_s: float = 300.0
     max_age_s: float = 5.0
     seed: int | None = None
     mode: str = "auto"
@@ -132,10 +153,13 @@ class TrafficSplit:
         self.check_settings(self.settings())
         self.p = min(max(self.p, self.p_min), self.p_max)
         self._rng = random.Random(self.seed)
+        self._probe_interval_s = self.probe_every_s  # start-to-start, grows by probe_backoff
+        self._next_probe_at: float | None = None  # monotonic s; None: not scheduled (not resting)
 
     def settings(self) -> dict[str, float]:
         """The live-changeable settings: ``p_min``, ``p_max``, ``p_probe`` (fractions 0..1),
-        ``eta``, ``tpot_margin`` (fraction >= 0), ``probe_every_s``, ``probe_s`` (s)."""
+        ``eta``, ``tpot_margin`` (fraction >= 0), ``probe_every_s``, ``probe_s``,
+        ``probe_every_max_s`` (s), ``probe_backoff`` (factor >= 1)."""
         return {k: float(getattr(self, k)) for k in SPLIT_SETTINGS}
 
     def check_settings(self, patch: dict) -> dict[str, float]:
@@ -146,7 +170,8 @@ class TrafficSplit:
             ValueError: an unknown key, a value that is not a number, ``p_min``/``p_max``
                 outside ``0 <= p_min <= p_max <= 1``, ``eta`` outside (0, 5], or
                 ``tpot_margin`` outside [0, 10], ``p_probe`` outside [0, 1], a negative
-                ``probe_every_s``, or ``probe_s`` outside (0, probe_every_s].
+                ``probe_every_s`` or ``probe_every_max_s``, ``probe_s`` outside
+                (0, probe_every_s], or ``probe_backoff`` outside [1, 10].
         """
         if not isinstance(patch, dict):
             raise ValueError("router settings must be a JSON object")
@@ -170,19 +195,29 @@ class TrafficSplit:
             raise ValueError(f"probe_every_s must be >= 0 (0: no probes), got {new['probe_every_s']}")
         if new["probe_every_s"] > 0.0 and not 0.0 < new["probe_s"] <= new["probe_every_s"]:
             raise ValueError(f"probe_s must be in (0, probe_every_s], got {new['probe_s']}")
+        if not 1.0 <= new["probe_backoff"] <= 10.0:
+            raise ValueError(f"probe_backoff must be in [1, 10], got {new['probe_backoff']}")
+        if new["probe_every_max_s"] < 0.0:
+            raise ValueError(f"probe_every_max_s must be >= 0, got {new['probe_every_max_s']}")
         return new
 
     def configure(self, patch: dict) -> dict[str, float]:
         """Apply a settings patch (see :meth:`check_settings`) all at once, clip ``p`` into
-        the new bounds, and return the settings now in force.
+        the new bounds, and return the settings now in force. A change of the probes'
+        schedule (``probe_every_s``, ``probe_backoff``, ``probe_every_max_s``) starts it
+        afresh; other settings, or the same values again, leave it running.
 
         Raises:
             ValueError: as :meth:`check_settings`; nothing changes then.
         """
         new = self.check_settings(patch)
+        schedule = ("probe_every_s", "probe_backoff", "probe_every_max_s")
+        changed = any(new[k] != float(getattr(self, k)) for k in schedule)
         for k, v in new.items():
             setattr(self, k, v)
         self.p = min(max(self.p, self.p_min), self.p_max)
+        if changed:
+            self._reset_probes()
         return new
 
     def set_mode(self, mode: str) -> None:
@@ -206,7 +241,27 @@ class TrafficSplit:
             ratio = wp.tpot_s / (ws.tpot_s * (1.0 + self.tpot_margin))
             self.p = min(max(self.p * math.exp(self.eta * math.log(ratio)), self.p_min), self.p_max)
             self.updates += 1
+        if self.resting():
+            self._probe_on(now)  # keeps the schedule (and its backoff) current between requests
+        else:
+            self._reset_probes()
         return self.p
+
+    def _reset_probes(self) -> None:
+        self._probe_interval_s = self.probe_every_s
+        self._next_probe_at = None
+
+    def _probe_on(self, now: float) -> bool:
+        """Whether a probe is on at ``now`` (monotonic s) while resting; advances the
+        schedule past probes that have ended, each one backing the interval off."""
+        if self._next_probe_at is None:
+            self._probe_interval_s = self.probe_every_s
+            self._next_probe_at = now + self._probe_interval_s
+        cap = max(self.probe_every_max_s, self.probe_every_s)
+        while now >= self._next_probe_at + self.probe_s:
+            self._probe_interval_s = min(self._probe_interval_s * self.probe_backoff, cap)
+            self._next_probe_at += self._probe_interval_s
+        return now >= self._next_probe_at
 
     def resting(self) -> bool:
         """True while ``p`` rests at its floor ``p_min`` (below ``p_max``): only probes then
@@ -216,11 +271,22 @@ class TrafficSplit:
     def share_now(self, now: float | None = None) -> float:
         """Share (0..1) of a request arriving at ``now`` (monotonic s) that goes to the
         speculative engine in ``auto``: ``p``, or while resting ``p_probe`` during a probe
-        and 0 between probes."""
+        and 0 between probes (see :meth:`probe_schedule`)."""
         if not self.resting():
             return self.p
         now = time.monotonic() if now is None else now
-        return self.p_probe if now % self.probe_every_s < self.probe_s else 0.0
+        return self.p_probe if self._probe_on(now) else 0.0
+
+    def probe_schedule(self, now: float | None = None) -> dict[str, float] | None:
+        """While resting: ``{"every_s": interval now (s), "next_in_s": s to the next probe's
+        start (0 during a probe)}``; None otherwise."""
+        if not self.resting():
+            return None
+        now = time.monotonic() if now is None else now
+        on = self._probe_on(now)
+        assert self._next_probe_at is not None
+        return {"every_s": round(self._probe_interval_s, 3),
+                "next_in_s": 0.0 if on else round(self._next_probe_at - now, 3)}
 
     def choose(self, now: float | None = None) -> str:
         """The engine for the next request arriving at ``now`` (monotonic s; default: the
@@ -239,6 +305,7 @@ class TrafficSplit:
             "p_speculative": round(self.p, 4),
             "p_bounds": [self.p_min, self.p_max],
             "resting": self.resting(),
+            "probes": self.probe_schedule(),
             "settings": self.settings(),
             "tpot_ms": {e: (round(w.tpot_s * 1000.0, 3) if w.tpot_s is not None else None)
                         for e, w in self.windows.items()},

@@ -520,7 +520,10 @@ def test_host_overhead_modes_carry_split_settings_per_row():
             parse_mode(bad)
     res = {"rows": [{"name": "d/plain", "loads": {"chat@c8": [100.0]}, "rounds": {"chat@c8": [0]}, "ttft_ms": []},
                     {"name": "d/auto", "loads": {"chat@c8": [90.0]}, "rounds": {"chat@c8": [0]}, "ttft_ms": [],
-                     "router": {"chat@c8": [{"p_speculative": 0.2}, {"p_speculative": 0.01}]}}]}
+                     "router": {"chat@c8": [{"p_speculative": 0.2, "spec_requests": 0},
+                                            {"p_speculative": 0.01, "spec_requests": 7}]}}]}
     text = summarize(res)
     assert "| d/auto | chat@c8 | 0.900 |" not in text  # the share table is separate from the ratios
-    assert "| d/auto | chat@c8 | 0.105 [0.010, 0.200] (2) |" in text
+    assert "| d/auto | chat@c8 | 0.105 [0.010, 0.200] (2) | 1 of 2 (0, 7) |" in text
+    res["rows"][1]["router"]["chat@c8"] = [{"p_speculative": 0.2}]  # results of an older bench
+    assert "| d/auto | chat@c8 | 0.200 [0.200, 0.200] (1) | - |" in summarize(res)

@@ -291,10 +291,11 @@ def test_planner_display_points_are_binned_but_fit_uses_all():
 def test_live_page_shows_a_dual_hosts_routing(backend):
     backend.router = {"mode": "auto", "p_speculative": 0.01, "resting": True,
                       "settings": {"probe_every_s": 20.0, "probe_s": 1.0, "p_probe": 0.1},
+                      "probes": {"every_s": 80.0, "next_in_s": 31.2},
                       "tpot_ms": {"plain": 4.13, "speculative": 10.64}}
     at = _app(VIEWER, "pages/live.py")
     assert not at.exception, at.exception
-    assert ("routing auto · speculative engine resting: probes of 1 s every 20 s at 10% · "
+    assert ("routing auto · speculative engine resting: probes of 1 s every 80 s at 10%, next in 31 s · "
             "TPOT plain 4.1 ms, speculative 10.6 ms") in _texts(at)
 
 
@@ -304,3 +305,7 @@ def test_routing_summary_says_the_share_when_not_resting_and_nothing_for_one_eng
          "tpot_ms": {"plain": 6.0, "speculative": None}}
     assert views.routing_summary(r) == "routing auto · 62% to the speculative engine · TPOT plain 6.0 ms"
     assert views.routing_summary({"mode": "plain", "p_speculative": 0.62}) == "routing plain"
+    probing = {"mode": "auto", "p_speculative": 0.01, "resting": True, "probes": {"every_s": 20.0, "next_in_s": 0.0},
+               "settings": {"probe_every_s": 20.0, "probe_s": 1.0, "p_probe": 0.1}}
+    assert views.routing_summary(probing) == ("routing auto · speculative engine resting: probes of 1 s every "
+                                              "20 s at 10% (probing now)")

@@ -3,6 +3,8 @@ behind ``python -m engine_host.router``, driven over HTTP as a client would."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -108,7 +110,8 @@ def test_auto_routing_measures_both_engines_and_metrics_name_them(router):
 
 def test_split_settings_change_live_and_a_resting_speculative_engine_gets_only_probes(router):
     h = router.control_headers
-    pinned = {"p_min": 0.5, "p_max": 0.5, "probe_every_s": 20.0, "probe_s": 1.0, "p_probe": 0.1, "tpot_margin": 0.0}
+    pinned = {"p_min": 0.5, "p_max": 0.5, "probe_every_s": 20.0, "probe_s": 1.0, "p_probe": 0.1, "tpot_margin": 0.0,
+              "probe_backoff": 2.0}
 
     def put(body: dict) -> httpx.Response:
         return httpx.put(router.url + "/control/config", headers=h, timeout=60, json=body)
@@ -122,8 +125,11 @@ def test_split_settings_change_live_and_a_resting_speculative_engine_gets_only_p
         st = r.json()["router"]
         assert st["resting"] and st["settings"]["probe_every_s"] == 3600.0
         assert set(_complete(router.url, 8)) == {"plain"}
-        # a probe that never ends, at share 1: every request goes to the speculative engine
-        assert put({"router": {"probe_every_s": 2.0, "probe_s": 2.0, "p_probe": 1.0}}).status_code == 200
+        # a probe that never ends, at share 1 (each 2 s probe starts as the last one ends, no
+        # backoff), from 2 s after the change on: every request goes to the speculative engine
+        r = put({"router": {"probe_every_s": 2.0, "probe_s": 2.0, "p_probe": 1.0, "probe_backoff": 1.0}})
+        assert r.status_code == 200, r.text
+        time.sleep(2.5)
         assert set(_complete(router.url, 4)) == {"speculative"}
         # invalid settings are refused with the reason, and nothing changes
         r = put({"routing": "plain", "router": {"probe_s": 5.0}})

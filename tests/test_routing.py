@@ -263,19 +263,63 @@ def test_router_config_sets_split_settings_live_and_shares_them_through_the_mode
 
 
 def test_resting_speculative_engine_gets_only_probes():
-    split = TrafficSplit(p=0.01, p_min=0.01, p_probe=0.5, probe_every_s=20.0, probe_s=1.0, seed=2)
+    split = TrafficSplit(p=0.01, p_min=0.01, p_probe=0.5, probe_every_s=20.0, probe_s=1.0, probe_backoff=1.0, seed=2)
     assert split.resting()
+    split.update(100.0)  # comes to rest at 100 s: the first probe starts at 120 s
     between = [split.choose(now=100.0 + 2.0 + i * 0.01) for i in range(500)]  # 102..107 s: no probe
     assert set(between) == {PLAIN}
     during = [split.choose(now=120.0 + i * 0.001) for i in range(500)]  # 120..120.5 s: a probe
     assert 0.4 < during.count(SPECULATIVE) / len(during) < 0.6
+    assert split.probe_schedule(130.0) == {"every_s": 20.0, "next_in_s": 10.0}  # backoff 1: every 20 s
     # once p is above its floor, the share is p at every instant
     split.configure({"p_min": 0.001})
     split.p = 0.3
-    assert not split.resting() and split.share_now(103.0) == 0.3
+    assert not split.resting() and split.share_now(103.0) == 0.3 and split.probe_schedule(103.0) is None
     # pinned bounds never rest; probe_every_s = 0 is the constant trickle at p_min
     assert not TrafficSplit(p=0.5, p_min=0.5, p_max=0.5).resting()
     trickle = TrafficSplit(p=0.01, p_min=0.01, probe_every_s=0.0)
     assert not trickle.resting() and trickle.share_now(103.0) == 0.01
     with pytest.raises(ValueError, match="probe_s"):
         split.configure({"probe_s": 30.0})
+    with pytest.raises(ValueError, match="probe_backoff"):
+        split.configure({"probe_backoff": 0.5})
+    assert split.settings()["probe_backoff"] == 1.0  # refused: nothing changed
+
+
+def _probe_starts(split: TrafficSplit, t0: float, t1: float, dt: float = 0.25) -> list[float]:
+    """Times (s) in [t0, t1) at which a probe starts, polling every dt s as the router does."""
+    starts, on = [], False
+    for i in range(int((t1 - t0) / dt)):
+        now = t0 + i * dt
+        split.update(now)
+        now_on = split.share_now(now) > 0
+        if now_on and not on:
+            starts.append(now)
+        on = now_on
+    return starts
+
+
+def test_probes_back_off_while_the_speculative_engine_keeps_losing_and_start_afresh_when_it_wins():
+    split = TrafficSplit(p=0.01, p_min=0.01, p_probe=0.1, probe_every_s=20.0, probe_s=1.0, seed=1)
+    assert split.settings()["probe_backoff"] == 2.0 and split.settings()["probe_every_max_s"] == 300.0
+    starts = _probe_starts(split, 0.0, 1500.0)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert starts[0] == 20.0
+    assert gaps[:5] == [40.0, 80.0, 160.0, 300.0, 300.0]  # doubling, capped at 300 s
+    # a probe shows the speculative engine faster: the share leaves its floor, the schedule resets
+    t = starts[-1] + 300.0
+    for i in range(8):
+        split.observe(PLAIN, 1.0 * (i + 1), 100.0 * (i + 1), t + i * 0.25)  # TPOT 10 ms
+        split.observe(SPECULATIVE, 0.5 * (i + 1), 100.0 * (i + 1), t + i * 0.25)  # TPOT 5 ms
+        split.update(t + i * 0.25)
+    assert split.p > 0.01 and not split.resting() and split.probe_schedule(t + 2.0) is None
+    # it comes back to rest: probes start again 20 s after, not 300 s
+    split.p = 0.01
+    assert _probe_starts(split, t + 10.0, t + 75.0) == [t + 30.0, t + 70.0]
+    # the same settings again, or another share for probes, leave the schedule running
+    split.configure({**split.settings(), "p_probe": 0.2})
+    assert split.probe_schedule(t + 80.0)["every_s"] == 80.0
+    # a change of the schedule's settings starts it afresh
+    split.configure({"probe_every_max_s": 30.0})
+    later = _probe_starts(split, t + 100.0, t + 220.0)
+    assert [b - a for a, b in zip(later, later[1:])][:3] == [30.0, 30.0, 30.0]
