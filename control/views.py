@@ -216,7 +216,8 @@ def status_from_state(name: str, url: str, state: dict[str, Any]) -> HostStatus:
 def routing_summary(router: dict[str, Any]) -> str | None:
     """One line on a dual engine host's routing from its ``router`` section, e.g.
     ``routing auto · speculative engine resting: probes of 1 s every 80 s at 10%, next in
-    31 s · TPOT plain 4.1 ms, speculative 10.6 ms`` (the interval as backed off now); None for a single engine host."""
+    31 s · TPOT plain 4.1 ms, speculative 10.6 ms`` (the interval as backed off now); None
+    for a single engine host."""
     if not router or not router.get("mode"):
         return None
     parts = [f"routing {router['mode']}"]

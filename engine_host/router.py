@@ -59,7 +59,7 @@ from control.metrics_parse import select_families
 
 from .auth import ENV_TOKEN, control_token, require_control_token
 from .home import subdir
-from .routing import ENGINES, PLAIN, ROUTING_MODES, SPECULATIVE, TrafficSplit
+from .routing import ENGINES, PLAIN, ROUTING_MODES, SPECULATIVE, SPLIT_SETTINGS, TrafficSplit
 
 logger = logging.getLogger("specpilot.router")
 
@@ -153,15 +153,11 @@ class RouterState:
             mtime = self.mode_file.stat().st_mtime
             if mtime != self._mode_mtime:
                 self._mode_mtime = mtime
-                text = self.mode_file.read_text().strip()
-                if text.startswith("{"):
-                    doc = json.loads(text)
-                    if doc.get("settings"):
-                        self.split.configure(doc["settings"])
-                    self.split.set_mode(doc["mode"])
-                else:  # a bare mode name (the file as main() first writes it)
-                    self.split.set_mode(text)
-        except (OSError, ValueError):
+                doc = json.loads(self.mode_file.read_text())
+                if doc.get("settings"):
+                    self.split.configure(doc["settings"])
+                self.split.set_mode(doc["mode"])
+        except (OSError, ValueError, KeyError, AttributeError):
             pass
 
 
@@ -475,9 +471,7 @@ def state_from_config(cfg: dict[str, Any], token: str) -> RouterState:
     """A :class:`RouterState` from the JSON :func:`main` passes in ``$SPECPILOT_ROUTER_CONFIG``
     (backends by name and URL, split bounds and step, mode file)."""
     backends = {name: Backend(name, url, token) for name, url in cfg["backends"].items()}
-    split = TrafficSplit(p=cfg["p_start"], p_min=cfg["p_min"], p_max=cfg["p_max"], eta=cfg["eta"],
-                         **{k: cfg[k] for k in ("tpot_margin", "p_probe", "probe_every_s", "probe_backoff",
-                                                 "probe_every_max_s") if k in cfg})
+    split = TrafficSplit(p=cfg["p_start"], **{k: cfg[k] for k in SPLIT_SETTINGS if k in cfg})
     state = RouterState(backends=backends, split=split, mode_file=Path(cfg["mode_file"]))
     state.follow_mode()
     return state
@@ -501,6 +495,14 @@ def app_from_env() -> FastAPI:
     if not cfg:
         raise RuntimeError(f"${ENV_ROUTER_CONFIG} is not set: start the router with python -m engine_host.router")
     return create_app(state_from_config(cfg, os.environ.get(ENV_TOKEN, "")))
+
+
+def split_settings(args: argparse.Namespace) -> dict[str, float]:
+    """The split's settings (:data:`engine_host.routing.SPLIT_SETTINGS` but ``probe_s``) from
+    the command line: shares as fractions 0..1, ``probe_every_s``/``probe_every_max_s`` in s."""
+    return {"p_min": args.p_min, "p_max": args.p_max, "eta": args.eta, "tpot_margin": args.tpot_margin,
+            "p_probe": args.p_probe, "probe_every_s": args.probe_every, "probe_backoff": args.probe_backoff,
+            "probe_every_max_s": args.probe_every_max}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -551,18 +553,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--plain-url and --spec-url go together")
     if not 0.0 <= args.p_min <= args.p_start <= args.p_max <= 1.0:
         p.error("need 0 <= --p-min <= --p-start <= --p-max <= 1")
-    if not 0.0 < args.eta <= 5.0:
-        p.error("--eta must be in (0, 5]")
-    if not 0.0 <= args.tpot_margin <= 10.0:
-        p.error("--tpot-margin must be in [0, 10]")
-    if not 0.0 <= args.p_probe <= 1.0:
-        p.error("--p-probe must be in [0, 1]")
     if not (args.probe_every == 0 or args.probe_every >= 1.0):
         p.error("--probe-every must be 0 (no probes) or at least 1 s (a probe lasts 1 s)")
-    if not 1.0 <= args.probe_backoff <= 10.0:
-        p.error("--probe-backoff must be in [1, 10]")
-    if args.probe_every_max < 0:
-        p.error("--probe-every-max must be >= 0")
+    try:  # the same checks as a live change of the split's settings
+        TrafficSplit().check_settings(split_settings(args))
+    except ValueError as exc:
+        p.error(f"router settings: {exc}")
     if args.workers < 1:
         p.error("--workers must be at least 1")
     if args.front is None:
@@ -615,11 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[ENV_TOKEN] = token
     os.environ.pop(ENV_ROUTER_CONFIG, None)  # set below for the one process that routes
     mode_file = subdir("run") / f"router-{args.port}.routing"
-    mode_file.write_text(args.routing)
-    config = {"p_start": args.p_start, "p_min": args.p_min, "p_max": args.p_max, "eta": args.eta,
-              "tpot_margin": args.tpot_margin, "p_probe": args.p_probe, "probe_every_s": args.probe_every,
-              "probe_backoff": args.probe_backoff, "probe_every_max_s": args.probe_every_max,
-              "mode_file": str(mode_file), "front": args.front}
+    mode_file.write_text(json.dumps({"mode": args.routing}))
+    config = {"p_start": args.p_start, **split_settings(args), "mode_file": str(mode_file), "front": args.front}
     children: list[tuple[str, EngineHostProcess]] = []
     if args.plain_url:
         config["backends"] = {PLAIN: args.plain_url.rstrip("/"), SPECULATIVE: args.spec_url.rstrip("/")}

@@ -129,7 +129,11 @@ def test_split_settings_change_live_and_a_resting_speculative_engine_gets_only_p
         # backoff), from 2 s after the change on: every request goes to the speculative engine
         r = put({"router": {"probe_every_s": 2.0, "probe_s": 2.0, "p_probe": 1.0, "probe_backoff": 1.0}})
         assert r.status_code == 200, r.text
-        time.sleep(2.5)
+        deadline = time.monotonic() + 30.0
+        while (httpx.get(router.url + "/control/state", headers=h, timeout=30).json()["router"]["probes"]
+               or {}).get("next_in_s") != 0.0:
+            assert time.monotonic() < deadline, "the probe did not start within 30 s"
+            time.sleep(0.2)
         assert set(_complete(router.url, 4)) == {"speculative"}
         # invalid settings are refused with the reason, and nothing changes
         r = put({"routing": "plain", "router": {"probe_s": 5.0}})

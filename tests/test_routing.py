@@ -246,7 +246,7 @@ def test_router_config_sets_split_settings_live_and_shares_them_through_the_mode
 
     monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", "tok")
     mode_file = tmp_path / "router.routing"
-    mode_file.write_text("auto")  # as main() first writes it
+    mode_file.write_text('{"mode": "auto"}')  # as main() first writes it
     down = {e: Backend(e, f"http://127.0.0.1:{free_port()}", "tok") for e in (PLAIN, SPECULATIVE)}
     state = RouterState(backends=down, mode_file=mode_file)
     other = RouterState(backends=down, mode_file=mode_file)  # a second relay worker
