@@ -29,7 +29,7 @@ from .model import DEFAULT_MODEL_NAME, ModelError, default_model_dir, resolve_mo
 from .auth import ENV_TOKEN, control_token
 from .plugin import ENV_WARMUP
 
-PLUGINS = "specpilot_control,specpilot_stats"
+PLUGINS = "specpilot_control,specpilot_stats,specpilot_general"
 
 
 def is_cpu_build() -> bool:
