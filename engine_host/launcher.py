@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     env["VLLM_PLUGINS"] = ",".join(filter(None, [env.get("VLLM_PLUGINS", ""), PLUGINS]))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # vLLM runs the n-gram proposer's numba kernels on one thread (NgramProposer caps it);
+    # a larger numba pool only adds threads that compete with the model's.
+    env.setdefault("NUMBA_NUM_THREADS", "1")
     if is_cpu_build():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.kv_cache_space_gib:g}")
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")

@@ -11,4 +11,6 @@ from __future__ import annotations
 
 def register() -> None:
     """Called by vLLM's ``load_general_plugins()`` in each vLLM process. Never raises."""
-    return None
+    from . import vllm_patches
+
+    vllm_patches.install()

@@ -45,9 +45,10 @@ def engine_host(default_model, tmp_path_factory, artifacts_dir):
         model=default_model,
         extra_args=["--enforce-eager", "--k-max", "8", "--max-num-seqs", "8", "--max-model-len", "1024",
                     "--speculation-mode", "fixed", "--k", "0"],
-        env={"SPECPILOT_HOME": str(home)},
+        env={"SPECPILOT_HOME": str(home), "SPECPILOT_NGRAM_TRACE": str(home / "ngram-trace.json")},
         log_path=artifacts_dir / "engine-host.log",
     )
+    eh.ngram_trace = home / "ngram-trace.json"
     eh.start()
     try:
         eh.wait_ready(timeout_s=float(os.environ.get("SPECPILOT_TEST_READY_TIMEOUT", "400")))
