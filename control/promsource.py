@@ -223,7 +223,8 @@ class PrometheusSource:
         s = self.series([instance], start, end, step_s=step_s, window_s=window_s)[instance]
         rows = []
         for i, t in enumerate(s["t"]):
-            row = {"t": t, "interval_s": step_s, "covered_s": step_s, **{f: s[f][i] for f in FIGURES}}
+            row = {"t": t, "interval_s": step_s, "covered_s": step_s, "e2e_ms_mean": None,
+                   **{f: s[f][i] for f in FIGURES}}
             if row["output_tokens"] is None and row["k"] is None:
                 continue  # no scrape there (host down or not yet scraped)
             rows.append(row)
@@ -279,3 +280,24 @@ def host_window(store: Any, host: str, end: float | None = None, window_s: int =
         inst = instance_of(get_host(store, host).url)
         return PrometheusSource(os.environ[ENV_URL]).window([inst], end, window_s)[inst]
     return store_window(store, host, end, window_s)
+
+
+def prometheus_samples(url: str, since: float, until: float, step_s: int = 1,
+                       window_s: int | None = None) -> list[dict[str, Any]]:
+    """Sample-like rows of the engine host at ``url`` from the Prometheus server in
+    ``$SPECPILOT_PROMETHEUS_URL``, one per ``step_s`` s (the views' stored-samples shape:
+    ``t``, ``interval_s``, ``requests_per_s`` and :data:`FIGURES`); each over the
+    ``window_s`` s before it (default: ``step_s``, at least 10 s for percentiles).
+
+    Raises:
+        MetricSourceError: no URL set or the server cannot answer.
+    """
+    prom_url = os.environ.get(ENV_URL)
+    if not prom_url:
+        raise MetricSourceError(f"metric source prometheus needs a server URL ({ENV_URL} or --prometheus-url)")
+    step = max(1, int(step_s))
+    n_max = 11000  # Prometheus refuses more than 11,000 points per series
+    if (until - since) / step > n_max:
+        since = until - n_max * step
+    return PrometheusSource(prom_url).samples(instance_of(url), math.floor(since), math.floor(until), step_s=step,
+                                              window_s=window_s or max(step, 10))

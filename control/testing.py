@@ -528,12 +528,15 @@ class PrometheusServer:
         targets: ``host:port`` of the engine hosts (their ``/metrics``).
         scrape_interval_s: scrape and rule evaluation interval (s).
         rule_files: rule files to load (copied next to the config).
+        extra_scrape_configs: more ``scrape_configs`` entries (e.g. the control plane's exporter).
 
     Raises:
         RuntimeError: binary missing or the server did not become ready (with its log).
     """
 
-    def __init__(self, targets: list[str], scrape_interval_s: float = 1.0, rule_files: list[Path] | None = None):
+    def __init__(self, targets: list[str], scrape_interval_s: float = 1.0, rule_files: list[Path] | None = None,
+                 extra_scrape_configs: list[dict[str, Any]] | None = None):
+        self.extra_scrape_configs = list(extra_scrape_configs or [])
         self.binary = shutil.which("prometheus")
         if self.binary is None:
             raise RuntimeError(why_no_prometheus() or "prometheus not found")
@@ -556,7 +559,8 @@ class PrometheusServer:
         cfg = {
             "global": {"scrape_interval": iv, "evaluation_interval": iv, "scrape_timeout": iv},
             "rule_files": [f.name for f in self.rule_files],
-            "scrape_configs": [{"job_name": "specpilot_engine", "static_configs": [{"targets": self.targets}]}],
+            "scrape_configs": [{"job_name": "specpilot_engine", "static_configs": [{"targets": self.targets}]},
+                               *self.extra_scrape_configs],
         }
         path = self.dir / "prometheus.yml"
         path.write_text(json.dumps(cfg))  # JSON is YAML
@@ -605,7 +609,12 @@ class PrometheusServer:
             if len(r.get("data", {}).get("result", [])) >= want:
                 return
             time.sleep(0.2)
-        raise RuntimeError(f"Prometheus did not scrape {metric} from {want} target(s) in {timeout_s:g} s")
+        try:
+            targets = httpx.get(f"{self.url}/api/v1/targets", timeout=5.0).json()["data"]["activeTargets"]
+            why = "; ".join(f"{t['scrapeUrl']}: {t['health']} {t.get('lastError') or ''}" for t in targets)
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            why = str(exc)
+        raise RuntimeError(f"Prometheus did not scrape {metric} from {want} target(s) in {timeout_s:g} s ({why})")
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
