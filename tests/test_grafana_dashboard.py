@@ -101,12 +101,14 @@ def test_every_panel_returns_data_and_both_sources_agree(engine_host, restore_co
     try:
         prom.start()
         collector.start()
-        assert apply_change(store, "local", {"speculation": {"mode": "fixed", "k": 2}}, reason="dashboard test").ok
+        res = apply_change(store, "local", {"speculation": {"mode": "fixed", "k": 2}}, reason="dashboard test")
+        assert res.ok
         exported = httpx.get(f"http://127.0.0.1:{export_port}/metrics", timeout=10).text
         assert f'engine_instance="{inst}"' in exported, exported
         prom.wait_scraped("specpilot:control_config_version", n=1)
         src = PrometheusSource(prom.url)
-        _wait("Prometheus to see K=2", lambda: src.window([inst], window_s=5, figures=["k"])[inst]["k"] == 2.0)
+        _wait("Prometheus to see the new config version", lambda: src.window(
+            [inst], window_s=5, figures=["config_version"])[inst]["config_version"] == float(res.engine_version))
         time.sleep(2.5)
         t0 = math.floor(time.time()) - 1
         for t in loaders:
