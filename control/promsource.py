@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 
 from .metrics_parse import decode_buckets, merge_buckets, quantile
 from .sampling import HISTOGRAMS, PERCENTILES
+from .store import ControlError
 
 ENV_SOURCE = "SPECPILOT_METRICS_SOURCE"
 ENV_URL = "SPECPILOT_PROMETHEUS_URL"
@@ -47,7 +48,7 @@ FIGURES = ("output_tokens", "output_tokens_per_s", "requests_finished", "request
            "config_version")
 
 
-class MetricSourceError(RuntimeError):
+class MetricSourceError(ControlError):
     """The metric source is misconfigured or cannot answer (message fit for a user)."""
 
 
