@@ -236,7 +236,7 @@ def add_arguments(p: Any) -> None:
 
 def main(args: Any) -> int:
     """Run with parsed ``args`` (see :func:`add_arguments`)."""
-    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
+    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]
     out = run(ints(args.hosts), args.seconds, ints(args.pages), args.repeats)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))

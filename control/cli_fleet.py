@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable
+from typing import Any
 
 EXIT_OK, EXIT_ERROR = 0, 1
 

@@ -33,7 +33,7 @@ class ControlPlaneCollector:
     def __init__(self, store: Store):
         self.store = store
 
-    def collect(self):  # noqa: D102
+    def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
         engine = GaugeMetricFamily("specpilot:control_config_version",
@@ -66,13 +66,17 @@ def serve(store: Store, port: int, addr: str = "0.0.0.0") -> tuple[Any, threadin
     """
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        CollectorRegistry,
+        generate_latest,
+    )
 
     registry = CollectorRegistry()
     registry.register(ControlPlaneCollector(store))
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             if self.path.split("?")[0] != "/metrics":
                 self.send_error(404)
                 return

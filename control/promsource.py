@@ -29,8 +29,9 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
-from typing import Any, Iterable, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
 from .metrics_parse import decode_buckets, merge_buckets, quantile
@@ -246,7 +247,7 @@ def store_window(store: Any, host: str, end: float, window_s: int = 60) -> dict[
     out: dict[str, float | None] = {f: None for f in FIGURES}
     if not rows:
         return out
-    total = lambda c: sum(r.get(c) or 0.0 for r in rows)  # noqa: E731
+    total = lambda c: sum(r.get(c) or 0.0 for r in rows)
     out["output_tokens"] = total("output_tokens")
     out["output_tokens_per_s"] = out["output_tokens"] / w
     out["requests_finished"] = total("requests_finished")

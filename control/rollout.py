@@ -44,8 +44,9 @@ import operator
 import re
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from sqlalchemy import select
 

@@ -68,7 +68,7 @@ class Fleet:
                 slow = self.bad and f.config["speculation"]["k"] == 4
                 f.metrics.serve(requests=1, output_tokens=20, ttft_s=0.4 if slow else 0.05, itl_s=0.02)
 
-    def __enter__(self) -> "Fleet":
+    def __enter__(self) -> Fleet:
         self.feeder.start()
         self.collector.start()
         time.sleep(4)  # a few samples of every host
