@@ -151,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--workload", choices=WORKLOADS, default=None, help="show sample prompts of this workload")
     w.add_argument("--n", type=int, default=3, help="how many sample prompts")
     w.add_argument("--seed", type=int, default=0)
+    from .bench_fleet import add_arguments as fleet_arguments
+
+    fl = sub.add_parser("fleet", help="fleet scale: embedded collector against Prometheus with N stand-in hosts, "
+                        "page render times with 7 days of data")
+    fleet_arguments(fl)
     return p
 
 
@@ -433,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m bench``."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "fleet":
+            from .bench_fleet import main as fleet_main
+
+            return fleet_main(args)
         return {"run": cmd_run, "matrix": cmd_matrix, "report": cmd_report, "workloads": cmd_workloads}[args.command](args)
     except (BenchError, SourceMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)

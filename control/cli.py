@@ -369,6 +369,22 @@ def _origin() -> str:
     return origin("cli")
 
 
+def _add_patch_options(c: argparse.ArgumentParser) -> None:
+    """The options that describe a config change (``config apply``, ``config rollout``)."""
+    from engine_host.config import SPECULATION_MODES
+
+    c.add_argument("--mode", choices=SPECULATION_MODES, default=_UNSET, help="speculation mode")
+    c.add_argument("--k", type=int, default=_UNSET, help="draft length K for mode fixed (tokens)")
+    c.add_argument("--k-min", type=int, default=_UNSET, help="lower bound of K (tokens)")
+    c.add_argument("--k-max", type=_opt_int, default=_UNSET, help="upper bound of K (tokens; 'none': engine K_max)")
+    c.add_argument("--max-num-seqs", type=_opt_int, default=_UNSET,
+                   help="cap on running sequences ('none': start-up value)")
+    c.add_argument("--max-num-batched-tokens", type=_opt_int, default=_UNSET,
+                   help="cap on tokens per engine step ('none': start-up value)")
+    c.add_argument("--patch", default=None, help="any other change as LiveConfig JSON, e.g. "
+                   "'{\"speculation\": {\"mode\": \"batch_table\", \"table\": [[1, 2, 4], [3, 8, 1]]}}'")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m control``."""
     from engine_host.config import SPECULATION_MODES
@@ -378,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="store URL, e.g. sqlite:////path/specpilot.db or postgresql+psycopg://user@host/db "
                              "(default: $SPECPILOT_DB_URL, else $SPECPILOT_HOME/specpilot.db)")
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log more")
+    from .cli_fleet import add_source_options
+
+    add_source_options(common)
     fmt = argparse.ArgumentParser(add_help=False)
     fmt.add_argument("--json", action="store_true", help="print JSON instead of a table")
     author = argparse.ArgumentParser(add_help=False)
@@ -421,16 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = command(config, "apply", "change a host's config as a new version (validated first)", cmd_config_apply,
                 [author])
     c.add_argument("--host", required=True)
-    c.add_argument("--mode", choices=SPECULATION_MODES, default=_UNSET, help="speculation mode")
-    c.add_argument("--k", type=int, default=_UNSET, help="draft length K for mode fixed (tokens)")
-    c.add_argument("--k-min", type=int, default=_UNSET, help="lower bound of K (tokens)")
-    c.add_argument("--k-max", type=_opt_int, default=_UNSET, help="upper bound of K (tokens; 'none': engine K_max)")
-    c.add_argument("--max-num-seqs", type=_opt_int, default=_UNSET,
-                   help="cap on running sequences ('none': start-up value)")
-    c.add_argument("--max-num-batched-tokens", type=_opt_int, default=_UNSET,
-                   help="cap on tokens per engine step ('none': start-up value)")
-    c.add_argument("--patch", default=None, help="any other change as LiveConfig JSON, e.g. "
-                   "'{\"speculation\": {\"mode\": \"batch_table\", \"table\": [[1, 2, 4], [3, 8, 1]]}}'")
+    _add_patch_options(c)
     c = command(config, "history", "a host's config versions, newest first", cmd_config_history, [fmt])
     c.add_argument("--host", required=True)
     c.add_argument("--limit", type=int, default=None)
@@ -442,6 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
                 [author])
     c.add_argument("--host", required=True)
     c.add_argument("version", type=int, help="the version to restore")
+    from .cli_fleet import add_fleet_commands, add_rollout_commands
+
+    add_rollout_commands(config, command, fmt, _add_patch_options)
+    add_fleet_commands(sub, common)
 
     c = sub.add_parser("collect", help="run the collector daemon", parents=[common],
                        description="Scrape every registered host's /metrics, store samples, evaluate alert rules, "
@@ -513,6 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:
         logging.getLogger("alembic").setLevel(logging.WARNING)
     try:
+        from .cli_fleet import apply_source_options
+
+        apply_source_options(args)
         return args.fn(args)
     except ConfigRefused as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -15,6 +15,7 @@ Tables:
     alert_events      alerts that fired, with start and end
     warmup_schedules  heartbeat schedules per host (``HeartbeatSchedule`` JSON)
     warmup_runs       warm-up and heartbeat runs reported by engine hosts
+    rollouts          canary rollouts of a config across hosts, step by step
 """
 
 from __future__ import annotations
@@ -292,3 +293,39 @@ class WarmupRun(Base):
     k: Mapped[int | None] = mapped_column(Integer)
     outcome: Mapped[str] = mapped_column(String(16))
     detail: Mapped[str | None] = mapped_column(Text)
+
+
+class Rollout(Base):
+    """A canary rollout of one config change across hosts (``control.rollout``).
+
+    ``hosts`` is the order of application (the canary first); ``guards`` the guard
+    expressions (``"ttft_p99_ms <= 1.1 * baseline"``); ``phase`` where it stands
+    (``canary``: applying to the canary, ``watch``: watching it, ``stages``: applying
+    to the others, ``done``); ``status`` ``running``, ``succeeded``, ``rolled_back`` or
+    ``failed``; ``steps`` every step with its outcome and the config version it made.
+    ``owner``/``heartbeat_at``: the process running it, so that another one can take
+    over a rollout whose process died (``resume``).
+    """
+
+    __tablename__ = "rollouts"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+    author: Mapped[str] = mapped_column(String(128))
+    reason: Mapped[str] = mapped_column(Text)
+    patch: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    hosts: Mapped[list[str]] = mapped_column(JSONType)
+    canary: Mapped[str] = mapped_column(String(64))
+    watch_s: Mapped[float] = mapped_column(Float)
+    guards: Mapped[list[str]] = mapped_column(JSONType)
+    baseline: Mapped[str] = mapped_column(String(16))
+    phase: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    watch_started_at: Mapped[float | None] = mapped_column(Float)
+    canary_base_version: Mapped[int | None] = mapped_column(Integer)
+    baseline_figures: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    steps: Mapped[list[dict[str, Any]]] = mapped_column(JSONType)
+    message: Mapped[str | None] = mapped_column(Text)
+    owner: Mapped[str | None] = mapped_column(String(64))
+    heartbeat_at: Mapped[float | None] = mapped_column(Float)

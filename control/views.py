@@ -931,9 +931,14 @@ class StoreBackend:
         from sqlalchemy import select
 
         from .models import MetricSample
+        from .promsource import metrics_source, prometheus_samples
 
         until = until or time.time()
         res = resolution_s or next(r for span, r in self.RESOLUTIONS if until - since <= span)
+        if metrics_source() == "prometheus":  # --metrics-source prometheus: the same figures from Prometheus
+            with self._session() as s:
+                url = self._host(s, name).url
+            return prometheus_samples(url, since, until, step_s=res)
         wanted = None if columns is None else set(columns) | {"t", "covered_s", "hist"}
         cols = [c for c in MetricSample.__table__.columns if c.name not in ("host_id", "resolution_s")
                 and (wanted is None or c.name in wanted)]

@@ -4,7 +4,7 @@
 #
 #   scripts/setup.sh            runtime (engine host, control plane, dashboard)
 #   scripts/setup.sh --test     also the test tools and the system packages the
-#                               tests use (Chromium, PostgreSQL; needs root/apt)
+#                               tests use (Chromium, PostgreSQL, Prometheus; needs root/apt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,7 +22,7 @@ if [[ -z "$PY" ]]; then
   if command -v python3.11 >/dev/null 2>&1; then PY=python3.11; else PY=python3; fi
 fi
 
-EXTRAS="$BUILD,model,dashboard,postgres"
+EXTRAS="$BUILD,model,dashboard,postgres,prometheus"
 [[ $WITH_TEST == 1 ]] && EXTRAS="$EXTRAS,test"
 HASH=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 STAMP="$VENV/.specpilot-setup-$HASH-${EXTRAS//,/_}"
@@ -51,13 +51,14 @@ fi
 if [[ $WITH_TEST == 1 ]]; then
   need=()
   command -v chromium >/dev/null 2>&1 || need+=(chromium)
+  command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || need+=(prometheus)
   command -v pg_ctlcluster >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
   if (( ${#need[@]} )); then
     echo "==> Installing system packages for the tests: ${need[*]}"
     if [[ $(id -u) == 0 ]]; then
       apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
     else
-      echo "warning: not root; install ${need[*]} yourself (browser/PostgreSQL tests will be skipped)" >&2
+      echo "warning: not root; install ${need[*]} yourself (browser/PostgreSQL/Prometheus tests will be skipped)" >&2
     fi
   fi
 fi

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from control import views
+from control import rollout_views, views
 from dashboard import ui
 
 ui.require_user()
@@ -70,3 +70,45 @@ if hosts:
     if c[2].button("Open control", key="fleet_control"):
         st.session_state["selected_host"] = chosen
         st.switch_page("pages/control.py")
+
+st.subheader("Canary rollout")
+with st.expander("Roll a change out: canary first, watched against the others, then the rest"):
+    if hosts:
+        with st.form("rollout_form"):
+            c = st.columns(3)
+            r_hosts = c[0].multiselect("Hosts (in order)", hosts, default=hosts, key="rollout_hosts")
+            r_canary = c[1].selectbox("Canary", hosts, key="rollout_canary")
+            r_watch = c[2].number_input("Watch (s)", min_value=1, value=600, step=60, key="rollout_watch")
+            c = st.columns(3)
+            r_mode = c[0].selectbox("Mode", ["fixed", "adaptive", "off"], key="rollout_mode")
+            r_k = c[1].number_input("K (mode fixed)", min_value=0, value=2, step=1, key="rollout_k")
+            r_guards = c[2].text_area("Guards (one a line)", key="rollout_guards",
+                                      value="ttft_p99_ms <= 1.1 * baseline\noutput_tokens_per_s >= 0.95 * baseline")
+            r_reason = st.text_input("Reason", key="rollout_reason")
+            if st.form_submit_button("Start rollout", type="primary"):
+                patch = {"speculation": {"mode": r_mode, **({"k": int(r_k)} if r_mode == "fixed" else {})}}
+                try:
+                    rid = rollout_views.start_rollout(ui.current_user(), hosts=r_hosts, canary=r_canary, patch=patch,
+                                                      watch_s=float(r_watch), guards=r_guards.splitlines(),
+                                                      reason=r_reason)
+                    st.success(f"Rollout {rid} started: canary {r_canary} first.")
+                except views.ViewError as exc:
+                    st.error(views.describe_error(exc))
+
+
+@st.fragment(run_every="5s")
+def rollouts_panel() -> None:
+    """Recent rollouts and where they stand (refreshes every 5 s)."""
+    try:
+        df = rollout_views.rollouts_frame()
+    except Exception as exc:
+        st.error(f"Rollouts unavailable: {views.describe_error(exc)}")
+        return
+    if df.empty:
+        st.caption("No rollout yet.")
+        return
+    st.dataframe(ui.color_cells(df, "status", good=["succeeded"], bad=["rolled_back", "failed"]),
+                 hide_index=True, width="stretch", key="rollouts_table")
+
+
+rollouts_panel()
