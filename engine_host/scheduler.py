@@ -32,6 +32,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from .channel import Channel, channel_from_env
 from .config import LiveConfig
 from .controller import SpeculationController, StepObservation
+from .request_gate import RequestDraftGate, draft_token_cost
 
 logger = logging.getLogger("specpilot.scheduler")
 
@@ -55,6 +56,11 @@ class _LiveLookup:
 
 class _SpecPilotHook:
     """Mixin with the SpecPilot behaviour; combined with ``Scheduler`` or ``AsyncScheduler``."""
+
+    # Per-request draft dropping edits ``request.spec_token_ids`` before scheduling; with
+    # async scheduling those hold placeholders whose count vLLM tracks elsewhere, so there
+    # it stays off until checked on that path.
+    GATE_DRAFTS = True
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -80,6 +86,8 @@ class _SpecPilotHook:
         self._applied_at = time.time()
         self._ack_step: int | None = None
         self.controller = SpeculationController(self._k_engine, self._config.speculation)
+        self._gate = RequestDraftGate()
+        self._gate_on = False
         self._cap_seqs = self._startup_max_seqs
         self._cap_tokens = self._startup_max_tokens
         self._max_running_seen = 0
@@ -135,6 +143,8 @@ class _SpecPilotHook:
             return False
         self._config = cfg
         self._config_version = version
+        self._gate_on = cfg.speculation.mode == "adaptive" and cfg.speculation.adaptive.per_request
+        self._gate.probe_every = cfg.speculation.adaptive.probe_every
         self._config_error = None
         self._cap_seqs = cfg.batch.max_num_seqs or self._startup_max_seqs
         self._cap_tokens = cfg.batch.max_num_batched_tokens or self._startup_max_tokens
@@ -182,13 +192,40 @@ class _SpecPilotHook:
         self._poll_config()
         self._apply_caps()
         self._k_drafted = self._k_decided
+        if self._k_engine > 0:
+            self._gate_drafts()
         self._overhead_s += time.perf_counter() - t
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         self._step_index += 1
         return out
 
+    def _gate_drafts(self) -> None:
+        """Draft length per request (``engine_host.request_gate``): before vLLM schedules
+        the step, drop the drafts of running requests whose own acceptance does not pay
+        for their verification; vLLM then schedules them without draft tokens."""
+        gate = self._gate
+        gate.begin_step()
+        if self._step_index % 256 == 0:
+            gate.forget(live_ids=set(self.requests))  # type: ignore[attr-defined]
+        if not self._gate_on or self._warmup_k is not None or not self.GATE_DRAFTS:
+            return
+        running = self.running  # type: ignore[attr-defined]
+        b = len(running)
+        k = self._k_drafted
+        if b == 0 or k <= 0:
+            return
+        tm = self.controller.step_time
+        cost = draft_token_cost(tm.predict(b, 0), tm.predict(b, k), k)
+        for req in running:
+            drafts = req.spec_token_ids
+            if drafts and not gate.allows(req.request_id, len(drafts), cost):
+                req.spec_token_ids = []
+
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens, *args, **kwargs):  # type: ignore[override]
         if num_draft_tokens:
+            req_id = kwargs.get("request_id")
+            if req_id is not None:
+                self._gate.observe(req_id, num_draft_tokens, num_accepted_tokens)
             self._drafted += num_draft_tokens
             self._accepted += num_accepted_tokens
             hist = self._hist
@@ -278,6 +315,7 @@ class _SpecPilotHook:
                 "max_num_running_reqs_now": int(self.max_num_running_reqs),  # type: ignore[attr-defined]
             },
             "controller": self.controller.snapshot(),
+            "per_request": dict(self._gate.summary(), enabled=self._gate_on),
             "overhead": {
                 "hook_seconds": round(self._overhead_s, 6),
                 "busy_seconds": round(self._busy_s, 6),
@@ -296,3 +334,5 @@ class SpecPilotScheduler(_SpecPilotHook, Scheduler):
 
 class SpecPilotAsyncScheduler(_SpecPilotHook, AsyncScheduler):
     """vLLM ``AsyncScheduler`` with SpecPilot's live K and batch caps (async scheduling)."""
+
+    GATE_DRAFTS = False

@@ -138,6 +138,9 @@ def _acceptance_by_position(view: views.LiveView) -> None:
     fig["layout"].update(hovermode="closest", barmode="group")
     fig["layout"]["xaxis"]["dtick"] = 1
     ui.show(fig, key="accpos")
+    line = views.per_request_line(view.status)
+    if line:
+        st.caption(line)
 
 
 def _controller_choice(view: views.LiveView) -> None:

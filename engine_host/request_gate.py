@@ -1,0 +1,179 @@
+"""Draft length per request: the goodput law applied to each running request.
+
+vLLM's draft length K is one number per step. Inside one step, though, each request's
+drafts can be kept or dropped before verification: a request whose drafts are dropped is
+verified without drafts and costs the step no verification work. :class:`RequestDraftGate`
+keeps an acceptance estimate per request and decides, each step, which requests' drafts
+are worth verifying.
+
+The rule (SmartSpec/TurboSpec goodput, arXiv 2406.14066; expected accepted tokens of a
+draft of length K with per-token acceptance ``a``, Leviathan et al., arXiv 2211.17192)::
+
+    x_i(K) = sum_{j=1..K} a_i^j              extra tokens request i gains per step
+    c      = (T(B, K) - T(B, 0)) / (K * T(B, 0))
+                                             cost of one verified draft token, as a
+                                             fraction of one request's plain decode step
+    verify i's drafts  iff  x_i(K) >= (1 + margin) * K * c
+
+i.e. request i's drafts are verified only when the tokens they are expected to add per
+unit of step time beat what plain decoding yields in that time. ``a_i`` is the request's
+accepted / drafted tokens with a Beta(prior_accepted, prior_rejected) prior, so a new
+request starts at the prior mean and is judged on its own drafts after a few steps. A
+request whose drafts were dropped is drafted again every ``probe_every`` of its steps, so
+one that starts accepting (e.g. it begins to quote its prompt) is picked up again.
+
+Pure Python, no vLLM import; the scheduler hook (``engine_host.scheduler``) calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ACCEPTANCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8)  # lower edges of the histogram's bins
+
+
+@dataclass
+class _RequestStats:
+    drafted: float = 0.0  # draft tokens verified (decayed count)
+    accepted: float = 0.0  # of those, accepted (decayed count)
+    steps_gated: int = 0  # consecutive steps whose drafts were dropped
+
+
+class RequestDraftGate:
+    """Per-request acceptance estimates and the verify-or-drop decision.
+
+    Args:
+        prior_accepted: Beta prior pseudo-count of accepted tokens (>= 0).
+        prior_rejected: Beta prior pseudo-count of rejected tokens (>= 0). With the
+            defaults (1, 1) a request with no verified drafts is estimated at 0.5.
+        decay: factor (0..1] applied to a request's counts before each new observation,
+            so its estimate follows its recent text.
+        margin: fraction (>= 0) by which a request's drafts must beat plain decoding.
+        probe_every: a request whose drafts were dropped this many steps in a row is
+            drafted again (steps, >= 1).
+    Raises:
+        ValueError: a parameter out of range.
+    """
+
+    def __init__(self, prior_accepted: float = 1.0, prior_rejected: float = 1.0, decay: float = 0.9,
+                 margin: float = 0.0, probe_every: int = 16):
+        if prior_accepted < 0 or prior_rejected < 0 or prior_accepted + prior_rejected <= 0:
+            raise ValueError("the prior's pseudo-counts must be >= 0 and not both 0")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError("decay must be in (0, 1]")
+        if margin < 0:
+            raise ValueError("margin must be >= 0")
+        if probe_every < 1:
+            raise ValueError("probe_every must be >= 1 step")
+        self.prior_accepted = prior_accepted
+        self.prior_rejected = prior_rejected
+        self.decay = decay
+        self.margin = margin
+        self.probe_every = probe_every
+        self._reqs: dict[str, _RequestStats] = {}
+        self.last_total = 0  # requests with drafts considered in the last step
+        self.last_verified = 0  # of those, drafts kept for verification
+
+    # -- measurements ----------------------------------------------------------
+    def observe(self, req_id: str, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Fold in one verification of request ``req_id`` (tokens drafted, tokens accepted)."""
+        if num_draft_tokens <= 0:
+            return
+        s = self._reqs.get(req_id)
+        if s is None:
+            s = self._reqs[req_id] = _RequestStats()
+        s.drafted = s.drafted * self.decay + num_draft_tokens
+        s.accepted = s.accepted * self.decay + min(num_accepted_tokens, num_draft_tokens)
+
+    def acceptance(self, req_id: str) -> float:
+        """Estimated per-token acceptance of the request's drafts, fraction 0..1."""
+        s = self._reqs.get(req_id)
+        a0, r0 = self.prior_accepted, self.prior_rejected
+        if s is None:
+            return a0 / (a0 + r0)
+        return (s.accepted + a0) / (s.drafted + a0 + r0)
+
+    def forget(self, live_ids: set[str] | None = None, req_id: str | None = None) -> None:
+        """Drop one finished request, or every request not in ``live_ids``."""
+        if req_id is not None:
+            self._reqs.pop(req_id, None)
+        if live_ids is not None:
+            for rid in [r for r in self._reqs if r not in live_ids]:
+                del self._reqs[rid]
+
+    # -- decisions ---------------------------------------------------------------
+    @staticmethod
+    def expected_gain(a: float, k: int) -> float:
+        """``sum_{j=1..k} a^j``: expected accepted tokens of a k-token draft (tokens)."""
+        if k <= 0 or a <= 0.0:
+            return 0.0
+        if a >= 1.0:
+            return float(k)
+        return a * (1.0 - a ** k) / (1.0 - a)
+
+    def pays(self, req_id: str, k: int, draft_token_cost: float) -> bool:
+        """True when verifying a k-token draft of this request beats plain decoding.
+
+        Args:
+            req_id: the request.
+            k: its draft's length (tokens).
+            draft_token_cost: ``c`` of the module docstring (fraction of a plain
+                request-step per verified draft token, >= 0).
+        """
+        if k <= 0:
+            return False
+        return self.expected_gain(self.acceptance(req_id), k) >= (1.0 + self.margin) * k * max(draft_token_cost, 0.0)
+
+    def allows(self, req_id: str, k: int, draft_token_cost: float) -> bool:
+        """The decision for this step: verify the request's k-token draft or drop it.
+
+        Counts the step: a request dropped ``probe_every`` steps in a row is let through
+        once (a probe), so a request that starts accepting is drafted again.
+        """
+        s = self._reqs.get(req_id)
+        self.last_total += 1
+        if self.pays(req_id, k, draft_token_cost):
+            if s is not None:
+                s.steps_gated = 0
+            self.last_verified += 1
+            return True
+        if s is None:
+            s = self._reqs[req_id] = _RequestStats()
+        s.steps_gated += 1
+        if s.steps_gated >= self.probe_every:
+            s.steps_gated = 0
+            self.last_verified += 1
+            return True
+        return False
+
+    def begin_step(self) -> None:
+        """Reset the per-step counts (called before the step's decisions)."""
+        self.last_total = 0
+        self.last_verified = 0
+
+    def summary(self) -> dict:
+        """JSON-able: requests drafted / considered in the last step, and the distribution
+        of per-request acceptance over the requests with verified drafts (counts per bin
+        of ``ACCEPTANCE_BUCKETS``)."""
+        hist = [0] * len(ACCEPTANCE_BUCKETS)
+        for rid, s in self._reqs.items():
+            if s.drafted <= 0:
+                continue
+            a = self.acceptance(rid)
+            i = max(j for j, lo in enumerate(ACCEPTANCE_BUCKETS) if a >= lo)
+            hist[i] += 1
+        return {
+            "requests_with_drafts": self.last_total,
+            "requests_verified": self.last_verified,
+            "acceptance_bins": list(ACCEPTANCE_BUCKETS),
+            "acceptance_hist": hist,
+        }
+
+
+def draft_token_cost(t_plain_s: float, t_spec_s: float, k: int) -> float:
+    """``c = (T(B, K) - T(B, 0)) / (K * T(B, 0))``: cost of one verified draft token as a
+    fraction of one request's plain decode step (>= 0). ``t_plain_s``/``t_spec_s`` are
+    step times (s) for the same batch at depth 0 and K."""
+    if k <= 0 or t_plain_s <= 0:
+        return 0.0
+    return max(t_spec_s - t_plain_s, 0.0) / (k * t_plain_s)

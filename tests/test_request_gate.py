@@ -1,0 +1,84 @@
+"""Draft length per request (engine_host/request_gate.py), from constructed statistics."""
+
+from __future__ import annotations
+
+import pytest
+
+from control import views
+from engine_host.request_gate import RequestDraftGate, draft_token_cost
+
+COST = draft_token_cost(t_plain_s=0.020, t_spec_s=0.026, k=4)  # 6 ms for 4 tokens -> 0.075 per token
+
+
+def _feed(gate: RequestDraftGate, rid: str, acceptance: float, steps: int = 20, k: int = 4) -> None:
+    for _ in range(steps):
+        gate.observe(rid, k, round(acceptance * k))
+
+
+def test_cost_is_the_extra_step_time_per_draft_token_over_the_plain_step():
+    assert COST == pytest.approx(0.075)
+    assert draft_token_cost(0.02, 0.019, 4) == 0.0  # never negative
+    assert draft_token_cost(0.02, 0.03, 0) == 0.0
+
+
+def test_zero_acceptance_request_drafts_nothing_while_a_request_at_08_drafts_k():
+    g = RequestDraftGate()
+    _feed(g, "copy", 0.8, k=5)  # 4 of 5 accepted: 0.8
+    _feed(g, "chat", 0.0)
+    g.begin_step()
+    assert g.allows("copy", 4, COST) is True
+    assert g.allows("chat", 4, COST) is False
+    assert (g.last_total, g.last_verified) == (2, 1)
+    assert g.acceptance("chat") < 0.1 < 0.7 < g.acceptance("copy") <= 1.0
+
+
+def test_bounds_and_expected_gain():
+    assert RequestDraftGate.expected_gain(0.0, 4) == 0.0
+    assert RequestDraftGate.expected_gain(1.0, 4) == 4.0
+    assert RequestDraftGate.expected_gain(0.5, 2) == pytest.approx(0.75)
+    g = RequestDraftGate()
+    assert g.pays("new", 0, COST) is False  # no draft: nothing to verify
+    assert g.acceptance("new") == 0.5  # the prior's mean before any draft
+    assert g.pays("new", 4, COST) is True  # a new request is judged on its own drafts first
+    with pytest.raises(ValueError):
+        RequestDraftGate(decay=0.0)
+    with pytest.raises(ValueError):
+        RequestDraftGate(probe_every=0)
+
+
+def test_a_dropped_request_is_probed_and_drafted_again_once_it_accepts():
+    g = RequestDraftGate(probe_every=4)
+    _feed(g, "r", 0.0)
+    decisions = [g.allows("r", 4, COST) for _ in range(8)]
+    assert decisions == [False, False, False, True, False, False, False, True]
+    _feed(g, "r", 1.0, steps=10)  # the probes' drafts are now accepted
+    assert all(g.allows("r", 4, COST) for _ in range(5))
+
+
+def test_summary_reports_drafted_counts_and_acceptance_distribution_and_forgets_finished():
+    g = RequestDraftGate()
+    _feed(g, "a", 0.0)
+    _feed(g, "b", 1.0)
+    _feed(g, "c", 0.5)
+    g.begin_step()
+    for rid in "abc":
+        g.allows(rid, 4, COST)
+    s = g.summary()
+    assert s["requests_with_drafts"] == 3 and s["requests_verified"] == 2
+    assert sum(s["acceptance_hist"]) == 3
+    assert s["acceptance_hist"][0] == 1 and s["acceptance_hist"][-1] == 1
+    g.forget(live_ids={"a"})
+    assert sum(g.summary()["acceptance_hist"]) == 1
+
+
+def test_live_page_line_says_how_many_requests_drafted():
+    st = views.HostStatus(name="h", url="u", up=True, k_max_engine=8,
+                          per_request={"enabled": True, "requests_with_drafts": 5, "requests_verified": 2,
+                                       "acceptance_bins": [0.0, 0.2, 0.4, 0.6, 0.8],
+                                       "acceptance_hist": [3, 0, 0, 0, 2]})
+    line = views.per_request_line(st)
+    assert "2 of 5" in line and "3 at 0%-20%" in line and "2 at 80%-100%" in line
+    st.per_request = {"enabled": False}
+    assert "off" in views.per_request_line(st)
+    st.k_max_engine = 0
+    assert views.per_request_line(st) is None
