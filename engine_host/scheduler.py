@@ -53,6 +53,16 @@ class _LiveLookup:
         return self.hook._startup_max_seqs + 1
 
 
+def _draft_of(spec_cfg: Any) -> str | None:
+    """The draft model or head vLLM loaded (its path or hub id), None for methods without
+    one (n-gram) and without speculation; MTP reports the target itself."""
+    if spec_cfg is None or getattr(spec_cfg, "method", None) in ("ngram", "ngram_gpu", "suffix", None):
+        return None
+    dmc = getattr(spec_cfg, "draft_model_config", None)
+    model = getattr(dmc, "model", None) or getattr(spec_cfg, "model", None)
+    return str(model) if model else None
+
+
 class _SpecPilotHook:
     """Mixin with the SpecPilot behaviour; combined with ``Scheduler`` or ``AsyncScheduler``."""
 
@@ -71,6 +81,7 @@ class _SpecPilotHook:
             "max_num_batched_tokens": int(sched_cfg.max_num_batched_tokens),
             "max_model_len": int(vcfg.model_config.max_model_len),
             "speculative_method": getattr(vcfg.speculative_config, "method", None),
+            "draft_model": _draft_of(vcfg.speculative_config),
         }
         self._channel: Channel | None = channel_from_env()
         self._config = LiveConfig()
