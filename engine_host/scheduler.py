@@ -63,6 +63,30 @@ def _draft_of(spec_cfg: Any) -> str | None:
     return str(model) if model else None
 
 
+def _draft_cost(vcfg: Any) -> tuple[bool, float]:
+    """Whether drafting runs a model (each draft token a forward pass), and the prior of one
+    draft pass over one target pass: the ratio of layers x hidden size squared (weights
+    touched per token), 0.25 when the configs do not say."""
+    spec_cfg = vcfg.speculative_config
+    method = getattr(spec_cfg, "method", None)
+    if spec_cfg is None or method in (None, "ngram", "ngram_gpu", "suffix"):
+        return False, 0.25
+
+    def size(hf: Any) -> float | None:
+        hf = getattr(hf, "text_config", None) or hf
+        layers, hidden = getattr(hf, "num_hidden_layers", None), getattr(hf, "hidden_size", None)
+        return float(layers) * float(hidden) ** 2 if layers and hidden else None
+
+    try:
+        d = size(spec_cfg.draft_model_config.hf_config)
+        t = size(vcfg.model_config.hf_config)
+        if d and t and method == "draft_model":
+            return True, min(max(d / t, 0.02), 2.0)
+    except AttributeError:
+        pass
+    return True, 0.25
+
+
 class _SpecPilotHook:
     """Mixin with the SpecPilot behaviour; combined with ``Scheduler`` or ``AsyncScheduler``."""
 
@@ -90,7 +114,9 @@ class _SpecPilotHook:
         self._config_error: str | None = None
         self._applied_at = time.time()
         self._ack_step: int | None = None
-        self.controller = SpeculationController(self._k_engine, self._config.speculation)
+        passes, ratio = _draft_cost(vcfg)
+        self.controller = SpeculationController(self._k_engine, self._config.speculation, draft_passes=passes,
+                                                draft_cost_ratio=ratio)
         self._cap_seqs = self._startup_max_seqs
         self._cap_tokens = self._startup_max_tokens
         self._max_running_seen = 0
@@ -233,6 +259,7 @@ class _SpecPilotHook:
                 StepObservation(
                     batch_size=n_dec,
                     k_drafted=self._k_drafted,
+                    k_proposed=self._k_decided,
                     num_draft_tokens=self._drafted,
                     num_accepted_tokens=self._accepted,
                     accepted_hist=list(self._hist),
