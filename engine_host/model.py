@@ -96,8 +96,30 @@ def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
     if is_prepared(target) and not force:
         return target
     gguf_path = find_gguf()
+    return convert_gguf(gguf_path, target, quiet=quiet,
+                        extra_marker={"format": _FORMAT, "dtype": "float16"})
+
+
+def convert_gguf(gguf_path: Path, target: Path, quiet: bool = False, extra_marker: dict | None = None) -> Path:
+    """Convert a GGUF file into a float16 Hugging Face safetensors folder ``target``.
+
+    transformers dequantizes the GGUF (float32 for files under 300 MB, float16 above, so a
+    1.5B model fits in a few GB), the config loses its ``quantization_config``, a fresh
+    model built from it in float16 takes the state dict (``save_pretrained`` refuses a
+    model loaded from GGUF), and the folder gets the tokenizer and chat template.
+
+    Args:
+        gguf_path: the GGUF file.
+        target: output folder (replaced when the conversion finishes).
+        quiet: no progress bar.
+        extra_marker: fields for the folder's ``.specpilot-prepared.json``.
+    Returns:
+        ``target``.
+    Raises:
+        ModelError: conversion libraries missing or the weights do not fit the config.
+    """
     steps = ["read GGUF", "dequantize", "build fp16 model", "save safetensors", "save tokenizer"]
-    bar = tqdm(total=len(steps), desc=f"Preparing {DEFAULT_MODEL_NAME}", unit="step", disable=quiet)
+    bar = tqdm(total=len(steps), desc=f"Preparing {target.name}", unit="step", disable=quiet)
     t0 = time.monotonic()
     try:
         import torch
@@ -113,13 +135,15 @@ def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     src_dir, fname = str(gguf_path.parent), gguf_path.name
+    load_dtype = torch.float32 if gguf_path.stat().st_size < 300 * 2**20 else torch.float16
 
     bar.set_postfix_str(steps[0])
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
     bar.update(1)
     bar.set_postfix_str(steps[1])
-    dequant = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=fname, dtype=torch.float32)
+    dequant = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=fname, dtype=load_dtype)
     state = dequant.state_dict()
+    del dequant
     bar.update(1)
     bar.set_postfix_str(steps[2])
     config = AutoConfig.from_pretrained(src_dir, gguf_file=fname)
@@ -139,10 +163,9 @@ def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
     bar.update(1)
     bar.set_postfix_str(steps[4])
     tokenizer.save_pretrained(tmp)
-    (tmp / _DONE_MARKER).write_text(
-        json.dumps({"source": str(gguf_path), "format": _FORMAT, "dtype": "float16",
-                    "seconds": round(time.monotonic() - t0, 1)})
-    )
+    marker = {"source": str(gguf_path), "format": _FORMAT, **(extra_marker or {}),
+              "seconds": round(time.monotonic() - t0, 1)}
+    (tmp / _DONE_MARKER).write_text(json.dumps(marker))
     bar.update(1)
     bar.close()
     shutil.rmtree(target, ignore_errors=True)
