@@ -74,3 +74,19 @@ def test_chosen_k_falls_when_each_draft_token_costs_a_draft_pass():
     # T(1, K) is learned to grow with K several times faster than with free drafts
     slope = lambda s: (s["step_time_ms"]["6"] - s["step_time_ms"]["2"]) / 4  # noqa: E731
     assert slope(snap) > 2.5 * slope(cheap_snap), (slope(snap), slope(cheap_snap))
+
+
+def test_scheduler_reads_method_draft_and_cost_prior_from_vllm_config():
+    from types import SimpleNamespace as NS
+
+    from engine_host.scheduler import _draft_cost, _draft_of
+
+    hf = lambda layers: NS(num_hidden_layers=layers, hidden_size=576)  # noqa: E731
+    target = NS(hf_config=hf(30), model="/m/t")
+    draft = NS(hf_config=hf(8), model="/m/t-draft-L8")
+    vcfg = NS(model_config=target, speculative_config=NS(method="draft_model", draft_model_config=draft, model="/m/x"))
+    assert _draft_of(vcfg.speculative_config) == "/m/t-draft-L8"
+    assert _draft_cost(vcfg) == (True, pytest.approx(8 / 30))
+    ngram = NS(model_config=target, speculative_config=NS(method="ngram", draft_model_config=None, model="ngram"))
+    assert _draft_of(ngram.speculative_config) is None and _draft_cost(ngram)[0] is False
+    assert _draft_of(None) is None
