@@ -196,7 +196,7 @@ def resolve_model(model: str | None) -> str:
     return model  # a hub id
 
 
-DEFAULT_DRAFT_LAYERS = 8
+DEFAULT_DRAFT_LAYERS = 16
 """Layers kept in the default model's truncated draft (chosen from the acceptance per
 position measured in docs/engine_host.md)."""
 
