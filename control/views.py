@@ -19,6 +19,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
@@ -177,6 +178,18 @@ class HostStatus:
     per_request: dict[str, Any] = field(default_factory=dict)
     engine_started_at: datetime | None = None
     checked_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+
+    @property
+    def speculation(self) -> str:
+        """The method and draft the engine speculates with, e.g. ``draft_model · draft
+        SmolLM2-135M-Instruct-draft-L8`` or ``ngram``; ``""`` when unknown."""
+        method = self.limits.get("speculative_method")
+        if not self.limits:
+            return ""
+        if not method:
+            return "none"
+        draft = self.limits.get("draft_model")
+        return f"{method} · draft {Path(str(draft)).name}" if draft else str(method)
 
     @property
     def label(self) -> str:

@@ -173,6 +173,8 @@ class EngineLimits(_Strict):
     max_num_batched_tokens: int = Field(ge=1)
     max_model_len: int = Field(ge=1)
     speculative_method: str | None = "ngram"
+    draft_model: str | None = Field(None, description="draft model or head the engine loaded (path or hub id); "
+                                    "None for n-gram drafts")
 
 
 class ConfigError(ValueError):

@@ -59,6 +59,8 @@ class StepObservation:
         step_time_s: wall time of the step (schedule -> outputs), seconds.
         pure_decode: True when no prefill shared the step (step time usable for T).
         now: monotonic timestamp (s).
+        k_proposed: depth K the drafter ran at in this step for the next one (tokens;
+            None: same as ``k_drafted``); a draft model's passes follow it.
     """
 
     batch_size: int
@@ -70,6 +72,7 @@ class StepObservation:
     pure_decode: bool
     now: float = field(default_factory=time.monotonic)
     draft_hist: list[int] | None = None
+    k_proposed: int | None = None
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -224,25 +227,54 @@ class StepTimeModel:
     (a GPU step is nearly flat in tokens at small batch; on a CPU, verifying a draft
     costs more than its share of tokens) and follow drift (longer contexts) quickly.
 
+    With a draft model or an EAGLE head (``draft_passes=True``) drafting K tokens takes K
+    sequential forward passes of the drafter after the target's pass (vLLM's proposer runs
+    one pass on the verified tokens, even at K = 0, to keep the draft's KV cache in step,
+    then K - 1 single-token passes). The model then has a third term,
+    ``T = (t0 + t1 * x + td * P) * c`` with ``P = max(K - 1, 0)`` the extra draft passes and
+    ``td`` (s per pass) fitted with t0 and t1. This is the cost coefficient
+    ``c = td / T(B, 0)`` of Leviathan et al. (arXiv 2211.17192, section 3.4: the time of one
+    draft run over one target run), learned online instead of assumed, and SmartSpec's
+    (arXiv 2406.14066) split of a step into proposal and verification time. While K has not
+    varied enough to separate td from t0, td is held near a prior ``draft_cost_ratio *
+    T(B=1, K=0)`` by a ridge term worth ``prior_steps`` steps (the ratio comes from the draft's
+    size against the target's). For n-gram drafts (``draft_passes=False``) there is no such
+    term: proposing costs no forward pass.
+
     Args:
         alpha: weight of one step in the corrections, 0..1.
         forget: forgetting factor of the regression (per step), 0..1.
         fresh_steps: a (bucket, K) correction is used while that cell was measured within
             this many pure-decode steps.
+        draft_passes: True when the drafter is a model (draft_model, EAGLE, MTP).
+        draft_cost_ratio: prior of td / T(1, 0), fraction (> 0).
+        prior_steps: weight of the prior on td, in steps.
     """
 
-    def __init__(self, alpha: float = 0.1, forget: float = 0.995, fresh_steps: int = 400):
+    def __init__(self, alpha: float = 0.1, forget: float = 0.995, fresh_steps: int = 400,
+                 draft_passes: bool = False, draft_cost_ratio: float = 0.25, prior_steps: float = 4.0):
         self.alpha = alpha
         self.forget = forget
         self.fresh_steps = fresh_steps
+        self.draft_passes = draft_passes
+        self.draft_cost_ratio = draft_cost_ratio
+        self.prior_steps = prior_steps
         self.buckets: dict[int, list[float]] = {}  # bucket -> [correction, n]
         self.cells: dict[tuple[int, int], list[float]] = {}  # (bucket, K) -> [correction, n, last step]
         self.steps = 0
         self._s = [0.0] * 5  # n, sx, st, sxx, sxt
+        self._sp = [0.0] * 4  # sp, spp, sxp, spt (draft passes)
 
-    def observe(self, batch_size: int, tokens: int, step_time_s: float, k: int | None = None) -> None:
+    @staticmethod
+    def passes(k: int | None) -> int:
+        """Draft forward passes beyond the one every step runs, at depth ``k``."""
+        return max(int(k or 0) - 1, 0)
+
+    def observe(self, batch_size: int, tokens: int, step_time_s: float, k: int | None = None,
+                k_proposed: int | None = None) -> None:
         """Fold in one pure-decode step of ``batch_size`` requests verifying ``tokens``
-        (drafts proposed at depth ``k``; None: no per-depth correction)."""
+        (drafts proposed at depth ``k``; None: no per-depth correction). ``k_proposed``:
+        the depth the drafter ran at in this step (default ``k``)."""
         if batch_size <= 0 or tokens <= 0 or step_time_s <= 0 or not math.isfinite(step_time_s):
             return
         self.steps += 1
@@ -254,8 +286,14 @@ class StepTimeModel:
         s[2] = f * s[2] + step_time_s
         s[3] = f * s[3] + x * x
         s[4] = f * s[4] + x * step_time_s
-        t0, t1 = self.coefficients()
-        ratio = step_time_s / max(t0 + t1 * x, 1e-9)
+        p = float(self.passes(k if k_proposed is None else k_proposed))
+        sp = self._sp
+        sp[0] = f * sp[0] + p
+        sp[1] = f * sp[1] + p * p
+        sp[2] = f * sp[2] + x * p
+        sp[3] = f * sp[3] + p * step_time_s
+        t0, t1, td = self.coefficients3()
+        ratio = step_time_s / max(t0 + t1 * x + td * p, 1e-9)
         b = batch_bucket(batch_size)
         cell = self.buckets.setdefault(b, [1.0, 0.0])
         a = max(self.alpha, 1.0 / (cell[1] + 1.0))
@@ -270,6 +308,33 @@ class StepTimeModel:
                 kc[0] += a * (ratio - kc[0])
                 kc[1] += 1.0
                 kc[2] = float(self.steps)
+
+    def coefficients3(self) -> tuple[float, float, float]:
+        """``(t0 [s], t1 [s per token], td [s per draft pass])``; td is 0 without draft passes."""
+        if not self.draft_passes:
+            return (*self.coefficients(), 0.0)
+        n, sx, st, sxx, sxt = self._s
+        spp_, spp, sxp, spt = self._sp
+        t0l, t1l = self.coefficients()
+        if n < 1e-9:
+            return t0l, t1l, self.draft_cost_ratio * (t0l + t1l)
+        prior = self.draft_cost_ratio * (t0l + t1l)
+        lam = self.prior_steps
+        # weighted least squares on (1, x, P) with a ridge on td toward its prior
+        a = [[n, sx, spp_], [sx, sxx, sxp], [spp_, sxp, spp + lam]]
+        b = [st, sxt, spt + lam * prior]
+        sol = _solve3(a, b)
+        if sol is None:
+            return t0l, t1l, prior
+        t0, t1, td = sol
+        if t1 < 1e-7 or t0 < 0 or td < 0:  # keep the physical signs; fall back to the line
+            td = max(td, 0.0)
+            rest_t = st - td * spp_
+            rest_xt = sxt - td * sxp
+            var = sxx - sx * sx / n
+            t1 = max((rest_xt - sx * rest_t / n) / var, 1e-7) if var > 1e-6 * max(1.0, sxx) else t1l
+            t0 = max(rest_t / n - t1 * sx / n, 0.0)
+        return t0, t1, td
 
     def coefficients(self) -> tuple[float, float]:
         """``(t0 [s], t1 [s per token])`` of the fitted line."""
@@ -295,9 +360,10 @@ class StepTimeModel:
         return cell[0] if cell else 1.0
 
     def predict_tokens(self, batch_size: int, tokens: float, k: int | None = None) -> float:
-        """Predicted step time (s) for ``batch_size`` requests verifying ``tokens`` at depth ``k``."""
-        t0, t1 = self.coefficients()
-        return max((t0 + t1 * tokens) * self.correction(batch_size, k), 1e-6)
+        """Predicted step time (s) for ``batch_size`` requests verifying ``tokens`` at depth ``k``
+        (the drafter, if a model, running at depth ``k`` too)."""
+        t0, t1, td = self.coefficients3()
+        return max((t0 + t1 * tokens + td * self.passes(k)) * self.correction(batch_size, k), 1e-6)
 
     def predict(self, batch_size: int, k: int, draft_per_request: float | None = None) -> float:
         """Predicted step time (s) at depth ``k``; ``draft_per_request`` = D(K) (default K)."""
@@ -324,6 +390,22 @@ class StepTimeModel:
             return []
         t_plain = self.predict(batch_size, 0, drafts[0])
         return [t_plain] + [max(self.predict(batch_size, k, d), t_plain) for k, d in enumerate(drafts) if k > 0]
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] | None:
+    """Solve the 3x3 system ``a @ v = b`` by Gaussian elimination; None when singular."""
+    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
+    for c in range(3):
+        piv = max(range(c, 3), key=lambda r: abs(m[r][c]))
+        if abs(m[piv][c]) < 1e-12 * max(1.0, abs(m[0][0])):
+            return None
+        m[c], m[piv] = m[piv], m[c]
+        for r in range(3):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                for j in range(c, 4):
+                    m[r][j] -= f * m[c][j]
+    return m[0][3] / m[0][0], m[1][3] / m[1][1], m[2][3] / m[2][2]
 
 
 class Policy:
@@ -578,13 +660,17 @@ class SpeculationController:
     Args:
         k_engine: the engine's K_max (num_speculative_tokens at start-up), tokens.
         spec: the initial speculation config.
+        draft_passes: True when drafts come from a model (draft model, EAGLE, MTP): each
+            draft token costs a forward pass (see :class:`StepTimeModel`).
+        draft_cost_ratio: prior of one draft pass over one target step, fraction.
     """
 
-    def __init__(self, k_engine: int, spec: SpeculationConfig | None = None):
+    def __init__(self, k_engine: int, spec: SpeculationConfig | None = None, draft_passes: bool = False,
+                 draft_cost_ratio: float = 0.25):
         self.k_engine = k_engine
         spec = spec or SpeculationConfig(mode="fixed", k=k_engine)
         self.acceptance = AcceptanceEstimator(max(k_engine, 1), alpha=spec.adaptive.ema_alpha)
-        self.step_time = StepTimeModel()
+        self.step_time = StepTimeModel(draft_passes=draft_passes, draft_cost_ratio=draft_cost_ratio)
         self.steps_at_k = [0] * (k_engine + 1)
         self.k_current = 0
         self.total_steps = 0
@@ -614,7 +700,7 @@ class SpeculationController:
         self.acceptance.observe(obs.k_drafted, obs.batch_size, obs.accepted_hist, obs.draft_hist)
         if obs.pure_decode:
             self.step_time.observe(obs.batch_size, obs.batch_size + obs.num_draft_tokens, obs.step_time_s,
-                                   obs.k_drafted)
+                                   obs.k_drafted, obs.k_proposed)
         self.policy.observe(obs)
 
     def snapshot(self, batch_size: int | None = None) -> dict[str, Any]:
@@ -627,7 +713,7 @@ class SpeculationController:
         e = {str(k): round(acc.expected_tokens(k), 4) for k in ks}
         t = {str(k): round(times[k] * 1000.0, 3) for k in ks}
         g = {str(k): round(b * acc.expected_tokens(k) / times[k], 2) for k in ks}
-        t0, t1 = self.step_time.coefficients()
+        t0, t1, td = self.step_time.coefficients3()
         return {
             "mode": self.policy.name,
             "k_current": self.k_current,
@@ -639,7 +725,9 @@ class SpeculationController:
             "draft_reach_per_position": [round(v, 4) for v in self.acceptance.q()[: self.k_engine]],
             "expected_tokens_per_step": e,
             "step_time_ms": t,
-            "step_time_model": {"t0_ms": round(t0 * 1000, 4), "t1_ms_per_token": round(t1 * 1000, 5)},
+            "step_time_model": {"t0_ms": round(t0 * 1000, 4), "t1_ms_per_token": round(t1 * 1000, 5),
+                                "td_ms_per_draft_pass": round(td * 1000, 4),
+                                "draft_passes": self.step_time.draft_passes},
             "predicted_goodput_tokens_per_s": g,
             "steps_at_k": list(self.steps_at_k),
             "total_steps": self.total_steps,

@@ -25,11 +25,14 @@ from pathlib import Path
 from .channel import ENV_CHANNEL, Channel
 from .config import SPECULATION_MODES, LiveConfig, SpeculationConfig
 from .home import home, subdir
-from .model import DEFAULT_MODEL_NAME, ModelError, default_model_dir, resolve_model
+from .model import DEFAULT_MODEL_NAME, ModelError, default_model_dir, resolve_draft, resolve_model
+from .speculation import ENV_SPECULATION, METHODS, SpeculationError, SpeculationSpec, speculative_config
+from . import speculation
 from .auth import ENV_TOKEN, control_token
 from .plugin import ENV_WARMUP
 
 PLUGINS = "specpilot_control,specpilot_stats,specpilot_general"
+DEFAULT_METHOD = "ngram"
 
 
 def is_cpu_build() -> bool:
@@ -95,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculation-mode", choices=SPECULATION_MODES, default="adaptive",
                    help="initial speculation policy (changeable live)")
     p.add_argument("--k", type=int, default=None, help="initial K for --speculation-mode fixed (default: K_max)")
+    p.add_argument("--speculative-method", choices=METHODS, default=DEFAULT_METHOD,
+                   help="how drafts are made: ngram (prompt lookup), ngram_gpu (GPU build), draft_model (a smaller "
+                   "model with the target's tokenizer), eagle/eagle3 (a trained head), mtp (the target's own layers)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model or EAGLE head (folder or hub id); 'default' is the default model cut to its "
+                   "first layers (prepared on first use, see python -m engine_host.model --draft)")
+    p.add_argument("--draft-tensor-parallel-size", type=int, default=None, help="GPUs for the draft model")
+    p.add_argument("--draft-quantization", default=None, help="quantization method of the draft (vLLM's names)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="ceiling on running sequences (default: vLLM's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="ceiling on tokens per engine step (default: vLLM's)")
@@ -141,8 +152,18 @@ def use_async_scheduling(args: argparse.Namespace) -> bool:
     return args.k_max <= 0 and not is_cpu_build()
 
 
-def vllm_command(args: argparse.Namespace, model: str, extra: list[str]) -> list[str]:
-    """The ``vllm serve`` argv for these arguments."""
+def speculation_spec(args: argparse.Namespace, model: str, draft: str | None = None) -> SpeculationSpec:
+    """What the engine speculates with: method ``"none"`` when K_max is 0; ``draft`` is the
+    resolved ``--draft-model`` (default: the argument as given)."""
+    if args.k_max <= 0:
+        return SpeculationSpec(method="none")
+    draft = draft if draft is not None else (args.draft_model or "")
+    name = Path(draft).name if draft else ""
+    return SpeculationSpec(method=args.speculative_method, draft=draft, draft_name=name, k_max=args.k_max)
+
+
+def vllm_command(args: argparse.Namespace, model: str, extra: list[str], draft: str | None = None) -> list[str]:
+    """The ``vllm serve`` argv for these arguments (``draft``: the resolved draft folder)."""
     async_on = use_async_scheduling(args)
     is_path = Path(model).exists() or model.startswith(("/", ".", "~"))
     name = args.served_model_name or (Path(model).name if is_path else model)
@@ -158,7 +179,8 @@ def vllm_command(args: argparse.Namespace, model: str, extra: list[str]) -> list
         "--enable-prompt-tokens-details",
     ]
     if args.k_max > 0:
-        spec = {"method": "ngram", "num_speculative_tokens": args.k_max, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        spec = speculative_config(speculation_spec(args, model, draft), args.draft_tensor_parallel_size,
+                                  args.draft_quantization)
         cmd += ["--speculative-config", json.dumps(spec)]
     if args.max_num_seqs:
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
@@ -202,8 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     except ModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    draft = None
+    if args.k_max > 0:
+        try:
+            draft = resolve_draft(args.draft_model, model, args.speculative_method, prepare=not args.print_command)
+            speculation.check(args.speculative_method, model, draft, cpu_build=is_cpu_build())
+        except (ModelError, SpeculationError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     config = initial_config(args)
-    cmd = vllm_command(args, model, extra)
+    spec = speculation_spec(args, model, draft)
+    cmd = vllm_command(args, model, extra, draft)
     if args.print_command:
         print(shlex.join(cmd))
         return 0
@@ -216,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     env[ENV_TOKEN] = token
     env[ENV_CHANNEL] = str(chan_path)
     env[ENV_WARMUP] = args.warmup
+    env[ENV_SPECULATION] = json.dumps(spec.as_dict())
     env["VLLM_PLUGINS"] = ",".join(filter(None, [env.get("VLLM_PLUGINS", ""), PLUGINS]))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -235,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  control      {url}/control/state  (Bearer token)", flush=True)
     if created:
         print(f"  control token (shown once, stored in {home() / 'control_token'}): {token}", flush=True)
-    print(f"  speculation  ngram, K_max={args.k_max}, mode={config.speculation.mode}", flush=True)
+    drafter = f" (draft {spec.draft})" if spec.draft else ""
+    print(f"  speculation  {spec.method}{drafter}, K_max={args.k_max}, mode={config.speculation.mode}", flush=True)
     os.execvpe(cmd[0], cmd, env)
     return 0  # pragma: no cover

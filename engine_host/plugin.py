@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
@@ -117,6 +118,8 @@ def build_state() -> dict[str, Any]:
             "k_max": k_hi,
             "k_max_engine": limits.get("k_max"),
             "method": limits.get("speculative_method"),
+            "draft_model": limits.get("draft_model"),
+            "draft_name": Path(limits["draft_model"]).name if limits.get("draft_model") else None,
             "per_request": core.get("per_request"),
         },
         "batch": {
@@ -326,6 +329,13 @@ class SpecPilotCollector:
         yield gauge("speculation_k_max", "Upper bound of K (tokens), engine K_max when unset.",
                     spec.get("k_max") if spec.get("k_max") is not None else limits.get("k_max"))
         yield gauge("speculation_k_max_engine", "K_max the engine was started with (tokens).", limits.get("k_max"))
+        info = GaugeMetricFamily("specpilot:speculation_info",
+                                 "Speculation method and draft the engine was started with (1 for the pair; "
+                                 "draft empty for n-gram drafts, method none without speculation).",
+                                 labels=["method", "draft"])
+        draft = limits.get("draft_model")
+        info.add_metric([str(limits.get("speculative_method") or "none"), Path(draft).name if draft else ""], 1.0)
+        yield info
         mode = GaugeMetricFamily("specpilot:speculation_mode_info", "Speculation mode in force (1 for the mode).", labels=["mode"])
         mode.add_metric([str(spec.get("mode"))], 1.0)
         yield mode

@@ -54,6 +54,40 @@ class _LiveLookup:
         return self.hook._startup_max_seqs + 1
 
 
+def _draft_of(spec_cfg: Any) -> str | None:
+    """The draft model or head vLLM loaded (its path or hub id), None for methods without
+    one (n-gram) and without speculation; MTP reports the target itself."""
+    if spec_cfg is None or getattr(spec_cfg, "method", None) in ("ngram", "ngram_gpu", "suffix", None):
+        return None
+    dmc = getattr(spec_cfg, "draft_model_config", None)
+    model = getattr(dmc, "model", None) or getattr(spec_cfg, "model", None)
+    return str(model) if model else None
+
+
+def _draft_cost(vcfg: Any) -> tuple[bool, float]:
+    """Whether drafting runs a model (each draft token a forward pass), and the prior of one
+    draft pass over one target pass: the ratio of layers x hidden size squared (weights
+    touched per token), 0.25 when the configs do not say."""
+    spec_cfg = vcfg.speculative_config
+    method = getattr(spec_cfg, "method", None)
+    if spec_cfg is None or method in (None, "ngram", "ngram_gpu", "suffix"):
+        return False, 0.25
+
+    def size(hf: Any) -> float | None:
+        hf = getattr(hf, "text_config", None) or hf
+        layers, hidden = getattr(hf, "num_hidden_layers", None), getattr(hf, "hidden_size", None)
+        return float(layers) * float(hidden) ** 2 if layers and hidden else None
+
+    try:
+        d = size(spec_cfg.draft_model_config.hf_config)
+        t = size(vcfg.model_config.hf_config)
+        if d and t and method == "draft_model":
+            return True, min(max(d / t, 0.02), 2.0)
+    except AttributeError:
+        pass
+    return True, 0.25
+
+
 class _SpecPilotHook:
     """Mixin with the SpecPilot behaviour; combined with ``Scheduler`` or ``AsyncScheduler``."""
 
@@ -77,6 +111,7 @@ class _SpecPilotHook:
             "max_num_batched_tokens": int(sched_cfg.max_num_batched_tokens),
             "max_model_len": int(vcfg.model_config.max_model_len),
             "speculative_method": getattr(vcfg.speculative_config, "method", None),
+            "draft_model": _draft_of(vcfg.speculative_config),
         }
         self._channel: Channel | None = channel_from_env()
         self._config = LiveConfig()
@@ -85,7 +120,9 @@ class _SpecPilotHook:
         self._config_error: str | None = None
         self._applied_at = time.time()
         self._ack_step: int | None = None
-        self.controller = SpeculationController(self._k_engine, self._config.speculation)
+        passes, ratio = _draft_cost(vcfg)
+        self.controller = SpeculationController(self._k_engine, self._config.speculation, draft_passes=passes,
+                                                draft_cost_ratio=ratio)
         self._gate = RequestDraftGate()
         self._gate_on = False
         self._cap_seqs = self._startup_max_seqs
@@ -215,7 +252,11 @@ class _SpecPilotHook:
         if b == 0 or k <= 0:
             return
         tm = self.controller.step_time
-        cost = draft_token_cost(tm.predict(b, 0), tm.predict(b, k), k)
+        # only verification is saved by dropping a request's drafts (a draft model's own
+        # passes run for the whole batch): the extra tokens' time at depth k
+        verify_s = tm.predict_tokens(b, b * (1.0 + k), k) - tm.predict_tokens(b, float(b), k)
+        t_plain = tm.predict(b, 0)
+        cost = draft_token_cost(t_plain, t_plain + verify_s, k)
         for req in running:
             drafts = req.spec_token_ids
             if drafts and not gate.allows(req.request_id, len(drafts), cost):
@@ -259,6 +300,7 @@ class _SpecPilotHook:
                 StepObservation(
                     batch_size=n_dec,
                     k_drafted=self._k_drafted,
+                    k_proposed=self._k_decided,
                     num_draft_tokens=self._drafted,
                     num_accepted_tokens=self._accepted,
                     accepted_hist=list(self._hist),

@@ -309,3 +309,20 @@ def test_routing_summary_says_the_share_when_not_resting_and_nothing_for_one_eng
                "settings": {"probe_every_s": 20.0, "probe_s": 1.0, "p_probe": 0.1}}
     assert views.routing_summary(probing) == ("routing auto · speculative engine resting: probes of 1 s every "
                                               "20 s at 10% (probing now)")
+
+
+def test_live_page_names_the_speculation_method_and_draft(backend):
+    orig = backend.engine_state
+
+    def with_draft(name, timeout_s=1.5):
+        state = orig(name, timeout_s)
+        state["limits"] = {**state["limits"], "speculative_method": "draft_model",
+                           "draft_model": "/h/models/SmolLM2-135M-Instruct-draft-L8"}
+        return state
+
+    backend.engine_state = with_draft
+    at = _app(VIEWER, "pages/live.py")
+    assert not at.exception, at.exception
+    assert "engine K_max 8, draft_model · draft SmolLM2-135M-Instruct-draft-L8" in _texts(at)
+    status = views.status_from_state("a", "http://a", {"limits": {"speculative_method": "ngram"}})
+    assert status.speculation == "ngram"

@@ -34,7 +34,7 @@ def _status_line(view: views.LiveView) -> None:
     badge = ":green-badge[UP]" if s.phase == "ready" else f":orange-badge[{s.label}]"
     st.markdown(
         f"{badge} **{s.name}** · mode **{s.mode}** {k_range} · K now **{s.k_current}** "
-        f"(engine K_max {s.k_max_engine}) · config **v{s.config_version}** · "
+        f"(engine K_max {s.k_max_engine}{', ' + s.speculation if s.speculation else ''}) · config **v{s.config_version}** · "
         f"caps: {s.max_num_seqs} sequences, {s.max_num_batched_tokens} tokens/step"
     )
     routing = views.routing_summary(s.router)
