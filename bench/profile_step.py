@@ -1,0 +1,162 @@
+"""Where a decode step's time goes: an engine with an n-gram config at K = 0 against a
+plain engine (no speculative config), on the same chat prompts.
+
+    python -m bench.profile_step [--clients 4] [--seconds 20] [--rate 100]
+
+Starts both engine hosts (eager, one after the other so they do not share the CPU while
+measured), sends the ``chat`` workload with N concurrent clients, and samples every
+vLLM process of the engine with py-spy (PyPI ``py-spy``) for ``--seconds``. Each sample's
+stack is put in one component (model forward, n-gram proposer, sampler and rejection
+sampler, input preparation, scheduler, output processing, other). Prints, per engine and
+component, the share of the busy samples of the process that runs the model and its
+CPU time in ms per engine step (samples / rate / steps; steps from ``/control/state``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("n-gram proposer", ("ngram_proposer", "batch_propose", "propose_draft_token_ids")),
+    ("sampler / rejection sampler", ("rejection_sampler", "sampler.py", "_sample", "logits_processor")),
+    ("model forward", ("forward", "torch/nn/modules", "_call_impl", "attention", "model_executor/models")),
+    ("input preparation", ("_prepare_inputs", "_update_states", "prepare_", "input_batch", "_calc_spec_decode")),
+    ("output / bookkeeping", ("_bookkeeping", "output", "update_from_output", "tolist")),
+    ("scheduler", ("scheduler.py", "core/sched", "engine_host/scheduler")),
+)
+
+
+def component_of(stack: str) -> str:
+    """The component a collapsed stack (``frame;frame;...``) belongs to; innermost-first
+    matching of :data:`COMPONENTS` (the first component found scanning from the leaf)."""
+    frames = stack.split(";")
+    for frame in reversed(frames):
+        for name, keys in COMPONENTS:
+            if any(k in frame for k in keys):
+                return name
+    return "other"
+
+
+def _engine_pids(root_pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True).stdout.split("\n")[1:]
+    children = collections.defaultdict(list)
+    for line in out:
+        parts = line.split()
+        if len(parts) == 2:
+            children[int(parts[1])].append(int(parts[0]))
+    seen, todo = [], [root_pid]
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo.extend(children.get(p, []))
+    return seen
+
+
+def _load(url: str, model: str, clients: int, stop: threading.Event) -> None:
+    from .workloads import Workload
+
+    wl = Workload("chat", seed=1)
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            while not stop.is_set():
+                with lock:
+                    p = wl.next_prompt()
+                c.post(p.path, json=p.body(model, 64))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+
+
+def profile(extra: list[str], clients: int, seconds: float, rate: int, out_dir: Path) -> dict:
+    """Start one engine host with ``extra`` arguments, load it, sample it; returns
+    ``{"steps": n, "wall_s": s, "samples": {pid: count}, "components": {name: count}}``
+    for the process with the most samples (the one running the model)."""
+    from engine_host.process import EngineHostProcess
+
+    eh = EngineHostProcess(extra_args=["--enforce-eager", "--max-num-seqs", "16", "--no-prefix-caching", *extra],
+                           log_path=out_dir / f"engine-{'plain' if '0' == extra[1] else 'spec'}.log")
+    eh.start()
+    try:
+        eh.wait_ready(timeout_s=600)
+        model = httpx.get(eh.url + "/v1/models").json()["data"][0]["id"]
+        stop = threading.Event()
+        _load(eh.url, model, clients, stop)
+        time.sleep(5)  # let the batch fill
+        pids = [p for p in _engine_pids(eh.proc.pid) if p != eh.proc.pid]
+        s0 = httpx.get(eh.url + "/control/state", headers=eh.control_headers).json()["engine"]["step_index"]
+        procs, files = [], []
+        for pid in pids:
+            f = out_dir / f"pyspy-{pid}.txt"
+            files.append((pid, f))
+            procs.append(subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid), "-d", str(int(seconds)), "-r", str(rate),
+                                           "-f", "raw", "-o", str(f), "--nonblocking"],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        t0 = time.monotonic()
+        for p in procs:
+            p.wait()
+        wall = time.monotonic() - t0
+        s1 = httpx.get(eh.url + "/control/state", headers=eh.control_headers).json()["engine"]["step_index"]
+        stop.set()
+    finally:
+        eh.stop()
+    best: dict = {}
+    for pid, f in files:
+        comps: collections.Counter = collections.Counter()
+        if f.exists():
+            for line in f.read_text().splitlines():
+                stack, _, n = line.rpartition(" ")
+                if stack and n.isdigit():
+                    comps[component_of(stack)] += int(n)
+        if sum(comps.values()) > sum(best.get("components", {}).values()):
+            best = {"pid": pid, "components": dict(comps)}
+    return {"steps": s1 - s0, "wall_s": wall, "rate": rate, **best}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--clients", type=int, default=4, help="concurrent chat clients")
+    ap.add_argument("--seconds", type=float, default=20.0, help="sampling time per engine (s)")
+    ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    ap.add_argument("--out", type=Path, default=None, help="folder for logs, raw samples and profile.json")
+    args = ap.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="profile-step-"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name, extra in (("plain", ["--k-max", "0"]),
+                        ("ngram K=0", ["--k-max", "8", "--speculation-mode", "fixed", "--k", "0"])):
+        print(f"profiling {name} ...", file=sys.stderr, flush=True)
+        results[name] = profile(extra, args.clients, args.seconds, args.rate, out)
+    (out / "profile.json").write_text(json.dumps(results, indent=1))
+    names = [c for c, _ in COMPONENTS] + ["other"]
+    print(f"| component | {' | '.join(f'{n}: ms/step | share' for n in results)} |")
+    print("|---|" + "---:|---:|" * len(results))
+    for c in names:
+        cells = []
+        for r in results.values():
+            total = sum(r.get("components", {}).values()) or 1
+            share = r.get("components", {}).get(c, 0) / total
+            ms = r.get("components", {}).get(c, 0) / r["rate"] * 1000.0 / max(r["steps"], 1)
+            cells.append(f"{ms:.2f} | {share:.1%}")
+        print(f"| {c} | {' | '.join(cells)} |")
+    print("| steps/s | " + " | ".join(f"{r['steps'] / r['wall_s']:.1f} | " for r in results.values()) + "|")
+    print(f"(raw samples and logs in {out})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
