@@ -194,6 +194,7 @@ class MetricSample(Base):
     accepted_tokens: Mapped[float] = mapped_column(Float, default=0.0)
     acceptance_rate: Mapped[float | None] = mapped_column(Float)
     accepted_per_pos: Mapped[list[float] | None] = mapped_column(JSONType)
+    draft_tokens_per_pos: Mapped[list[float] | None] = mapped_column(JSONType)
     acceptance_per_position: Mapped[list[float | None] | None] = mapped_column(JSONType)
     k: Mapped[float | None] = mapped_column(Float)
     mode: Mapped[str | None] = mapped_column(String(16))
