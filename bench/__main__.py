@@ -25,6 +25,8 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from engine_host import envs
+
 from .engine_control import BenchError, EngineControl, mode_patch
 from .loadgen import Load
 from .metrics import SLO
@@ -37,7 +39,7 @@ DEFAULT_MODES = "fixed:0,fixed:2,fixed:4,fixed:8,adaptive,threshold,heuristic,ba
 # cached engine would give every cell after the first free prefills.
 DEFAULT_ENGINE_ARGS = ["--enforce-eager", "--k-max", "8", "--max-num-seqs", "16", "--max-model-len", "2048",
                        "--no-prefix-caching"]
-ENV_TOKEN = "SPECPILOT_CONTROL_TOKEN"
+ENV_TOKEN = envs.CONTROL_TOKEN
 
 
 def parse_load(text: str) -> Load:
@@ -62,8 +64,7 @@ def resolve_token(env_name: str) -> str | None:
     tok = os.environ.get(env_name)
     if tok:
         return tok.strip()
-    home = Path(os.environ.get("SPECPILOT_HOME") or Path.home() / ".specpilot").expanduser()
-    path = home / "control_token"
+    path = envs.home_dir() / "control_token"
     return path.read_text().strip() if path.is_file() else None
 
 
@@ -313,7 +314,7 @@ def _start_engine(args: argparse.Namespace, out: Path, plain: bool):
         extra += ["--speculation-mode", "fixed", "--k", "0"]
     home = out / ("engine-home-plain" if plain else "engine-home")
     home.mkdir(parents=True, exist_ok=True)
-    env = {"SPECPILOT_HOME": os.environ.get("SPECPILOT_HOME", str(home))}
+    env = {envs.HOME: os.environ.get(envs.HOME, str(home))}
     eh = EngineHostProcess(model=args.model, extra_args=extra, env=env,
                            log_path=out / ("engine-plain.log" if plain else "engine.log"))
     print(f"starting {'plain ' if plain else ''}engine host: {shlex.join(eh.command())}", file=sys.stderr)

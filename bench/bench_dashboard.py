@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine_host import envs
+
 PAGES = ["pages/live.py", "pages/control.py", "pages/history.py", "pages/fleet.py", "pages/alerts.py",
          "pages/cost.py", "pages/planner.py"]
 TARGET_S = 1.5
@@ -157,7 +159,7 @@ def browser_times(url: str, repeats: int, user: tuple[str, str], screenshots: Pa
             "--no-first-run", "--disable-component-update", "--disable-sync"]
     out = {}
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=os.environ.get("SPECPILOT_CHROMIUM", "/usr/bin/chromium"), args=args)
+        b = p.chromium.launch(executable_path=envs.chromium(), args=args)
         pg = b.new_page(viewport={"width": 1440, "height": 2400})
         pg.goto(url)
         pg.get_by_label("User name").fill(user[0])
@@ -214,9 +216,9 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
     from control.testing import FakeEngineHost
 
     home = Path(tempfile.mkdtemp(prefix="specpilot-bench-dash-"))
-    os.environ["SPECPILOT_HOME"] = str(home)
+    os.environ[envs.HOME] = str(home)
     url = f"sqlite:///{home / 'specpilot.db'}"
-    os.environ["SPECPILOT_DB"] = url
+    os.environ[envs.DB_URL] = url
     fakes = []
     hosts = []
     for i in range(n_hosts):

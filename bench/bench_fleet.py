@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine_host import envs
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -176,9 +178,9 @@ def pages(n: int, repeats: int, days: float = 7.0) -> dict[str, Any]:
     from control.testing import FakeEngineHost
 
     home = Path(tempfile.mkdtemp(prefix="specpilot-bench-pages-"))
-    os.environ["SPECPILOT_HOME"] = str(home)
+    os.environ[envs.HOME] = str(home)
     url = f"sqlite:///{home / 'specpilot.db'}"
-    os.environ["SPECPILOT_DB"] = url
+    os.environ[envs.DB_URL] = url
     os.environ["BENCH_FLEET_TOKEN"] = "bench-fleet-token"
     fakes = [FakeEngineHost(token="bench-fleet-token").start() for _ in range(n)]
     try:

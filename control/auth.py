@@ -35,6 +35,8 @@ from pathlib import Path
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 
+from engine_host import envs
+
 __all__ = [
     "ROLES",
     "User",
@@ -49,9 +51,9 @@ __all__ = [
     "can",
 ]
 
-ENV_USERS_FILE = "SPECPILOT_USERS_FILE"
-ENV_USERS = "SPECPILOT_USERS"
-ENV_NEW_PASSWORD = "SPECPILOT_NEW_PASSWORD"
+ENV_USERS_FILE = envs.USERS_FILE
+ENV_USERS = envs.USERS
+ENV_NEW_PASSWORD = envs.NEW_PASSWORD
 
 #: What each role may do. ``view``: read pages; ``apply``: change a host's config;
 #: ``rollback``: apply an earlier version again.
@@ -104,7 +106,7 @@ def can(user: User | None, action: str) -> bool:
 
 def users_file() -> Path:
     """Path of the users file: ``$SPECPILOT_USERS_FILE`` or ``$SPECPILOT_HOME/users.toml``."""
-    env = os.environ.get(ENV_USERS_FILE)
+    env = envs.users_file()
     if env:
         return Path(env).expanduser()
     from engine_host.home import home
@@ -164,7 +166,7 @@ def load_users(path: Path | None = None) -> dict[str, User]:
             raise AuthError(f"{path}: not valid TOML: {exc}") from None
         for name, entry in (data.get("users") or {}).items():
             users[name] = _check_entry(name, entry, str(path))
-    env = os.environ.get(ENV_USERS)
+    env = envs.users()
     if env:
         try:
             data = json.loads(env)

@@ -7,7 +7,7 @@
 
 Starting is a thin wrapper over ``streamlit run dashboard/app.py`` with headless
 settings (no browser opened, no usage statistics, no file watcher, no tracebacks shown
-to users). The store is read from ``--db`` or ``$SPECPILOT_DB``, else the SQLite file
+to users). The store is read from ``--db`` or ``$SPECPILOT_DB_URL``, else the SQLite file
 in ``$SPECPILOT_HOME``. ``users add`` prompts for the password twice, or reads it from
 ``$SPECPILOT_NEW_PASSWORD``. On a first start with no user at all, an operator ``admin``
 is created with a random password, printed once.
@@ -21,8 +21,10 @@ import os
 import sys
 from pathlib import Path
 
+from engine_host import envs
+
 APP = Path(__file__).resolve().parent / "app.py"
-ENV_DB = "SPECPILOT_DB"
+ENV_DB = envs.DB_URL
 
 
 def streamlit_argv(port: int, address: str) -> list[str]:
@@ -57,7 +59,7 @@ def _users(args: argparse.Namespace) -> int:
             auth.remove_user(args.name)
             print(f"removed {args.name} from {auth.users_file()}")
             return 0
-        password = os.environ.get(auth.ENV_NEW_PASSWORD)
+        password = envs.new_password()
         if password is None:
             if not sys.stdin.isatty():
                 print(f"no terminal to prompt on: set ${auth.ENV_NEW_PASSWORD}", file=sys.stderr)
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     if args.db:
         env[ENV_DB] = args.db
+        env.pop(envs.DB_URL_DEPRECATED, None)
     if not args.no_bootstrap_user:
         bootstrap_user()
     argv_st = streamlit_argv(args.port, args.address)

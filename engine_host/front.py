@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Awaitable, Callable
 
+from . import envs
 from .auth import ENV_TOKEN
 from .routing import PLAIN, SPECULATIVE
 
@@ -113,7 +114,7 @@ def install_front(app: Any, cfg: dict[str, Any]) -> Any:
     from .router import local_tpot_totals, state_from_config
 
     global FRONT_STATE
-    state = state_from_config(cfg, os.environ.get(ENV_TOKEN, ""))
+    state = state_from_config(cfg, envs.control_token() or "")
     plain = state.backends[PLAIN]
     plain.extra_headers = {INTERNAL_HEADER: "1"}
     plain.local_tpot = local_tpot_totals

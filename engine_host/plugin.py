@@ -32,6 +32,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel
 
+from . import envs
 from .auth import require_control_token
 from .channel import Channel, ChannelError, channel_from_env
 from .config import ConfigError, EngineLimits, LiveConfig, apply_patch, diff_configs
@@ -40,7 +41,7 @@ from .warmup import RUNS, start_background_tasks
 
 logger = logging.getLogger("specpilot.plugin")
 
-ENV_WARMUP = "SPECPILOT_WARMUP"
+ENV_WARMUP = envs.WARMUP
 ACK_TIMEOUT_S = 5.0
 
 
@@ -431,4 +432,4 @@ class SpecPilotEndpoints:
             await front.FRONT_STATE.start()
         HOST.phase = "warming_up"
         k_max = int(((HOST.core_state() or {}).get("limits") or {}).get("k_max") or 0)
-        start_background_tasks(HOST, args, k_max, os.environ.get(ENV_WARMUP, "full"))
+        start_background_tasks(HOST, args, k_max, envs.warmup())

@@ -57,6 +57,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from control.metrics_parse import select_families
 
+from . import envs
 from .auth import ENV_TOKEN, control_token, require_control_token
 from .home import subdir
 from .routing import ENGINES, PLAIN, ROUTING_MODES, SPECULATIVE, SPLIT_SETTINGS, TrafficSplit
@@ -65,7 +66,7 @@ logger = logging.getLogger("specpilot.router")
 
 TPOT_FAMILY = "vllm:request_time_per_output_token_seconds"
 POLL_INTERVAL_S = 0.25
-ENV_ROUTER_CONFIG = "SPECPILOT_ROUTER_CONFIG"
+ENV_ROUTER_CONFIG = envs.ROUTER_CONFIG
 SCOPE_ENGINE = "specpilot.engine"  # ASGI scope key: the engine a request was routed to
 # hop-by-hop headers and the length (the relay re-chunks); Content-Encoding stays: the bytes are relayed as sent
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
@@ -479,7 +480,7 @@ def state_from_config(cfg: dict[str, Any], token: str) -> RouterState:
 
 def router_config_from_env() -> dict[str, Any] | None:
     """The parsed ``$SPECPILOT_ROUTER_CONFIG``, or None when it is not set."""
-    raw = os.environ.get(ENV_ROUTER_CONFIG)
+    raw = envs.router_config()
     return json.loads(raw) if raw else None
 
 
@@ -494,7 +495,7 @@ def app_from_env() -> FastAPI:
     cfg = router_config_from_env()
     if not cfg:
         raise RuntimeError(f"${ENV_ROUTER_CONFIG} is not set: start the router with python -m engine_host.router")
-    return create_app(state_from_config(cfg, os.environ.get(ENV_TOKEN, "")))
+    return create_app(state_from_config(cfg, envs.control_token() or ""))
 
 
 def split_settings(args: argparse.Namespace) -> dict[str, float]:
