@@ -8,7 +8,7 @@ with Streamlit's AppTest (the page script run on the server, which is where the 
 goes: queries, model fits, figure building) and reports the median and worst time per
 page over ``--repeats`` runs, plus the first (cold-cache) run.
 
-    python -m bench.bench_dashboard [--days 7] [--hosts 4] [--repeats 5] [--browser] [--json FILE]
+    python -m bench dashboard [--days 7] [--hosts 4] [--repeats 5] [--browser] [--json FILE]
 
 With ``--browser`` it also serves the app (``python -m dashboard``) on the same store and
 times, in headless Chromium, a click in the navigation until every chart, table and tile
@@ -283,7 +283,7 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: see the module docstring."""
-    p = argparse.ArgumentParser(prog="python -m bench.bench_dashboard", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench dashboard", description=__doc__.split("\n\n")[0])
     p.add_argument("--days", type=float, default=7.0, help="days of stored samples (default 7)")
     p.add_argument("--hosts", type=int, default=4, help="engine hosts (default 4)")
     p.add_argument("--repeats", type=int, default=5, help="timed renders per page after the first (default 5)")
