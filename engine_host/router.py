@@ -575,11 +575,11 @@ def cpu_child_env(environ: dict[str, str] | None = None, ncpu: int | None = None
     """Environment for the two engine hosts on vLLM's CPU build ({} on the GPU build).
 
     vLLM's "auto" binding pins each engine's OpenMP threads to the same cores: a second
-    engine pinned beside a busy first one got about 1 % of a core and never finished loading
+    engine pinned beside a busy first one got almost no CPU time and never finished loading
     (2-core machine). Unpinned, each engine starts an OpenMP thread per core, and the Intel
     OpenMP runtime by default spins 200 ms after every parallel region, so two engines (and
-    any other on the machine) slowed each other down several times over (a test case: 479 s
-    beside another engine, 54 s alone). Each engine therefore gets half the
+    any other on the machine) slowed each other down several times over (figures in
+    docs/engine_host.md, "Two engines on one CPU"). Each engine therefore gets half the
     cores (at least one), unpinned, with vLLM's own short spin (``KMP_BLOCKTIME=5`` ms).
     Settings already in the environment win.
 

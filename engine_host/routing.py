@@ -1,7 +1,7 @@
 """Routing between a plain engine and a speculative engine (pure logic, no HTTP).
 
 Why two engines: in vLLM 0.26 an engine with an n-gram speculative config runs the V1
-model runner with synchronous scheduling, and at K = 0 it decodes at about 0.3x a plain
+model runner with synchronous scheduling, and at K = 0 it decodes far slower than a plain
 engine on a GPU (docs/gpu.md). No K chosen *inside* that engine can recover plain
 decoding's speed, so "speculation steps aside" has to mean: the request goes to an engine
 that has no speculative config at all.
@@ -22,10 +22,9 @@ predictable traffic the speculative engine's adaptive K makes its TPOT the lower
 Resting and probes: while ``p`` rests at ``p_min`` the speculative engine gets *no*
 requests, except during a probe of ``probe_s`` seconds every ``probe_every_s`` seconds,
 when it gets the share ``p_probe``. A constant trickle would keep it stepping most of the
-time (at 64 clients a 1 % share kept about one request in flight there), and its steps
-take GPU time slices and host cores from the plain engine: on an offline H100, chat at
-64 clients, the dual host in ``auto`` with a 1 % floor ran at 0.946-0.966x of the same
-split at 0 in three paired rounds (docs/gpu.md). Probes bunch the same few requests into
+time, and its steps take GPU time slices and host cores from the plain engine: on a GPU
+the dual host in ``auto`` with a small constant floor ran below the same split at 0
+(paired rounds in docs/gpu.md). Probes bunch the same few requests into
 one short burst, so the engine is busy a small part of the time and its TPOT is still
 measured (a probe's requests refresh it, and ``p`` moves again if it has become the
 faster engine). ``probe_every_s = 0`` restores the constant trickle at ``p_min``.
@@ -34,9 +33,9 @@ Backoff: each probe that leaves the share at its floor multiplies the time to th
 by ``probe_backoff`` (default 2), up to ``probe_every_max_s`` (default 300 s): 20, 40, 80,
 160, 300, 300 s... The first probe comes ``probe_every_s`` after the share reaches its
 floor, and the interval starts again from ``probe_every_s`` once the share leaves it (or
-the schedule's settings change). Even bunched, a probe costs more than its share: on an offline H100,
-chat at 64 clients, the dual host in ``auto`` with a probe every 20 s ran at 0.80-0.97x of
-``plain`` in 4 paired rounds of 18 s (median 0.85, docs/gpu.md), because a probe's
+the schedule's settings change). Even bunched, a probe costs more than its share: on a GPU,
+the dual host in ``auto`` with a probe every 20 s ran below ``plain`` in every paired round
+(docs/gpu.md), because a probe's
 requests decode at the speculative engine's slower TPOT for seconds after the probe's
 second, while both processes share the GPU. The backoff is the usual answer to a
 measurement that costs every time it comes back negative (binary exponential backoff, as
