@@ -424,7 +424,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         if outer is not None:
             outer.close()
     # rows in workload/load order with the plain column beside the same-engine modes
-    order = {(w, l): i for i, (w, l) in enumerate((w, l) for w in workloads for l in loads)}
+    order = {(w, ld): i for i, (w, ld) in enumerate((w, ld) for w in workloads for ld in loads)}
     results.sort(key=lambda r: order.get((r["spec"]["workload"], r["spec"]["load"]["label"]), 0))
     meta = {"command": "python -m bench " + shlex.join(sys.argv[1:]), "finished_at_unix": time.time(),
             "loads": {k: loads_def[k] for k in loads}, "modes": modes, "duration_s": args.duration}

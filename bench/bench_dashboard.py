@@ -112,7 +112,7 @@ def seed_store(url: str, hosts: list[tuple[str, str, str]], days: float = 7.0, n
                 t += 6 * 3600
             counts["versions"] += v
 
-            def k_at(t: float) -> tuple[int, int]:
+            def k_at(t: float, schedule: list = schedule) -> tuple[int, int]:
                 kk, vv = 0, 1
                 for ts, k_, v_ in schedule:
                     if ts <= t:
@@ -238,7 +238,7 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
         at.run()
         for page in PAGES:
             times = []
-            for r in range(repeats + 1):
+            for _ in range(repeats + 1):
                 t = time.perf_counter()
                 at.switch_page(page).run()
                 times.append(time.perf_counter() - t)

@@ -33,7 +33,6 @@ from engine_host.sample import (
     PERCENTILES,
     USER_LATENCY_HISTOGRAMS,
     Interval,
-    Sample,
     SampleWindow,
     acceptance,
     latency_percentiles_ms,
@@ -200,8 +199,7 @@ def rollup(rows: Iterable[dict[str, Any]], resolution_s: int, t: int) -> dict[st
         weight = sum(w for _, w in pairs)
         out[col] = round(sum(v * w for v, w in pairs) / weight, 4) if weight > 0 else None
     for col, src in MAX_COLUMNS.items():
-        vals = [r.get(col) if r.get(col) is not None else r.get(src) for r in rows]
-        vals = [v for v in vals if v is not None]
+        vals = [v for v in (r.get(col) if r.get(col) is not None else r.get(src) for r in rows) if v is not None]
         out[col] = max(vals) if vals else None
     hists = {kind: merge_buckets(decode_buckets((r.get("hist") or {}).get(kind)) for r in rows) for kind in HISTOGRAMS}
     out.update(latency_percentiles_ms(hists))

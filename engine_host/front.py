@@ -24,7 +24,6 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from . import envs
-from .auth import ENV_TOKEN
 from .routing import PLAIN, SPECULATIVE
 
 logger = logging.getLogger("specpilot.front")
@@ -109,8 +108,6 @@ def install_front(app: Any, cfg: dict[str, Any]) -> Any:
     Returns:
         The front's :class:`engine_host.router.RouterState`.
     """
-    import os
-
     from .router import local_tpot_totals, state_from_config
 
     global FRONT_STATE

@@ -25,8 +25,16 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterator
 
-from .sample import LATENCY_HISTOGRAMS, USER_LATENCY_HISTOGRAMS, WINDOW_S, Bucket, Interval, SampleWindow, \
-    bucket_of, latency_edges
+from .sample import (
+    LATENCY_HISTOGRAMS,
+    USER_LATENCY_HISTOGRAMS,
+    WINDOW_S,
+    Bucket,
+    Interval,
+    SampleWindow,
+    bucket_of,
+    latency_edges,
+)
 
 try:  # the plugin base class; absent only in pure-logic unit tests without vLLM
     from vllm.v1.metrics.loggers import StatLoggerBase
@@ -75,7 +83,7 @@ def install_iteration_tagging() -> bool:
         return result
 
     update_from_output._specpilot = True  # type: ignore[attr-defined]
-    IterationStats.update_from_output = update_from_output
+    IterationStats.update_from_output = update_from_output  # type: ignore[method-assign]
     return True
 
 
@@ -114,9 +122,9 @@ class SampleRing:
         self._prompt = 0
         self._finished = 0
         self._internal_gen = 0
-        self._running = None
-        self._waiting = None
-        self._kv = None
+        self._running: int | None = None
+        self._waiting: int | None = None
+        self._kv: float | None = None
         self._drafts = 0
         self._draft_tokens = 0
         self._accepted = 0
@@ -163,7 +171,7 @@ class SampleRing:
             if scheduler_stats is not None:
                 self._running = scheduler_stats.num_running_reqs
                 self._waiting = scheduler_stats.num_waiting_reqs
-                if self._running + self._waiting > self.internal_inflight:
+                if (self._running or 0) + (self._waiting or 0) > self.internal_inflight:
                     self.last_user_activity = now
                 self._kv = round(float(scheduler_stats.kv_cache_usage), 4)
                 sd = scheduler_stats.spec_decoding_stats

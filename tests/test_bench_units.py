@@ -15,7 +15,6 @@ from bench import metrics as bm
 from bench import workloads as wl
 from bench.report import group_ratios, markdown_tables, write_summary
 
-
 # --- percentiles -----------------------------------------------------------------------
 
 def test_percentiles_match_numpy_linear_interpolation():

@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_store_url_prefers_the_new_name_and_reads_the_old_one_with_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert envs.db_url({envs.DB_URL: "sqlite:///a.db", envs.DB_URL_DEPRECATED: "sqlite:///b.db"}) == "sqlite:///a.db"
+        assert (
+            envs.db_url({envs.DB_URL: "sqlite:///a.db", envs.DB_URL_DEPRECATED: "sqlite:///b.db"}) == "sqlite:///a.db"
+        )
         assert envs.db_url({}) is None
     with pytest.warns(FutureWarning, match="SPECPILOT_DB_URL"):
         assert envs.db_url({envs.DB_URL_DEPRECATED: "sqlite:///b.db"}) == "sqlite:///b.db"
