@@ -236,6 +236,9 @@ class SampleRing:
         """
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
+        with self._lock:  # a consistent copy: record() may run in another thread
+            draft_pos = list(self.draft_tokens_per_pos_total)
+            latency = {kind: (dict(counts), total) for kind, (counts, total) in self.latency_totals.items()}
         for name, doc, value in (
             ("internal_requests", "Finished internal requests (warm-up, heartbeats), excluded from user figures.",
              self.internal_requests_total),
@@ -249,11 +252,11 @@ class SampleRing:
             yield c
         pos = CounterMetricFamily("specpilot:spec_decode_num_draft_tokens_per_pos",
                                   "Draft tokens proposed per draft position (tokens).", labels=["position"])
-        for i, n in enumerate(list(self.draft_tokens_per_pos_total)):
+        for i, n in enumerate(draft_pos):
             pos.add_metric([str(i)], float(n))
         yield pos
         for kind, name in USER_LATENCY_HISTOGRAMS.items():
-            counts, total = self.latency_totals[kind]
+            counts, total = latency[kind]
             cum, buckets = 0.0, []
             for edge in [*self._edges[kind], math.inf]:
                 cum += sum(n for (_, hi), n in counts.items() if hi == edge)
