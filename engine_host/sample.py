@@ -47,7 +47,7 @@ LATENCY_HISTOGRAMS = {
     "queue": "vllm:request_queue_time_seconds",
 }
 #: The same latencies of user requests only (warm-up and heartbeats left out), exported
-#: by the engine host (:func:`engine_host.stats.sample_metric_families`).
+#: by the engine host (:meth:`engine_host.stats.SampleRing.metric_families`).
 USER_LATENCY_HISTOGRAMS = {kind: f"specpilot:user_{name.split(':', 1)[1]}" for kind, name in LATENCY_HISTOGRAMS.items()}
 PERCENTILES = {"p50": 0.50, "p95": 0.95, "p99": 0.99}
 #: Sample columns that are latency percentiles (ms).

@@ -93,7 +93,7 @@ class SampleRing:
     Each second's counts become an :class:`engine_host.sample.Interval`; the shared
     :class:`engine_host.sample.SampleWindow` turns it into a sample, so that the ring and
     the collector give the same figures. Latencies of user requests go into vLLM's
-    histogram buckets (also kept as running totals for :func:`sample_metric_families`).
+    histogram buckets (also kept as running totals for :meth:`metric_families`).
 
     Args:
         seconds: how many closed samples are kept.
@@ -141,6 +141,9 @@ class SampleRing:
 
     def _roll(self, now: float) -> None:
         sec = int(now)
+        if sec > self._sec:  # after a long idle spell, only the seconds the ring keeps are built
+            self._close()
+            self._reset_bucket(max(self._sec + 1, sec - (self._ring.maxlen or 0)))
         while sec > self._sec:
             self._close()
             self._reset_bucket(self._sec + 1)

@@ -145,3 +145,16 @@ def test_ring_and_collector_give_the_same_sample_for_the_same_requests():
     assert own["ttft_p99_ms"] < 500  # nor is its 2 s TTFT
     assert own["acceptance_per_position"] == [0.7, 0.4]
     assert set(own) == set(Sample.model_fields)
+
+
+def test_ring_keeps_its_last_seconds_after_a_long_idle_spell():
+    ring = SampleRing(seconds=5)
+    base = int(time.time()) - 100_000
+    ring._reset_bucket(base)
+    ring.record(_sched(), _iter(gen=7), now=base + 0.5)
+    calls = []
+    ring.k_source = lambda: calls.append(1) or {"k_current": 2}
+    out = ring.samples(now=base + 100_000.5)
+    assert len(calls) <= 6  # not one sample built per idle second (100 000 of them)
+    assert [s["t"] for s in out] == list(range(base + 99_995, base + 100_000))
+    assert all(s["output_tokens"] == 0 for s in out)
