@@ -1,4 +1,4 @@
-"""Routing between a plain engine and a speculative engine (pure logic, no HTTP).
+"""The traffic split between a plain engine and a speculative engine (pure logic, no HTTP).
 
 Why two engines: in vLLM 0.26 an engine with an n-gram speculative config runs the V1
 model runner with synchronous scheduling, and at K = 0 it decodes at about 0.3x a plain
@@ -55,6 +55,11 @@ routing?", J. ACM 49(2), 2002). The margin prices that interference in. Default 
 GPU runs so far the share already sat at its floor in every cell, and a margin of 0.3
 changed nothing there (docs/gpu.md). It can be changed live (``PUT /control/config`` with
 ``{"router": {"tpot_margin": m}}``).
+
+Settings: every setting named here (``p_min``, ``p_max``, ``eta``, ``tpot_margin``,
+``p_probe``, ``probe_every_s``, ``probe_s``, ``probe_backoff``, ``probe_every_max_s``) and
+the routing ``mode`` are fields of :class:`engine_host.router.settings.RouterSettings`,
+with their one default, units and bounds there.
 """
 
 from __future__ import annotations
@@ -62,14 +67,10 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
-PLAIN = "plain"
-SPECULATIVE = "speculative"
-ENGINES = (PLAIN, SPECULATIVE)
-ROUTING_MODES = ("auto", PLAIN, SPECULATIVE)
-SPLIT_SETTINGS = ("p_min", "p_max", "eta", "tpot_margin", "p_probe", "probe_every_s", "probe_s",
-                  "probe_backoff", "probe_every_max_s")
+from .settings import DEFAULT_P_START, ENGINES, PLAIN, ROUTING_MODES, SPECULATIVE, RouterSettings
 
 
 @dataclass
@@ -109,116 +110,77 @@ class TpotWindow:
         return self.fresh_at is not None and now - self.fresh_at <= max_age_s
 
 
-@dataclass
 class TrafficSplit:
     """Share ``p`` (0..1) of new requests sent to the speculative engine (module docstring).
 
     Args:
-        p: initial share.
-        p_min, p_max: bounds of the share in ``auto`` (0..1); p_max < 1 keeps the plain
-            engine's TPOT measured. While ``p`` rests at ``p_min`` (and ``p_min < p_max``),
-            only probes reach the speculative engine (module docstring).
-        p_probe: share (0..1) sent to the speculative engine during a probe.
-        probe_every_s, probe_s: a probe of ``probe_s`` seconds starts ``probe_every_s``
-            seconds after the share comes to rest (monotonic clock); 0: no probes, a
-            constant ``p_min``.
-        probe_backoff: factor (1..10) on the interval after each probe that leaves the share
-            at its floor; 1: a probe every ``probe_every_s`` seconds.
-        probe_every_max_s: the interval grows up to ``max(probe_every_max_s, probe_every_s)`` s.
-        eta: step size of the multiplicative update (per poll).
-        tpot_margin: fraction (>= 0) by which the speculative engine's TPOT must beat the
-            plain engine's before it gains traffic (module docstring); 0: the plain Wardrop split.
+        settings: the routing mode and the split's settings
+            (:class:`~engine_host.router.settings.RouterSettings`; default: its defaults).
+        p: initial share (fraction 0..1), clipped into ``[p_min, p_max]``.
         max_age_s: a TPOT older than this (s) does not move ``p``.
         seed: seed of the per-request draw.
+        **changes: settings that replace those of ``settings`` (``p_min=0.05``...).
+
+    The settings read as attributes (``split.p_min``, ``split.mode``...); they change
+    only through :meth:`configure` and :meth:`set_mode`, all at once and validated.
+
+    Raises:
+        ValueError: invalid settings (the message names each one).
     """
 
-    p: float = 0.1
-    p_min: float = 0.03
-    p_max: float = 0.97
-    eta: float = 0.5
-    tpot_margin: float = 0.0
-    p_probe: float = 0.1
-    probe_every_s: float = 20.0
-    probe_s: float = 1.0
-    probe_backoff: float = 2.0
-    probe_every_max_s: float = 300.0
-    max_age_s: float = 5.0
-    seed: int | None = None
-    mode: str = "auto"
-    windows: dict[str, TpotWindow] = field(default_factory=lambda: {e: TpotWindow() for e in ENGINES})
-    routed: dict[str, int] = field(default_factory=lambda: {e: 0 for e in ENGINES})
-    updates: int = 0
-
-    def __post_init__(self) -> None:
-        self.check_settings(self.settings())
-        self.p = min(max(self.p, self.p_min), self.p_max)
-        self._rng = random.Random(self.seed)
-        self._probe_interval_s = self.probe_every_s  # start-to-start, grows by probe_backoff
+    def __init__(self, settings: RouterSettings | None = None, *, p: float = DEFAULT_P_START,
+                 max_age_s: float = 5.0, seed: int | None = None, **changes: Any):
+        base = settings or RouterSettings()
+        self.config = base.patched(changes) if changes else base
+        self.p = min(max(p, self.config.p_min), self.config.p_max)
+        self.max_age_s = max_age_s
+        self.windows: dict[str, TpotWindow] = {e: TpotWindow() for e in ENGINES}
+        self.routed: dict[str, int] = {e: 0 for e in ENGINES}
+        self.updates = 0
+        self._rng = random.Random(seed)
+        self._probe_interval_s = self.config.probe_every_s  # start-to-start, grows by probe_backoff
         self._next_probe_at: float | None = None  # monotonic s; None: not scheduled (not resting)
 
+    def __getattr__(self, name: str) -> Any:
+        # split.p_min reads split.config.p_min (only called for names not found otherwise)
+        if name in RouterSettings.model_fields and "config" in self.__dict__:
+            return getattr(self.__dict__["config"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def settings(self) -> dict[str, float]:
-        """The live-changeable settings: ``p_min``, ``p_max``, ``p_probe`` (fractions 0..1),
+        """The numeric settings in force: ``p_min``, ``p_max``, ``p_probe`` (fractions 0..1),
         ``eta``, ``tpot_margin`` (fraction >= 0), ``probe_every_s``, ``probe_s``,
         ``probe_every_max_s`` (s), ``probe_backoff`` (factor >= 1)."""
-        return {k: float(getattr(self, k)) for k in SPLIT_SETTINGS}
+        return self.config.split_settings()
 
-    def check_settings(self, patch: dict) -> dict[str, float]:
-        """The settings that ``patch`` (a subset of :data:`SPLIT_SETTINGS`) would leave in
-        force, validated; nothing is changed.
+    def check_settings(self, patch: Any) -> RouterSettings:
+        """The settings that ``patch`` (any subset of :class:`RouterSettings`' fields)
+        would leave in force, validated; nothing is changed.
 
         Raises:
-            ValueError: an unknown key, a value that is not a number, ``p_min``/``p_max``
-                outside ``0 <= p_min <= p_max <= 1``, ``eta`` outside (0, 5], or
-                ``tpot_margin`` outside [0, 10], ``p_probe`` outside [0, 1], a negative
-                ``probe_every_s`` or ``probe_every_max_s``, ``probe_s`` outside
-                (0, probe_every_s], or ``probe_backoff`` outside [1, 10].
+            ValueError: ``patch`` is not an object, names an unknown setting, or leaves
+                an invalid one (bounds in :class:`RouterSettings`); the message names each.
         """
-        if not isinstance(patch, dict):
-            raise ValueError("router settings must be a JSON object")
-        unknown = sorted(set(patch) - set(SPLIT_SETTINGS))
-        if unknown:
-            raise ValueError(f"unknown router setting(s) {', '.join(unknown)}; known: {', '.join(SPLIT_SETTINGS)}")
-        new = {k: float(getattr(self, k)) for k in SPLIT_SETTINGS}
-        for k, v in patch.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-                raise ValueError(f"router setting {k} must be a number, got {v!r}")
-            new[k] = float(v)
-        if not 0.0 <= new["p_min"] <= new["p_max"] <= 1.0:
-            raise ValueError(f"need 0 <= p_min <= p_max <= 1, got {new['p_min']}, {new['p_max']}")
-        if not 0.0 < new["eta"] <= 5.0:
-            raise ValueError(f"eta must be in (0, 5], got {new['eta']}")
-        if not 0.0 <= new["tpot_margin"] <= 10.0:
-            raise ValueError(f"tpot_margin must be in [0, 10], got {new['tpot_margin']}")
-        if not 0.0 <= new["p_probe"] <= 1.0:
-            raise ValueError(f"p_probe must be in [0, 1], got {new['p_probe']}")
-        if new["probe_every_s"] < 0.0:
-            raise ValueError(f"probe_every_s must be >= 0 (0: no probes), got {new['probe_every_s']}")
-        if new["probe_every_s"] > 0.0 and not 0.0 < new["probe_s"] <= new["probe_every_s"]:
-            raise ValueError(f"probe_s must be in (0, probe_every_s], got {new['probe_s']}")
-        if not 1.0 <= new["probe_backoff"] <= 10.0:
-            raise ValueError(f"probe_backoff must be in [1, 10], got {new['probe_backoff']}")
-        if new["probe_every_max_s"] < 0.0:
-            raise ValueError(f"probe_every_max_s must be >= 0, got {new['probe_every_max_s']}")
-        return new
+        return self.config.patched(patch)
 
-    def configure(self, patch: dict) -> dict[str, float]:
-        """Apply a settings patch (see :meth:`check_settings`) all at once, clip ``p`` into
-        the new bounds, and return the settings now in force. A change of the probes'
-        schedule (``probe_every_s``, ``probe_backoff``, ``probe_every_max_s``) starts it
-        afresh; other settings, or the same values again, leave it running.
+    def configure(self, patch: Any) -> dict[str, float]:
+        """Apply a settings patch (see :meth:`check_settings`; ``mode`` included) all at
+        once, clip ``p`` into the new bounds, and return the numeric settings now in
+        force. A change of the probes' schedule (``probe_every_s``, ``probe_backoff``,
+        ``probe_every_max_s``) starts it afresh; other settings, or the same values
+        again, leave it running.
 
         Raises:
             ValueError: as :meth:`check_settings`; nothing changes then.
         """
         new = self.check_settings(patch)
         schedule = ("probe_every_s", "probe_backoff", "probe_every_max_s")
-        changed = any(new[k] != float(getattr(self, k)) for k in schedule)
-        for k, v in new.items():
-            setattr(self, k, v)
-        self.p = min(max(self.p, self.p_min), self.p_max)
+        changed = any(getattr(new, k) != getattr(self.config, k) for k in schedule)
+        self.config = new
+        self.p = min(max(self.p, new.p_min), new.p_max)
         if changed:
             self._reset_probes()
-        return new
+        return new.split_settings()
 
     def set_mode(self, mode: str) -> None:
         """``auto`` (follow TPOT), ``plain`` or ``speculative`` (all requests to one engine).
@@ -228,7 +190,7 @@ class TrafficSplit:
         """
         if mode not in ROUTING_MODES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {mode!r}")
-        self.mode = mode
+        self.config = self.config.model_copy(update={"mode": mode})
 
     def observe(self, engine: str, sum_s: float, count: float, now: float) -> None:
         """Fold in one poll of ``engine``'s TPOT histogram (cumulative sum in s, count)."""
@@ -236,10 +198,11 @@ class TrafficSplit:
 
     def update(self, now: float) -> float:
         """Move ``p`` towards the engine with the lower TPOT; returns the new ``p``."""
+        c = self.config
         ws, wp = self.windows[SPECULATIVE], self.windows[PLAIN]
         if (ws.tpot_s and wp.tpot_s and ws.is_fresh(now, self.max_age_s) and wp.is_fresh(now, self.max_age_s)):
-            ratio = wp.tpot_s / (ws.tpot_s * (1.0 + self.tpot_margin))
-            self.p = min(max(self.p * math.exp(self.eta * math.log(ratio)), self.p_min), self.p_max)
+            ratio = wp.tpot_s / (ws.tpot_s * (1.0 + c.tpot_margin))
+            self.p = min(max(self.p * math.exp(c.eta * math.log(ratio)), c.p_min), c.p_max)
             self.updates += 1
         if self.resting():
             self._probe_on(now)  # keeps the schedule (and its backoff) current between requests
@@ -248,25 +211,27 @@ class TrafficSplit:
         return self.p
 
     def _reset_probes(self) -> None:
-        self._probe_interval_s = self.probe_every_s
+        self._probe_interval_s = self.config.probe_every_s
         self._next_probe_at = None
 
     def _probe_on(self, now: float) -> bool:
         """Whether a probe is on at ``now`` (monotonic s) while resting; advances the
         schedule past probes that have ended, each one backing the interval off."""
+        c = self.config
         if self._next_probe_at is None:
-            self._probe_interval_s = self.probe_every_s
+            self._probe_interval_s = c.probe_every_s
             self._next_probe_at = now + self._probe_interval_s
-        cap = max(self.probe_every_max_s, self.probe_every_s)
-        while now >= self._next_probe_at + self.probe_s:
-            self._probe_interval_s = min(self._probe_interval_s * self.probe_backoff, cap)
+        cap = max(c.probe_every_max_s, c.probe_every_s)
+        while now >= self._next_probe_at + c.probe_s:
+            self._probe_interval_s = min(self._probe_interval_s * c.probe_backoff, cap)
             self._next_probe_at += self._probe_interval_s
         return now >= self._next_probe_at
 
     def resting(self) -> bool:
         """True while ``p`` rests at its floor ``p_min`` (below ``p_max``): only probes then
         reach the speculative engine."""
-        return self.p_min < self.p_max and self.p <= self.p_min and self.probe_every_s > 0
+        c = self.config
+        return c.p_min < c.p_max and self.p <= c.p_min and c.probe_every_s > 0
 
     def share_now(self, now: float | None = None) -> float:
         """Share (0..1) of a request arriving at ``now`` (monotonic s) that goes to the
@@ -275,7 +240,7 @@ class TrafficSplit:
         if not self.resting():
             return self.p
         now = time.monotonic() if now is None else now
-        return self.p_probe if self._probe_on(now) else 0.0
+        return self.config.p_probe if self._probe_on(now) else 0.0
 
     def probe_schedule(self, now: float | None = None) -> dict[str, float] | None:
         """While resting: ``{"every_s": interval now (s), "next_in_s": s to the next probe's
@@ -291,19 +256,21 @@ class TrafficSplit:
     def choose(self, now: float | None = None) -> str:
         """The engine for the next request arriving at ``now`` (monotonic s; default: the
         clock's); counts it."""
-        if self.mode == "auto":
+        mode = self.config.mode
+        if mode == "auto":
             engine = SPECULATIVE if self._rng.random() < self.share_now(now) else PLAIN
         else:
-            engine = self.mode
+            engine = mode
         self.routed[engine] += 1
         return engine
 
     def describe(self) -> dict:
         """JSON-able state: mode, share, settings, TPOT per engine (ms), requests routed."""
+        c = self.config
         return {
-            "mode": self.mode,
+            "mode": c.mode,
             "p_speculative": round(self.p, 4),
-            "p_bounds": [self.p_min, self.p_max],
+            "p_bounds": [c.p_min, c.p_max],
             "resting": self.resting(),
             "probes": self.probe_schedule(),
             "settings": self.settings(),
