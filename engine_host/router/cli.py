@@ -92,14 +92,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def cpu_child_env(environ: dict[str, str] | None = None, ncpu: int | None = None) -> dict[str, str]:
     """Environment for the two engine hosts on vLLM's CPU build ({} on the GPU build).
 
-    vLLM's "auto" binding pins each engine's OpenMP threads to the same cores: a second
-    engine pinned beside a busy first one got about 1 % of a core and never finished loading
-    (2-core machine). Unpinned, each engine starts an OpenMP thread per core, and the Intel
-    OpenMP runtime by default spins 200 ms after every parallel region, so two engines (and
-    any other on the machine) slowed each other down several times over (a test case: 479 s
-    beside another engine, 54 s alone). Each engine therefore gets half the
-    cores (at least one), unpinned, with vLLM's own short spin (``KMP_BLOCKTIME=5`` ms).
-    Settings already in the environment win.
+    vLLM's "auto" binding pins each engine's OpenMP threads to the same cores, where a
+    second engine beside a busy first one may never finish loading; unpinned, each engine
+    starts an OpenMP thread per core, and the Intel OpenMP runtime by default spins 200 ms
+    after every parallel region, so two engines slow each other down several times over
+    (docs/router.md has the figures). Each engine therefore gets half the cores (at least
+    one), unpinned, with vLLM's own short spin (``KMP_BLOCKTIME=5`` ms). Settings already in
+    the environment win.
 
     Args:
         environ: the environment to respect (default ``os.environ``).

@@ -16,8 +16,8 @@ The router app also answers ``/health``, ``/ready``, ``/metrics`` (both engines,
 section) on the public port. It reaches the plain engine's own routes through this same
 port with the header :data:`INTERNAL_HEADER`, which sends a request past the front.
 
-Measured on an offline H100 (docs/gpu.md): the separate relay process cost 0.72x at 64
-streaming clients with one worker and 0.90-0.92x with four; this front is what removes it.
+It exists because the separate relay process cost the plain path a large share of its
+throughput under load (docs/gpu.md, "the dual engine host"); this front removes that hop.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The traffic split between a plain engine and a speculative engine (pure logic, no HTTP).
 
 Why two engines: in vLLM 0.26 an engine with an n-gram speculative config runs the V1
-model runner with synchronous scheduling, and at K = 0 it decodes at about 0.3x a plain
-engine on a GPU (docs/gpu.md). No K chosen *inside* that engine can recover plain
+model runner with synchronous scheduling, and at K = 0 it decodes far slower than a plain
+engine on a GPU (figures in docs/gpu.md). No K chosen *inside* that engine can recover plain
 decoding's speed, so "speculation steps aside" has to mean: the request goes to an engine
 that has no speculative config at all.
 
@@ -22,39 +22,35 @@ predictable traffic the speculative engine's adaptive K makes its TPOT the lower
 Resting and probes: while ``p`` rests at ``p_min`` the speculative engine gets *no*
 requests, except during a probe of ``probe_s`` seconds every ``probe_every_s`` seconds,
 when it gets the share ``p_probe``. A constant trickle would keep it stepping most of the
-time (at 64 clients a 1 % share kept about one request in flight there), and its steps
-take GPU time slices and host cores from the plain engine: on an offline H100, chat at
-64 clients, the dual host in ``auto`` with a 1 % floor ran at 0.946-0.966x of the same
-split at 0 in three paired rounds (docs/gpu.md). Probes bunch the same few requests into
-one short burst, so the engine is busy a small part of the time and its TPOT is still
-measured (a probe's requests refresh it, and ``p`` moves again if it has become the
-faster engine). ``probe_every_s = 0`` restores the constant trickle at ``p_min``.
+time under load, and its steps take GPU time slices and host cores from the plain engine
+(docs/gpu.md, "what the speculative engine's floor costs"). Probes bunch the same few
+requests into one short burst, so the engine is busy a small part of the time and its TPOT
+is still measured (a probe's requests refresh it, and ``p`` moves again if it has become
+the faster engine). ``probe_every_s = 0`` restores the constant trickle at ``p_min``.
 
 Backoff: each probe that leaves the share at its floor multiplies the time to the next one
-by ``probe_backoff`` (default 2), up to ``probe_every_max_s`` (default 300 s): 20, 40, 80,
-160, 300, 300 s... The first probe comes ``probe_every_s`` after the share reaches its
-floor, and the interval starts again from ``probe_every_s`` once the share leaves it (or
-the schedule's settings change). Even bunched, a probe costs more than its share: on an offline H100,
-chat at 64 clients, the dual host in ``auto`` with a probe every 20 s ran at 0.80-0.97x of
-``plain`` in 4 paired rounds of 18 s (median 0.85, docs/gpu.md), because a probe's
-requests decode at the speculative engine's slower TPOT for seconds after the probe's
-second, while both processes share the GPU. The backoff is the usual answer to a
-measurement that costs every time it comes back negative (binary exponential backoff, as
-in Ethernet: Metcalfe & Boggs, "Ethernet: distributed packet switching for local computer
-networks", CACM 19(7), 1976): a speculative engine that keeps losing is asked ever less
-often, down to a probe in 300 s, while a change of traffic is still seen within minutes.
+by ``probe_backoff``, up to ``probe_every_max_s`` (with the defaults: 20, 40, 80, 160,
+300, 300 s...). The first probe comes ``probe_every_s`` after the share reaches its floor,
+and the interval starts again from ``probe_every_s`` once the share leaves it (or the
+schedule's settings change). Even bunched, a probe costs more than its share
+(docs/gpu.md), because a probe's requests decode at the speculative engine's slower TPOT
+for seconds after the probe's second, while both processes share the GPU. The backoff is
+the usual answer to a measurement that costs every time it comes back negative (binary
+exponential backoff, as in Ethernet: Metcalfe & Boggs, "Ethernet: distributed packet
+switching for local computer networks", CACM 19(7), 1976): a speculative engine that keeps
+losing is asked ever less often, down to one probe per ``probe_every_max_s``, while a
+change of traffic is still seen within minutes.
 
-The margin: with ``tpot_margin`` m > 0 the update uses ``TPOT_plain / (TPOT_spec (1 + m))``,
-so the speculative engine gains traffic only while it is more than m faster per token, and
-the split settles where it is exactly that much faster. Both engines share one GPU and
-the host's cores: every request the speculative engine serves also slows the plain
+The margin: with ``tpot_margin`` m > 0 the update uses ``TPOT_plain / (TPOT_spec (1 +
+m))``, so the speculative engine gains traffic only while it is more than m faster per
+token, and the split settles where it is exactly that much faster. Both engines share one
+GPU and the host's cores: every request the speculative engine serves also slows the plain
 engine's steps, a cost that neither engine's own TPOT shows to the requests choosing it.
 Equalizing TPOT is the *selfish* equilibrium, and with such shared costs it can be worse
 for the whole than sending everything one way (Roughgarden & Tardos, "How bad is selfish
-routing?", J. ACM 49(2), 2002). The margin prices that interference in. Default 0: in the
-GPU runs so far the share already sat at its floor in every cell, and a margin of 0.3
-changed nothing there (docs/gpu.md). It can be changed live (``PUT /control/config`` with
-``{"router": {"tpot_margin": m}}``).
+routing?", J. ACM 49(2), 2002). The margin prices that interference in; by default it is
+0, the plain Wardrop split (docs/gpu.md says why). It can be changed live (``PUT
+/control/config`` with ``{"router": {"tpot_margin": m}}``).
 
 Settings: every setting named here (``p_min``, ``p_max``, ``eta``, ``tpot_margin``,
 ``p_probe``, ``probe_every_s``, ``probe_s``, ``probe_backoff``, ``probe_every_max_s``) and
