@@ -172,7 +172,7 @@ class LiveConfig(_Strict):
                                           "engine of a dual engine host; None on a host that serves one engine")
 
     @model_serializer(mode="wrap")
-    def _leave_out_absent_router(self, handler: Any) -> Any:
+    def _leave_out_absent_router(self, handler: Any):  # no return type: the schema stays the model's
         # a one-engine host's config dumps exactly as before the router section existed
         data = handler(self)
         if self.router is None and isinstance(data, dict):

@@ -74,6 +74,7 @@ def test_cli_options_are_validated_by_the_same_model(capsys):
 def test_live_config_carries_the_router_section_on_a_dual_host_only():
     # a one-engine host's config dumps as before the section existed
     assert "router" not in LiveConfig().model_dump(mode="json")
+    assert "router" in LiveConfig.model_json_schema(mode="serialization")["properties"]  # OpenAPI keeps it
     cfg = LiveConfig(router=RouterSettings(p_min=0.02))
     assert LiveConfig.model_validate(cfg.model_dump(mode="json")) == cfg
     with pytest.raises(ConfigError) as exc:
