@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
@@ -46,6 +47,9 @@ HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"
 def router_state(request: Request) -> RouterState:
     """FastAPI dependency: the :class:`RouterState` of the app serving ``request``."""
     return request.app.state.router
+
+
+State = Annotated[RouterState, Depends(router_state)]
 
 
 async def get_from(state: RouterState, engine: str, path: str, auth: bool = False, **params: Any) -> httpx.Response:
@@ -109,19 +113,19 @@ async def relay(state: RouterState, request: Request, path: str) -> Any:
 
 
 @openai_router.post("/v1/completions")
-async def completions(request: Request, state: RouterState = Depends(router_state)) -> Any:
+async def completions(request: Request, state: State) -> Any:
     """OpenAI completions, relayed to the engine the split chooses."""
     return await relay(state, request, "/v1/completions")
 
 
 @openai_router.post("/v1/chat/completions")
-async def chat_completions(request: Request, state: RouterState = Depends(router_state)) -> Any:
+async def chat_completions(request: Request, state: State) -> Any:
     """OpenAI chat completions, relayed to the engine the split chooses."""
     return await relay(state, request, "/v1/chat/completions")
 
 
 @openai_router.get("/v1/models")
-async def models(state: RouterState = Depends(router_state)) -> Any:
+async def models(state: State) -> Any:
     """The plain engine's model list (both engines serve the same model)."""
     try:
         r = await get_from(state, PLAIN, "/v1/models")
@@ -146,7 +150,7 @@ async def _status_of_both(state: RouterState, path: str) -> dict[str, int | str]
 
 
 @health_router.get("/health")
-async def health(state: RouterState = Depends(router_state)) -> Any:
+async def health(state: State) -> Any:
     """200 while both engines answer their ``/health``, 503 (naming the down one) otherwise."""
     st = await _status_of_both(state, "/health")
     ok = all(v == 200 for v in st.values())
@@ -154,7 +158,7 @@ async def health(state: RouterState = Depends(router_state)) -> Any:
 
 
 @health_router.get("/ready")
-async def ready(state: RouterState = Depends(router_state)) -> Any:
+async def ready(state: State) -> Any:
     """200 once both engines are ready, 503 before."""
     st = await _status_of_both(state, "/ready")
     ok = all(v == 200 for v in st.values())
@@ -162,7 +166,7 @@ async def ready(state: RouterState = Depends(router_state)) -> Any:
 
 
 @health_router.get("/metrics")
-async def metrics(state: RouterState = Depends(router_state)) -> Any:
+async def metrics(state: State) -> Any:
     """Both engines' series with an ``engine`` label, plus ``specpilot:router_*``."""
     texts = {}
     for e in ENGINES:
@@ -202,7 +206,7 @@ def _with_router_settings(state: RouterState, body: dict[str, Any]) -> dict[str,
 
 
 @control_router.get("/state")
-async def control_state(state: RouterState = Depends(router_state)) -> Any:
+async def control_state(state: State) -> Any:
     """The speculative engine's state, its config with the router section, and a
     ``router`` section (:func:`router_section`, with the plain engine's batch and identity)."""
     try:
@@ -231,7 +235,7 @@ async def control_state(state: RouterState = Depends(router_state)) -> Any:
 
 
 @control_router.get("/samples")
-async def control_samples(since: float = 0.0, state: RouterState = Depends(router_state)) -> Any:
+async def control_samples(state: State, since: float = 0.0) -> Any:
     """The speculative engine's per-second samples after ``since`` (unix s)."""
     try:
         r = await get_from(state, SPECULATIVE, "/control/samples", auth=True, since=since)
@@ -245,7 +249,7 @@ def _refused(message: str) -> JSONResponse:
 
 
 @control_router.put("/config")
-async def control_config(request: Request, state: RouterState = Depends(router_state)) -> Any:
+async def control_config(request: Request, state: State) -> Any:
     """Apply a config patch (module docstring): 422 with the reason when the router section
     or the routing is invalid, the engine's own answer when it refuses; nothing changes then."""
     try:

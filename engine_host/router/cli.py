@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -106,12 +107,12 @@ def cpu_child_env(environ: dict[str, str] | None = None, ncpu: int | None = None
     """
     from ..launcher import is_cpu_build
 
-    environ = os.environ if environ is None else environ
-    if not is_cpu_build() or "VLLM_CPU_OMP_THREADS_BIND" in environ:
+    have: Mapping[str, str] = os.environ if environ is None else environ
+    if not is_cpu_build() or "VLLM_CPU_OMP_THREADS_BIND" in have:
         return {}
     threads = max(1, (ncpu or os.cpu_count() or 2) // 2)
     wanted = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads), "KMP_BLOCKTIME": "5"}
-    return {k: v for k, v in wanted.items() if k not in environ}
+    return {k: v for k, v in wanted.items() if k not in have}
 
 
 def main(argv: list[str] | None = None) -> int:

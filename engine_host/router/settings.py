@@ -27,7 +27,7 @@ SPLIT_SETTINGS = ("p_min", "p_max", "eta", "tpot_margin", "p_probe", "probe_ever
 DEFAULT_P_START = 0.1
 
 
-def _number(default: float, description: str, **bounds: float) -> Any:
+def _number(default: float, description: str, **bounds: Any) -> Any:
     # strict: true and "0.5" are refused, not read as 1.0 and 0.5; NaN and infinity too
     return Field(default, description=description, strict=True, allow_inf_nan=False, **bounds)
 
@@ -68,7 +68,7 @@ class RouterSettings(BaseModel):
                                        ge=0.0)
 
     @model_validator(mode="after")
-    def _check_together(self) -> "RouterSettings":
+    def _check_together(self) -> RouterSettings:
         if self.p_min > self.p_max:
             raise ValueError(f"need 0 <= p_min <= p_max <= 1, got p_min={self.p_min}, p_max={self.p_max}")
         if self.probe_every_s > 0.0 and self.probe_s > self.probe_every_s:
@@ -80,7 +80,7 @@ class RouterSettings(BaseModel):
         """The numeric settings (:data:`SPLIT_SETTINGS`) as ``{name: float}``."""
         return {k: float(getattr(self, k)) for k in SPLIT_SETTINGS}
 
-    def patched(self, patch: Any) -> "RouterSettings":
+    def patched(self, patch: Any) -> RouterSettings:
         """These settings with ``patch`` (any subset of the fields, a JSON object) applied.
 
         Raises:

@@ -16,9 +16,10 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -68,7 +69,7 @@ class RouterState:
     poll_errors: int = 0
     mode_file: Path | None = None
     _mode_mtime: float = 0.0
-    _poll_task: "asyncio.Task[None] | None" = None
+    _poll_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Open the HTTP client and start :func:`poll_loop` (in the running event loop)."""
