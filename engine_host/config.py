@@ -4,7 +4,7 @@ One set of pydantic models, used by the engine host's HTTP API, the engine-core
 scheduler hook, the control plane's store and the dashboard's forms, so that a field
 is defined (and validated) once.
 
-A config has two sections:
+A config has these sections:
 
 * ``speculation``: the speculation policy and its parameters (draft length K in
   tokens, bounds, tables);
