@@ -164,7 +164,7 @@ def parse_mode(item: str) -> tuple[str, dict[str, float]]:
     Raises:
         ValueError: an unknown mode, key or a value that is not a number.
     """
-    from engine_host.routing import ROUTING_MODES, SPLIT_SETTINGS
+    from engine_host.router.settings import ROUTING_MODES, SPLIT_SETTINGS
 
     mode, *pairs = item.split(":")
     if mode not in ROUTING_MODES:

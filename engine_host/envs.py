@@ -22,6 +22,7 @@ CHANNEL = "SPECPILOT_CHANNEL"
 WARMUP = "SPECPILOT_WARMUP"
 SPECULATION = "SPECPILOT_SPECULATION"
 ROUTER_CONFIG = "SPECPILOT_ROUTER_CONFIG"
+ENDPOINT_EXTENSIONS = "SPECPILOT_ENDPOINT_EXTENSIONS"
 NGRAM_TRACE = "SPECPILOT_NGRAM_TRACE"
 DB_URL = "SPECPILOT_DB_URL"
 DB_URL_DEPRECATED = "SPECPILOT_DB"
@@ -41,6 +42,7 @@ VARIABLES: dict[str, str] = {
     WARMUP: "start-up warm-up of the engine host: full, quick or off (set by the launcher; default full)",
     SPECULATION: "JSON of the speculation method and draft in use (set by the launcher for vLLM's processes)",
     ROUTER_CONFIG: "JSON config of the dual engine host's router (set by python -m engine_host.router)",
+    ENDPOINT_EXTENSIONS: "module:factory items (comma-separated) the endpoint plugin also attaches (set by the router for the plain engine)",
     NGRAM_TRACE: "file where each process writes the n-gram proposer's call counters (tests, profiling)",
     DB_URL: "store URL (SQLAlchemy), default sqlite:///$SPECPILOT_HOME/specpilot.db",
     DB_URL_DEPRECATED: f"deprecated alias of {DB_URL} (read with a warning when {DB_URL} is unset)",
@@ -86,6 +88,11 @@ def speculation(environ: Mapping[str, str] | None = None) -> str | None:
 def router_config(environ: Mapping[str, str] | None = None) -> str | None:
     """``$SPECPILOT_ROUTER_CONFIG`` (JSON text), None when unset or empty."""
     return _env(environ).get(ROUTER_CONFIG) or None
+
+
+def endpoint_extensions(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_ENDPOINT_EXTENSIONS`` (comma-separated ``module:factory``), None when unset or empty."""
+    return _env(environ).get(ENDPOINT_EXTENSIONS) or None
 
 
 def ngram_trace(environ: Mapping[str, str] | None = None) -> str | None:

@@ -14,11 +14,17 @@ the launcher through ``VLLM_PLUGINS``. Adds:
   series on the same ``GET /metrics``.
 
 ``/control/*`` needs ``Authorization: Bearer <token>`` (``$SPECPILOT_CONTROL_TOKEN``).
+
+Further endpoint plugins named in ``$SPECPILOT_ENDPOINT_EXTENSIONS`` (``module:factory``,
+comma-separated; same contract) are loaded and called with it: the dual engine host puts
+its in-engine front there (``engine_host.router.front:RouterEndpoints``), so that this
+module knows nothing of the router.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -42,6 +48,7 @@ from .warmup import RUNS, start_background_tasks
 logger = logging.getLogger("specpilot.plugin")
 
 ENV_WARMUP = envs.WARMUP
+ENV_EXTENSIONS = envs.ENDPOINT_EXTENSIONS
 ACK_TIMEOUT_S = 5.0
 
 
@@ -396,6 +403,26 @@ def _register_collector() -> None:
         _collector_registered = True
 
 
+EXTENSIONS: list[Any] = []  # the endpoint extensions loaded in this process
+
+
+def load_extensions(spec: str | None = None) -> list[Any]:
+    """Instantiate the endpoint extensions named in ``spec`` (default
+    ``$SPECPILOT_ENDPOINT_EXTENSIONS``): ``module:factory`` items, comma-separated, each
+    factory returning an object with vLLM's endpoint-plugin methods ``attach_router(app)``
+    and ``async init_state(engine_client, state, args)``.
+
+    Raises:
+        ImportError, AttributeError: an item names no importable factory.
+    """
+    spec = (envs.endpoint_extensions() or "") if spec is None else spec
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        module, _, attr = item.partition(":")
+        out.append(getattr(importlib.import_module(module), attr)())
+    return out
+
+
 class SpecPilotEndpoints:
     """The endpoint plugin object (``vllm.plugins.endpoint_plugins.interface.EndpointPlugin``)."""
 
@@ -403,17 +430,13 @@ class SpecPilotEndpoints:
     required_tasks = None
 
     def attach_router(self, app: FastAPI) -> None:
-        """Add ``/control/*`` and ``/ready`` to vLLM's app, and the in-engine front of the
-        dual engine host when ``$SPECPILOT_ROUTER_CONFIG`` asks for it (:mod:`engine_host.front`)."""
+        """Add ``/control/*`` and ``/ready`` to vLLM's app, then let the extensions
+        (:func:`load_extensions`) attach theirs."""
         app.include_router(control_router)
         app.include_router(health_router)
-        from .router import router_config_from_env
-
-        cfg = router_config_from_env()
-        if cfg and cfg.get("front") == "engine":
-            from .front import install_front
-
-            install_front(app, cfg)
+        EXTENSIONS[:] = load_extensions()
+        for ext in EXTENSIONS:
+            ext.attach_router(app)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         """Open the channel, register metrics, schedule the start-up warm-up."""
@@ -426,10 +449,8 @@ class SpecPilotEndpoints:
             logger.error("SpecPilot control channel unavailable: %s", exc)
         SAMPLES.k_source = HOST.core_state
         _register_collector()
-        from . import front
-
-        if front.FRONT_STATE is not None:
-            await front.FRONT_STATE.start()
+        for ext in EXTENSIONS:
+            await ext.init_state(engine_client, state, args)
         HOST.phase = "warming_up"
         k_max = int(((HOST.core_state() or {}).get("limits") or {}).get("k_max") or 0)
         start_background_tasks(HOST, args, k_max, envs.warmup())

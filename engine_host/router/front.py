@@ -1,30 +1,36 @@
 """The in-engine front of the dual engine host: routing inside the plain engine's server.
 
 With ``python -m engine_host.router`` (``--front engine``, the default) the *plain*
-engine host listens on the public port and this ASGI middleware, installed by the
-endpoint plugin inside vLLM's own API server, routes each OpenAI request:
+engine host listens on the public port and this ASGI middleware, installed inside vLLM's
+own API server (:class:`RouterEndpoints`, which the engine host's endpoint plugin loads
+because the router names it in ``$SPECPILOT_ENDPOINT_EXTENSIONS``), routes each OpenAI
+request:
 
 * to the plain engine: the request goes straight on to vLLM's app in the same process,
   no second HTTP hop, no copy of the streamed tokens (under load nearly every request);
 * to the speculative engine: it is relayed over HTTP by the router app
-  (:func:`engine_host.router.create_app`), as the separate router process does.
+  (:func:`engine_host.router.app.create_app`), as the separate router process does.
 
 The router app also answers ``/health``, ``/ready``, ``/metrics`` (both engines, with an
 ``engine`` label) and ``/control/*`` (the speculative engine's state plus the ``router``
 section) on the public port. It reaches the plain engine's own routes through this same
 port with the header :data:`INTERNAL_HEADER`, which sends a request past the front.
 
-On a GPU the separate relay process cost throughput at high client counts (figures in
-docs/gpu.md, "Router cost"); this front is what removes it.
+It exists because the separate relay process cost the plain path a large share of its
+throughput under load (docs/gpu.md, "the dual engine host"); this front removes that hop.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from . import envs
-from .routing import PLAIN, SPECULATIVE
+from .. import envs
+from .app import SCOPE_ENGINE, create_app
+from .metrics import local_tpot_totals
+from .settings import PLAIN, SPECULATIVE
+from .state import RouterState, router_config_from_env, state_from_config
 
 logger = logging.getLogger("specpilot.front")
 
@@ -48,14 +54,12 @@ class RouterFront:
 
     Args:
         app: vLLM's ASGI app (the next one in the middleware stack).
-        state: the :class:`engine_host.router.RouterState` (split, backends, HTTP client);
-            its :meth:`~engine_host.router.RouterState.start` must run in the server's event
-            loop before requests arrive (the endpoint plugin's ``init_state`` does it).
+        state: the :class:`~engine_host.router.state.RouterState` (split, backends, HTTP
+            client); its :meth:`~engine_host.router.state.RouterState.start` must run in the
+            server's event loop before requests arrive (:meth:`RouterEndpoints.init_state`).
     """
 
-    def __init__(self, app: ASGIApp, state: Any):
-        from .router import create_app
-
+    def __init__(self, app: ASGIApp, state: RouterState):
         self.app = app
         self.state = state
         self.router_app = create_app(state)
@@ -73,8 +77,6 @@ class RouterFront:
             await self.app(scope, receive, send)
 
     async def _route(self, scope: Scope, receive: Callable, send: Callable) -> None:
-        from .router import SCOPE_ENGINE
-
         state = self.state
         state.follow_mode()  # one stat(): a mode published by another API-server process
         engine = state.split.choose()
@@ -95,21 +97,19 @@ class RouterFront:
             backend.inflight -= 1
 
 
-FRONT_STATE: Any = None  # the RouterState of this process's front, once installed
+FRONT_STATE: RouterState | None = None  # the state of this process's front, once installed
 
 
-def install_front(app: Any, cfg: dict[str, Any]) -> Any:
-    """Put :class:`RouterFront` in front of vLLM's routes (endpoint plugin, ``attach_router``).
+def install_front(app: Any, cfg: dict[str, Any]) -> RouterState:
+    """Put :class:`RouterFront` in front of vLLM's routes.
 
     Args:
         app: vLLM's FastAPI app, before it starts (middleware cannot be added later).
         cfg: the router config (``$SPECPILOT_ROUTER_CONFIG``): its ``plain`` backend is
             this server itself (reached with :data:`INTERNAL_HEADER`, TPOT read in process).
     Returns:
-        The front's :class:`engine_host.router.RouterState`.
+        The front's :class:`~engine_host.router.state.RouterState`.
     """
-    from .router import local_tpot_totals, state_from_config
-
     global FRONT_STATE
     state = state_from_config(cfg, envs.control_token() or "")
     plain = state.backends[PLAIN]
@@ -119,3 +119,24 @@ def install_front(app: Any, cfg: dict[str, Any]) -> Any:
     FRONT_STATE = state
     logger.info("SpecPilot in-engine front: plain here, speculative engine at %s", state.backends[SPECULATIVE].url)
     return state
+
+
+class RouterEndpoints:
+    """The in-engine front as an extension of the engine host's endpoint plugin (same
+    contract as ``vllm.plugins.endpoint_plugins.interface.EndpointPlugin``): the plain
+    engine host of ``python -m engine_host.router`` loads it through
+    ``$SPECPILOT_ENDPOINT_EXTENSIONS`` (see ``engine_host.plugin``)."""
+
+    name = "specpilot_router_front"
+    required_tasks = None
+
+    def attach_router(self, app: Any) -> None:
+        """Install the front when ``$SPECPILOT_ROUTER_CONFIG`` asks for it (``"front": "engine"``)."""
+        cfg = router_config_from_env()
+        if cfg and cfg.get("front") == "engine":
+            install_front(app, cfg)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        """Start the front's polls and HTTP client in the server's event loop."""
+        if FRONT_STATE is not None:
+            await FRONT_STATE.start()
