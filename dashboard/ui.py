@@ -2,7 +2,8 @@
 alert banner, Plotly figure conventions (units on every axis, one colour per meaning,
 config changes as markers), and cached reads.
 
-Nothing here decides or queries anything by itself: data comes from ``control.views``.
+Nothing here decides or queries anything by itself: data comes from the view modules
+(``control.views.*``), given the store opened once per process (:func:`store`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from control import views
 from control.auth import User
+from control.store import Store
+from control.views import alerts as alert_views
+from control.views import common
 
 # One colour per meaning, colour-blind safe (Okabe-Ito), same on every page.
 COLORS = {
@@ -51,10 +54,26 @@ def require_user() -> User:
     return user
 
 
+@st.cache_resource(show_spinner=False)
+def _store(url: str | None) -> Store:
+    return common.open_store(url)
+
+
+def store() -> Store:
+    """The control plane's store, opened (and migrated) once per process and held in
+    ``st.cache_resource``: ``--db`` / ``$SPECPILOT_DB``, else the SQLite file in
+    ``$SPECPILOT_HOME``. Every view gets it as its first argument."""
+    return _store(common.db_url())
+
+
 @st.cache_data(ttl=10, show_spinner=False)
-def cached_hosts() -> list[views.HostInfo]:
+def _cached_hosts(url: str | None) -> list[common.HostInfo]:
+    return common.list_hosts(store())
+
+
+def cached_hosts() -> list[common.HostInfo]:
     """Registered hosts (refreshed every 10 s)."""
-    return views.list_hosts()
+    return _cached_hosts(common.db_url())
 
 
 def host_picker(label: str = "Host", key: str = "host", allow_all: bool = False) -> str | None:
@@ -80,7 +99,7 @@ def alert_banner() -> None:
     try:
         summary = _cached_alert_summary()
     except Exception as exc:  # a broken store must not break every page
-        st.warning(f"Alerts unavailable: {views.describe_error(exc)}")
+        st.warning(f"Alerts unavailable: {common.describe_error(exc)}")
         return
     if summary.open_count:
         text = "; ".join(summary.lines[:3]) + (f" (+{summary.open_count - 3} more)" if summary.open_count > 3 else "")
@@ -88,9 +107,13 @@ def alert_banner() -> None:
                  icon=":material/notifications_active:")
 
 
+def _cached_alert_summary() -> alert_views.AlertSummary:
+    return _alert_summary(common.db_url())
+
+
 @st.cache_data(ttl=5, show_spinner=False)
-def _cached_alert_summary() -> views.AlertSummary:
-    return views.alert_summary()
+def _alert_summary(url: str | None) -> alert_views.AlertSummary:
+    return alert_views.alert_summary(store())
 
 
 def fmt(value: Any, unit: str = "", digits: int = 0) -> str:

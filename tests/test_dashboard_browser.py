@@ -207,6 +207,14 @@ def test_live_charts_fill_while_load_runs(page, stack, engine_host, artifacts_di
     shot(page, artifacts_dir, "live")
 
 
+def _versions(stack):
+    """The host's config versions in the store, newest first."""
+    from control import versions
+    from control.views.common import open_store
+
+    return versions.history(open_store(stack["db"]), HOST)
+
+
 def _speculation_form(pg):
     go(pg, "Control")
     return visible(pg.get_by_test_id("stForm")).filter(has=pg.get_by_role("spinbutton", name="K (fixed mode)", exact=True))
@@ -224,10 +232,7 @@ def test_invalid_k_shows_inline_error_and_applies_nothing(page, stack, engine_ho
     shot(page, artifacts_dir, "control-invalid")
     assert page.get_by_role("button", name=f"Apply to {HOST}").count() == 0
     assert state(engine_host)["config_version"] == before
-    from control.views import StoreBackend
-
-    versions = StoreBackend(stack["db"]).versions(host=HOST)
-    assert all(v["reason"] != "browser test: too deep" for v in versions)
+    assert all(v.reason != "browser test: too deep" for v in _versions(stack))
 
 
 def test_operator_changes_k_with_a_reason(page, stack, engine_host, artifacts_dir):
@@ -254,26 +259,23 @@ def test_operator_changes_k_with_a_reason(page, stack, engine_host, artifacts_di
 
 
 def test_operator_rolls_back_from_history(page, stack, engine_host, artifacts_dir):
-    from control.views import StoreBackend
-
-    versions = StoreBackend(stack["db"]).versions(host=HOST)
-    target = next(v for v in versions if v["outcome"] == "applied" and v["config"]["speculation"]["k"] == 0)
+    target = next(v for v in _versions(stack) if v.status == "applied" and v.config["speculation"]["k"] == 0)
     login(page, stack, OPERATOR)
     go(page, "History")
     page.get_by_test_id("stSelectbox").filter(has_text="Version").click()
-    page.keyboard.type(f"{HOST} v{target['version']} ")  # the list is virtualised: filter it by typing
-    page.get_by_role("option").filter(has_text=f"{HOST} v{target['version']} ").first.click()
+    page.keyboard.type(f"{HOST} v{target.version} ")  # the list is virtualised: filter it by typing
+    page.get_by_role("option").filter(has_text=f"{HOST} v{target.version} ").first.click()
     form = page.get_by_test_id("stForm").filter(has_text="Roll ")
-    form.get_by_text(f"back to v{target['version']}").wait_for()
+    form.get_by_text(f"back to v{target.version}").wait_for()
     form.get_by_role("textbox", name="Reason (required)").fill(REASON_ROLLBACK)
     form.get_by_text("I confirm").click()
     form.get_by_role("button", name="Roll back").click()
     page.get_by_text("Rolled back").wait_for()
     shot(page, artifacts_dir, "history-rollback")
     assert state(engine_host)["speculation"]["k"] == 0
-    newest = StoreBackend(stack["db"]).versions(host=HOST)[0]
-    assert newest["reason"] == REASON_ROLLBACK and newest["author"] == OPERATOR[0]
-    assert newest["outcome"] == "applied"
+    newest = _versions(stack)[0]
+    assert newest.reason == REASON_ROLLBACK and newest.author == OPERATOR[0]
+    assert newest.status == "applied"
 
 
 def test_cost_review_csv_download(page, stack, artifacts_dir):

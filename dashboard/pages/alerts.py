@@ -6,7 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 import streamlit as st
 
-from control import views
+from control.views import alerts as views
+from control.views import common
 from dashboard import ui
 
 ui.require_user()
@@ -36,10 +37,10 @@ COLUMNS = {
 def alerts_panel() -> None:
     """Open and past alerts (refresh every 5 s)."""
     try:
-        df = views.alerts(host=host, since=datetime.now(timezone.utc) - timedelta(days=days))
-        open_df = views.alerts(open_only=True, host=host)
+        df = views.alerts(ui.store(), host=host, since=datetime.now(timezone.utc) - timedelta(days=days))
+        open_df = views.alerts(ui.store(), open_only=True, host=host)
     except Exception as exc:
-        st.error(f"Alerts unavailable: {views.describe_error(exc)}")
+        st.error(f"Alerts unavailable: {common.describe_error(exc)}")
         return
     st.subheader(f"Open ({len(open_df)})")
     if open_df.empty:

@@ -9,7 +9,8 @@ from datetime import datetime, time as dtime, timedelta, timezone  # noqa: F401
 import pandas as pd
 import streamlit as st
 
-from control import views
+from control.views import common
+from control.views import cost as views
 from dashboard import ui
 
 ui.require_user()
@@ -38,14 +39,14 @@ with c[2]:
 
 @st.cache_data(ttl=600, show_spinner="Computing the weekly report…")
 def _report(host: str | None, end: datetime, baseline: str) -> views.WeeklyReport:
-    return views.weekly_report(host=host, end=end, baseline=baseline)
+    return views.weekly_report(ui.store(), host=host, end=end, baseline=baseline)
 
 
 try:
     # A week's report does not need to-the-minute freshness: the key moves every 10 minutes.
     rep = _report(host, end.replace(minute=end.minute - end.minute % 10, second=0, microsecond=0), baseline)
 except Exception as exc:
-    st.error(f"Report unavailable: {views.describe_error(exc)}")
+    st.error(f"Report unavailable: {common.describe_error(exc)}")
     st.stop()
 
 with c[3]:

@@ -7,7 +7,8 @@ from datetime import datetime, time as dtime, timedelta, timezone
 
 import streamlit as st
 
-from control import views
+from control.views import common
+from control.views import history as views
 from dashboard import ui
 
 user = ui.require_user()
@@ -35,13 +36,13 @@ elif span != "all time":
 
 @st.cache_data(ttl=3, show_spinner=False)
 def _history(host: str | None, since: datetime | None, until: datetime | None):
-    return views.history(host=host, since=since, until=until)
+    return views.history(ui.store(), host=host, since=since, until=until)
 
 
 try:
     df = _history(host, since, until)
 except Exception as exc:
-    st.error(f"History unavailable: {views.describe_error(exc)}")
+    st.error(f"History unavailable: {common.describe_error(exc)}")
     st.stop()
 
 last = st.session_state.pop("hist_outcome", None)
@@ -112,11 +113,11 @@ if submitted:
         st.error("Tick the confirmation first.", icon=":material/error:")
     else:
         try:
-            outcome = views.rollback(row["host"], int(row["version"]), user, reason)
-        except views.ViewError as exc:
+            outcome = views.rollback(ui.store(), row["host"], int(row["version"]), user, reason)
+        except common.ViewError as exc:
             st.error(str(exc), icon=":material/error:")
         except Exception as exc:
-            st.error(f"Rollback failed: {views.describe_error(exc)}", icon=":material/error:")
+            st.error(f"Rollback failed: {common.describe_error(exc)}", icon=":material/error:")
         else:
             _history.clear()
             st.session_state["hist_outcome"] = (row["host"], int(row["version"]), outcome)

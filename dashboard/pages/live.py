@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from control import views
+from control.views import common
+from control.views import live as views
 from dashboard import ui
 
 ui.require_user()
@@ -168,9 +169,9 @@ def _controller_choice(view: views.LiveView) -> None:
 def live_panel() -> None:
     """The refreshing part of the page (every 2 s, without reloading the page)."""
     try:
-        view = views.live_view(host, window_s=window_min * 60.0)
+        view = views.live_view(ui.store(), host, window_s=window_min * 60.0)
     except Exception as exc:
-        st.error(f"Live data unavailable: {views.describe_error(exc)}")
+        st.error(f"Live data unavailable: {common.describe_error(exc)}")
         return
     _status_line(view)
     _tiles(view)
