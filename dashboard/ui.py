@@ -38,7 +38,7 @@ COLORS = {
     "good": "#009E73",
 }
 K_COLORS = ["#000000", "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#7F7F7F"]
-CHART_HEIGHT = 260
+CHART_HEIGHT = 285
 
 
 def current_user() -> User | None:
@@ -127,6 +127,47 @@ def fmt(value: Any, unit: str = "", digits: int = 0) -> str:
     return f"{text} {unit}".strip()
 
 
+def fmt_ms(value: Any) -> str:
+    """A latency for a metric tile, short enough never to be cut: ``4.1 ms``,
+    ``485 ms``, ``2.49 s``, ``19.9 s``, ``125 s``; '—' when unknown."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    v = float(value)
+    if v < 10:
+        return f"{v:.1f} ms"
+    if v < 1000:
+        return f"{v:.0f} ms"
+    if v < 10_000:
+        return f"{v / 1000:.2f} s"
+    if v < 100_000:
+        return f"{v / 1000:.1f} s"
+    return f"{v / 1000:,.0f} s"
+
+
+def fmt_rate(value: Any, unit: str) -> str:
+    """A rate for a metric tile, at most 4 significant figures: ``812 tok/s``,
+    ``2,485 tok/s``, ``19.9k tok/s``; '—' when unknown."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    v = float(value)
+    if v < 10:
+        return f"{v:.1f} {unit}"
+    if v < 10_000:
+        return f"{v:,.0f} {unit}"
+    if v < 1_000_000:
+        return f"{v / 1000:.1f}k {unit}"
+    return f"{v / 1e6:.2f}M {unit}"
+
+
+def wrap_tiles() -> None:
+    """Metric tiles wrap a long value onto a second line instead of cutting it with
+    '…' (Streamlit cuts by default), with a value font that fits 4 tiles a row at 800 px."""
+    st.html("<style>[data-testid='stMetricValue'], [data-testid='stMetricValue'] > div {"
+            "white-space: normal !important; overflow: visible !important; text-overflow: clip !important;"
+            "overflow-wrap: anywhere; font-size: clamp(1.1rem, 2.2vw, 1.8rem) !important; line-height: 1.2;}"
+            "</style>")
+
+
 def _arr(values: Any) -> Any:
     """A column as a plain array for Plotly: numbers as float64 (NaN for gaps), UTC
     timestamps as naive datetime64 (the axes say UTC), anything else as a list."""
@@ -177,9 +218,10 @@ def base_layout(fig: dict[str, Any], title: str, y_title: str, x_title: str = "t
     fig["layout"].update({
         "title": {"text": title, "x": 0, "xanchor": "left", "font": {"size": 15, "color": "#222"}},
         "height": height,
-        "margin": {"l": 60, "r": 20, "t": 60, "b": 45},
-        "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.0, "x": 1, "xanchor": "right",
-                   "font": {"size": 12}},
+        "margin": {"l": 60, "r": 20, "t": 60, "b": 80},
+        # Below the plot: above it, the legend would cover the config-version labels.
+        "legend": {"orientation": "h", "yref": "container", "yanchor": "bottom", "y": 0.01, "x": 0,
+                   "xanchor": "left", "font": {"size": 12}},
         "paper_bgcolor": "white",
         "plot_bgcolor": "white",
         "hovermode": "x unified",
@@ -257,6 +299,20 @@ def show(fig: dict[str, Any], key: str | None = None) -> None:
     """Render a figure (no validation: see :func:`new_fig`) without Plotly's mode bar."""
     st.plotly_chart(go.Figure(fig, _validate=False), width="stretch", key=key, theme=None,
                     config={"displayModeBar": False, "displaylogo": False})
+
+
+def no_none(df: pd.DataFrame, digits: int = 2) -> Any:
+    """A Styler that shows missing values as '—' (never "None") and numbers with
+    ``digits`` decimals (whole numbers without)."""
+    def number(v: Any) -> str:
+        if isinstance(v, bool):
+            return str(v)
+        if isinstance(v, (int, np.integer)) or (isinstance(v, float) and v.is_integer()):
+            return f"{v:,.0f}"
+        return f"{v:,.{digits}f}"
+
+    num = [c for c in df.columns if pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])]
+    return df.style.format(na_rep="—").format(number, subset=num, na_rep="—")
 
 
 def color_cells(df: pd.DataFrame, column: str, good: Iterable[str], bad: Iterable[str],

@@ -227,7 +227,8 @@ def test_heartbeat_form_shows_model_errors(backend):
     previews[2].click().run()
     assert not at.exception
     text = _texts(at)
-    assert "String should match pattern" in text  # name, inline, from HeartbeatSchedule
+    assert "use only letters, digits and _ . - (no spaces)" in text  # name, inline, in words
+    assert "String should match pattern" not in text
     at.text_input(key="f_hb_name").set_value("nightly")
     [b for b in at.button if b.label == "Preview change"][2].click().run()
     assert "set exactly one of 'interval_s' and 'cron'" in _texts(at)
@@ -282,3 +283,145 @@ def test_live_page_names_the_speculation_method_and_draft(backend):
     assert "engine K_max 8, draft_model · draft SmolLM2-135M-Instruct-draft-L8" in _texts(at)
     status = common.status_from_state("a", "http://a", {"limits": {"speculative_method": "ngram"}})
     assert status.speculation == "ngram"
+
+
+def _frame_with(at: AppTest, column: str) -> pd.DataFrame:
+    """The first table on the page with that column (AppTest does not expose table keys)."""
+    for d in at.dataframe:
+        v = d.value
+        data = v.data if hasattr(v, "data") else v
+        if column in data.columns:
+            return data
+    raise AssertionError(f"no table with a column {column!r}")
+
+
+def _click(at: AppTest, label: str) -> None:
+    at.button[[b.label for b in at.button].index(label)].click().run()
+
+
+def _apply_fixed_k(at: AppTest, k: int) -> None:
+    at.selectbox(key="f_mode").set_value("fixed")
+    at.number_input(key="f_k").set_value(k)
+    at.text_input(key="f_reason_spec").set_value("ticket 7: fixed K on an idle engine")
+    _click(at, "Preview change")
+    at.button(key="confirm_apply").click().run()
+
+
+def test_confirmation_shows_the_k_for_the_next_step_on_an_idle_engine(backend):
+    backend.engines["gpu-a"].extra_spec.update({"k_current": 0})  # idle: no step ran since the change
+    at = _app(OPERATOR, "pages/control.py")
+    _apply_fixed_k(at, 4)
+    assert not at.exception
+    text = _texts(at)
+    assert "K in force: 4." in text and "K in force: 0" not in text
+    # An engine that reports the next step's K is believed as it is.
+    backend.engines["gpu-a"].extra_spec.update({"k_next": 2})
+    at = _app(OPERATOR, "pages/control.py")
+    _apply_fixed_k(at, 5)
+    assert "K in force: 2." in _texts(at)
+
+
+def test_k_in_force_falls_back_by_mode_when_the_engine_does_not_report_it():
+    assert common.k_in_force({"mode": "fixed", "k": 3, "k_current": 0}) == 3
+    assert common.k_in_force({"mode": "off", "k": 3, "k_current": 0}) == 0
+    assert common.k_in_force({"mode": "adaptive", "k_current": 5}) == 5
+    assert common.k_in_force({"mode": "adaptive", "k_current": 5, "k_next": 6}) == 6
+    assert common.k_in_force({"k_current": 0}, {"speculation": {"mode": "fixed", "k": 7}}) == 7
+
+
+def test_a_removed_user_cannot_apply_from_an_open_tab(backend):
+    at = _app(OPERATOR, "pages/control.py")
+    auth.remove_user("olga")  # python -m dashboard users remove olga, while the tab stays open
+    _apply_fixed_k(at, 4)
+    assert not at.exception
+    assert "no longer exists" in _texts(at)
+    assert backend.puts == []
+    with pytest.raises(common.PermissionDenied, match="no longer exists"):
+        history_views.rollback(backend.store, "gpu-a", 1, OPERATOR, "a reason")
+
+
+def test_a_demoted_user_cannot_apply(backend):
+    auth.add_user("olga", "viewer", "operator-password", replace=True)
+    with pytest.raises(common.PermissionDenied, match="olga is a viewer"):
+        control_views.apply_change(backend.store, "gpu-a", {"speculation": {"k": 1}}, OPERATOR, "a reason")
+    assert backend.puts == []
+
+
+def test_history_lists_heartbeat_runs_with_skips(backend):
+    from control import store as store_mod
+    from control import warmup
+
+    h = store_mod.get_host(backend.store, "gpu-a")
+    now = time.time()
+    warmup.record_runs(backend.store, h.id, now - 100, [
+        {"id": 1, "kind": "heartbeat", "schedule": "nightly", "started_at": now - 60, "duration_s": 0.4,
+         "ttft_s": 0.05, "output_tokens": 8, "k": 2, "outcome": "ok"},
+        {"id": 2, "kind": "heartbeat", "schedule": "nightly", "started_at": now - 30, "outcome": "skipped",
+         "detail": "not idle for 30 s"}])
+    runs = history_views.heartbeat_runs(backend.store, "gpu-a")
+    assert list(runs["outcome"]) == ["skipped", "ok"] and runs.iloc[0]["detail"] == "not idle for 30 s"
+    at = _app(VIEWER, "pages/history.py")
+    assert not at.exception
+    table = _frame_with(at, "schedule")
+    assert {"ok", "skipped"} <= set(table["outcome"])
+
+
+def test_rollback_shows_the_diff_and_a_missing_tick_keeps_the_reason(backend):
+    at = _app(OPERATOR, "pages/history.py")
+    at.selectbox(key="hist_host").set_value("gpu-a").run()
+    versions = versions_mod.history(backend.store, "gpu-a")
+    assert len(versions) >= 2
+    target = versions[-1].version  # the oldest: a different K from the one in force
+    at.selectbox(key="hist_version").set_value(f"gpu-a|{target}").run()
+    diff = _frame_with(at, "after the rollback")
+    assert "speculation.k" in set(diff["setting"])
+    at.text_input(key="rb_reason").set_value("back to the old K after the incident")
+    _click(at, "Roll back")
+    assert not at.exception
+    assert "Tick the confirmation first." in _texts(at)
+    assert at.text_input(key="rb_reason").value == "back to the old K after the incident"
+    assert backend.puts == []
+
+
+def test_cost_review_says_when_no_price_is_set_and_takes_a_new_price_at_once(backend):
+    from control import store as store_mod
+
+    for name in ("gpu-a", "gpu-b"):
+        store_mod.add_host(backend.store, name, backend.engines[name].url, usd_per_hour=0.0,
+                           token_env="DASH_TOKEN_A" if name == "gpu-a" else "DASH_TOKEN_B", update=True)
+    at = _app(VIEWER, "pages/cost.py")
+    assert not at.exception
+    text = _texts(at)
+    assert "set a price with" in text.lower() and "No served time" not in text
+    store_mod.add_host(backend.store, "gpu-a", backend.engines["gpu-a"].url, usd_per_hour=4.0,
+                       token_env="DASH_TOKEN_A", update=True)
+    _click(at, "Refresh")
+    assert not at.exception
+    cost = next(m for m in at.metric if m.label == "Cost of the week").value
+    assert cost != "$0.00"
+    assert "gpu-a" not in next(w.value for w in at.warning if "No price" in w.value)
+
+
+def test_live_header_shows_the_control_planes_version_and_the_engines_as_a_detail(backend):
+    newest = versions_mod.history(backend.store, "gpu-a")[0].version
+    backend.engines["gpu-a"].version = 1  # a restarted engine counts from 1 again
+    at = _app(VIEWER, "pages/live.py")
+    assert not at.exception
+    text = _texts(at)
+    assert f"config **v{newest}**" in text
+    assert "engine's own counter says v1" in text
+
+
+def test_controller_prior_is_not_shown_as_a_measured_acceptance():
+    series = common.samples_frame([])
+    df = live_views.acceptance_table(series, {"acceptance_per_position": [0.5, 0.5, 0.5],
+                                              "acceptance_measured": [False, False, False]})
+    assert df["estimated"].isna().all()
+    df = live_views.acceptance_table(series, {"acceptance_per_position": [0.7, None, None]})
+    assert df["estimated"].iloc[0] == 0.7 and df["estimated"].iloc[1:].isna().all()
+
+
+def test_why_k_marks_the_best_k_within_the_range_the_controller_may_choose():
+    g = live_views.goodput_table({"predicted_goodput_tokens_per_s": {"0": 50, "2": 90, "4": 120, "6": 110}})
+    assert live_views.best_k(g) == 4
+    assert live_views.best_k(g, k_min=5, k_max=8) == 6

@@ -203,8 +203,11 @@ def test_a_rollout_killed_while_changing_the_canary_is_rolled_back_on_restart(tm
         assert history(fleet.store, "a")[0].rollback_of == 1
 
 
-def test_the_dashboard_starts_a_rollout_for_operators_only_and_shows_its_status(tmp_path):
-    from control.auth import User
+def test_the_dashboard_starts_a_rollout_for_operators_only_and_shows_its_status(tmp_path, monkeypatch):
+    from control.auth import User, add_user
+
+    monkeypatch.setenv("SPECPILOT_USERS_FILE", str(tmp_path / "users.toml"))
+    add_user("olga", "operator", "operator-password")
     from control.views import common
     from control.views import fleet as fleet_views
 

@@ -95,15 +95,26 @@ def open_store(url: str | None = None) -> Store:
 
 
 def require(user: User | None, action: str) -> User:
-    """The user, when its role allows ``action`` (``apply``, ``rollback``).
+    """The user, re-checked against the users file now: still there, and with a role
+    that allows ``action`` (``apply``, ``rollback``). A user removed (or demoted) while
+    a browser tab stays open can no longer act from it.
 
     Raises:
-        PermissionDenied: nobody logged in, or the role forbids it.
+        PermissionDenied: nobody logged in, the user was removed, or the role forbids it.
     """
-    if user is None or not user.can(action):
-        who = "nobody is logged in" if user is None else f"{user.name} is a {user.role}"
-        raise PermissionDenied(f"only operators may {action}: {who}")
-    return user
+    from .. import auth
+
+    if user is None:
+        raise PermissionDenied(f"only operators may {action}: nobody is logged in")
+    try:
+        current = auth.load_users().get(user.name)
+    except auth.AuthError as exc:
+        raise PermissionDenied(f"the users file cannot be read: {exc}") from None
+    if current is None:
+        raise PermissionDenied(f"user {user.name!r} no longer exists: log in again")
+    if not current.can(action):
+        raise PermissionDenied(f"only operators may {action}: {current.name} is a {current.role}")
+    return current
 
 
 def require_reason(reason: str | None) -> str:
@@ -319,6 +330,18 @@ def host_status(store: Store, name: str) -> HostStatus:
     return status_from_state(name, host.url, state)
 
 
+def version_in_force(store: Store, name: str) -> int | None:
+    """The control plane's config version applied last on a host (the History page's
+    number; :func:`control.versions.last_applied`), None when there is none."""
+    from ..versions import last_applied
+
+    try:
+        v = last_applied(store, store_mod.get_host(store, name).id)
+    except store_mod.UnknownHost:
+        return None
+    return None if v is None else v.version
+
+
 # --------------------------------------------------------------------------- samples
 
 
@@ -431,7 +454,7 @@ class ChangeOutcome:
         message: the engine's message (refusal reason, or what took effect).
         diff: the change as applied.
         engine_version: the engine's own config version after the call.
-        k_current: K in force right after (tokens): the K the policy uses for the next
+        k_in_force: K in force right after (tokens): the K the policy uses for the next
             step (:func:`k_in_force`), idle or not.
     """
 
@@ -440,7 +463,7 @@ class ChangeOutcome:
     message: str
     diff: list[dict[str, Any]] = field(default_factory=list)
     engine_version: int | None = None
-    k_current: int | None = None
+    k_in_force: int | None = None
 
 
 def run_change(store: Store, name: str, call: Callable[[], Any]) -> ChangeOutcome:
@@ -461,7 +484,7 @@ def run_change(store: Store, name: str, call: Callable[[], Any]) -> ChangeOutcom
     if r.ok:
         try:
             state = engine_client(store, name).state()
-            k_now = (state.get("speculation") or {}).get("k_current")
+            k_now = k_in_force(state.get("speculation") or {}, state.get("config") or {})
         except Exception:
             k_now = None
     message = r.message or ""

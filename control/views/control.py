@@ -56,7 +56,7 @@ def errors_by_field(exc: ConfigError) -> dict[str, str]:
     out: dict[str, str] = {}
     for e in exc.errors:
         loc = ".".join(str(x) for x in e.get("loc", []) if x not in ("body",))
-        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        msg = human_message(str(e.get("msg", "invalid")))
         out[loc or "config"] = (out[loc or "config"] + "; " + msg) if loc in out else msg
     return out
 

@@ -101,6 +101,27 @@ def rollback(store: Store, name: str, version: int, user: User | None, reason: s
         store, name, int(version), reason=reason, author=user.name, interface="dashboard"))
 
 
+def rollback_diff(store: Store, name: str, version: int) -> tuple[int | None, list[dict[str, Any]]]:
+    """What a rollback to ``version`` would change: the version in force on the host
+    (:func:`control.versions.last_applied`, None when none) and the diff
+    ``[{"field", "old", "new"}]`` from its config to ``version``'s config (empty: the
+    same config).
+
+    Raises:
+        ViewError: no such host; control.versions.UnknownVersion: no such version.
+    """
+    from engine_host.config import diff_configs
+
+    from .common import version_in_force
+
+    target = versions_mod.get_version(store, name, int(version))
+    now = version_in_force(store, name)
+    if now is None:
+        return None, diff_configs({}, target.config or {})
+    current = versions_mod.get_version(store, name, now)
+    return now, diff_configs(current.config or {}, target.config or {})
+
+
 RUN_COLUMNS = ["host", "started_at", "kind", "schedule", "outcome", "duration_s", "ttft_s", "output_tokens", "k",
                "detail"]
 
@@ -129,4 +150,4 @@ def heartbeat_runs(store: Store, host: str | None = None, since: datetime | None
 
 
 __all__ = ["HISTORY_COLUMNS", "RUN_COLUMNS", "diff_text", "get_host", "heartbeat_runs", "history", "rollback",
-           "require_reason", "version_markers"]
+           "require_reason", "rollback_diff", "version_markers"]

@@ -16,6 +16,7 @@ from .common import (
     host_status,
     samples_frame,
     stored_samples,
+    version_in_force,
 )
 from .history import version_markers
 
@@ -156,6 +157,21 @@ def acceptance_table(series: pd.DataFrame, controller: dict[str, Any]) -> pd.Dat
     })
 
 
+def best_k(goodput: pd.DataFrame, k_min: int | None = None, k_max: int | None = None) -> int | None:
+    """The K with the highest predicted goodput among ``k_min..k_max`` (the range the
+    controller may choose from; all K when unbounded), None when there is no prediction."""
+    if goodput.empty:
+        return None
+    df = goodput.dropna(subset=["predicted_goodput_tokens_per_s"])
+    if k_min is not None:
+        df = df[df["k"] >= k_min]
+    if k_max is not None:
+        df = df[df["k"] <= k_max]
+    if df.empty:
+        return None
+    return int(df.loc[df["predicted_goodput_tokens_per_s"].astype(float).idxmax(), "k"])
+
+
 def goodput_table(controller: dict[str, Any]) -> pd.DataFrame:
     """The controller's prediction per K: ``k``, ``predicted_goodput_tokens_per_s``
     (tokens/s), ``expected_tokens_per_step`` (tokens), ``step_time_ms`` (ms)."""
@@ -211,18 +227,5 @@ def live_view(store: Store, name: str, window_s: float = 600.0) -> LiveView:
     )
 
 
-def version_in_force(store: Store, name: str) -> int | None:
-    """The control plane's config version applied last on a host (None when none)."""
-    from .. import store as store_mod
-    from ..versions import last_applied
-
-    try:
-        h = store_mod.get_host(store, name)
-        v = last_applied(store, h.id)
-    except Exception:
-        return None
-    return None if v is None else v.version
-
-
 __all__ = ["LiveView", "STATE_TIMEOUT_S", "acceptance_table", "goodput_table", "live_view", "markers_from_series",
-           "per_request_line", "routing_summary", "version_in_force"]
+           "per_request_line", "routing_summary", "best_k"]

@@ -132,7 +132,7 @@ def _outcome() -> None:
         return
     o: views.ChangeOutcome = last["outcome"]
     if o.applied:
-        k = f" K in force now: {o.k_current}." if o.k_current is not None else ""
+        k = f" K in force: {o.k_in_force}." if o.k_in_force is not None else ""
         st.success(f"Applied: version {o.version} is in force on {host}.{k} {o.message}".strip(),
                    icon=":material/check_circle:")
     else:
@@ -231,7 +231,7 @@ def _warmup_form(status: common.HostStatus) -> None:
         st.dataframe(pd.DataFrame([{
             "name": b["name"], "every (s)": b.get("interval_s"), "cron (UTC)": b.get("cron"),
             "max tokens": b.get("max_tokens"), "only after idle (s)": b.get("idle_s"), "enabled": b.get("enabled"),
-        } for b in beats]), hide_index=True, width="stretch")
+        } for b in beats]).pipe(ui.no_none), hide_index=True, width="stretch")
     else:
         st.caption("No heartbeat schedule in force.")
     fields = ("name", "interval_s", "cron", "max_tokens", "idle_s", "prompts")
@@ -293,10 +293,13 @@ if not status.up:
 spec = status.config.get("speculation") or {}
 cols = st.columns(4)
 cols[0].metric("Mode", status.mode or "—")
-cols[1].metric("K now", ui.fmt(status.k_current), help="draft tokens per step in force")
+cols[1].metric("K in force", ui.fmt(status.k_next),
+               help=f"draft tokens the policy uses for the next step; the last step ran K={ui.fmt(status.k_current)}")
 cols[2].metric("Max running", f"{ui.fmt(status.max_num_seqs)}", help="cap in force (requests)")
-cols[3].metric("Engine config version", f"{status.config_version}",
-               help="the engine's own counter; the History page numbers versions per host")
+in_force = common.version_in_force(ui.store(), host)
+cols[3].metric("Config version", "—" if in_force is None else f"v{in_force}",
+               help=f"the control plane's version in force (History); the engine's own counter says "
+                    f"v{status.config_version} (it restarts at 1 with the engine)")
 
 if not user.can("apply"):
     _read_only(status)
