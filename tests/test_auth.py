@@ -139,7 +139,8 @@ def test_first_start_creates_one_admin_operator(users_path, capsys):
     password = bootstrap_user()
     assert password and len(password) >= 12
     assert auth.authenticate("admin", password).role == "operator"
-    assert password in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"| {'    password   ' + password}" in out and "user name  admin" in out  # framed
     assert password not in users_path.read_text()
     assert bootstrap_user() is None  # users exist: nothing added
 
