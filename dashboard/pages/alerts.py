@@ -25,7 +25,7 @@ COLUMNS = {
     "host": st.column_config.TextColumn("host", width="small"),
     "severity": st.column_config.TextColumn("severity", width="small"),
     "rule": st.column_config.TextColumn("rule", width="medium"),
-    "message": st.column_config.TextColumn("what", width="medium"),
+    "message": st.column_config.TextColumn("what", width="large"),
     "value": st.column_config.NumberColumn("value", format="%.3g"),
     "started_at": st.column_config.DatetimeColumn("started (UTC)", format="YYYY-MM-DD HH:mm:ss"),
     "ended_at": st.column_config.DatetimeColumn("ended (UTC)", format="YYYY-MM-DD HH:mm:ss"),
@@ -55,7 +55,7 @@ def alerts_panel() -> None:
     if past.empty:
         st.caption("No alert ended in this span.")
     else:
-        st.dataframe(past.assign(duration_min=past["duration_s"] / 60.0)[
+        st.dataframe(past.assign(duration_min=past["duration_s"] / 60.0, message=past["message"].fillna("—"))[
             ["host", "severity", "rule", "message", "value", "started_at", "ended_at", "duration_min"]],
             hide_index=True, width="stretch", column_config=COLUMNS, key="past_alerts")
 

@@ -50,7 +50,7 @@ def fleet_panel() -> None:
             "open_alerts": st.column_config.NumberColumn("open alerts"),
             "gpu_kind": st.column_config.TextColumn("GPU"),
             "usd_per_hour": st.column_config.NumberColumn("USD/hour", format="$%.2f"),
-            "error": st.column_config.TextColumn("why down"),
+            "error": st.column_config.TextColumn("why down", width="large"),
         },
         key="fleet_table",
     )
