@@ -17,7 +17,7 @@ import streamlit as st
 st.set_page_config(page_title="SpecPilot", page_icon=":material/speed:", layout="wide",
                    initial_sidebar_state="expanded")
 
-from control import auth  # noqa: E402
+from control.views import common  # noqa: E402
 from dashboard import session, ui  # noqa: E402
 
 #: Pages by address (``url_path``); the first is the default.
@@ -35,8 +35,8 @@ def login_page() -> None:
     st.title("SpecPilot")
     st.caption("Operations dashboard for vLLM serving with adaptive speculative decoding")
     try:
-        users = auth.load_users()
-    except auth.AuthError as exc:
+        users = common.load_users()
+    except common.AuthError as exc:
         st.error(f"The users file cannot be read: {exc}")
         st.stop()
     if not users:
@@ -50,8 +50,8 @@ def login_page() -> None:
         submitted = st.form_submit_button("Log in", type="primary")
     if submitted:
         try:
-            user = auth.authenticate(name, password, users, store=ui.store())
-        except auth.AuthError as exc:
+            user = common.login(ui.store(), name, password, users)
+        except common.AuthError as exc:
             st.error(str(exc))
         else:
             st.session_state["user"] = user
@@ -85,9 +85,9 @@ if user is None:
 else:
     pages = [st.Page(f, title=title, icon=icon, default=i == 0) for i, (f, title, icon) in enumerate(PAGES)]
     page = st.navigation(pages, position="sidebar", expanded=True)
-    if st.session_state.get("session_token"):
-        st.html(session.set_cookie_script(st.session_state["session_token"]), unsafe_allow_javascript=True)
     with st.sidebar:
+        if st.session_state.get("session_token"):
+            st.html(session.set_cookie_script(st.session_state["session_token"]), unsafe_allow_javascript=True)
         st.markdown(f"Signed in as **{user.name}** · {user.role}")
         if user.role == "viewer":
             st.caption("Read only: viewers cannot change configs.")

@@ -26,8 +26,7 @@ from pathlib import Path
 
 from itsdangerous import BadSignature, SignatureExpired, URLSafeTimedSerializer
 
-from control import auth
-from control.auth import User
+from control.views.common import AuthError, User, load_users
 
 COOKIE = "specpilot_session"
 #: How long a session survives without a new login (s): one working day.
@@ -75,8 +74,8 @@ def restore(token: str | None, max_age_s: float = MAX_AGE_S) -> User | None:
         return None
     try:
         data = _serializer().loads(token, max_age=max_age_s)
-        user = auth.load_users().get(str(data.get("u")))
-    except (BadSignature, SignatureExpired, auth.AuthError, AttributeError, ValueError):
+        user = load_users().get(str(data.get("u")))
+    except (BadSignature, SignatureExpired, AuthError, AttributeError, ValueError):
         return None
     if user is None or user.role != data.get("r") or _fingerprint(user) != data.get("f"):
         return None

@@ -16,10 +16,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from control.auth import User
-from control.store import Store
 from control.views import alerts as alert_views
 from control.views import common
+from control.views.common import Store, User
 
 # One colour per meaning, colour-blind safe (Okabe-Ito), same on every page.
 COLORS = {

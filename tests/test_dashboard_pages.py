@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 import time
-from datetime import datetime, timedelta, timezone
 
 import pandas as pd
 import pytest

@@ -30,8 +30,13 @@ import pandas as pd
 
 from .. import samples as samples_mod
 from .. import store as store_mod
-from ..auth import User
+from ..auth import AuthError, User
 from ..store import Store
+
+__all__ = ["AuthError", "ChangeOutcome", "HostInfo", "HostStatus", "PermissionDenied", "Store", "User", "ViewError",
+           "describe_error", "engine_client", "get_host", "host_status", "k_in_force", "list_hosts", "load_users",
+           "login", "open_store", "require", "require_reason", "samples_frame", "status_from_state",
+           "stored_samples", "version_in_force"]
 
 ENV_DB = "SPECPILOT_DB"
 #: Seconds the dashboard waits for an engine host before calling it down.
@@ -92,6 +97,28 @@ def open_store(url: str | None = None) -> Store:
 
 
 # --------------------------------------------------------------------------- users and reasons
+
+
+def load_users() -> dict[str, User]:
+    """The dashboard's users by name (:func:`control.auth.load_users`).
+
+    Raises:
+        AuthError: the users file or ``$SPECPILOT_USERS`` is malformed.
+    """
+    from .. import auth
+
+    return auth.load_users()
+
+
+def login(store: Store, name: str, password: str, users: dict[str, User] | None = None) -> User:
+    """Check a login, with the lock-out kept in ``store`` (:func:`control.auth.authenticate`).
+
+    Raises:
+        AuthError: wrong name or password (one message for both), or locked out.
+    """
+    from .. import auth
+
+    return auth.authenticate(name, password, users, store=store)
 
 
 def require(user: User | None, action: str) -> User:
