@@ -211,7 +211,6 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
     """Seed, serve and render; returns the figures."""
     from streamlit.testing.v1 import AppTest
 
-    from control import views
     from control.auth import User
     from control.testing import FakeEngineHost
 
@@ -229,7 +228,6 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
     t0 = time.perf_counter()
     counts = seed_store(url, hosts, days=days)
     seed_s = time.perf_counter() - t0
-    views.set_backend(None)
     results = {}
     try:
         at = AppTest.from_file(str(APP), default_timeout=120)

@@ -95,10 +95,23 @@ def bootstrap_user() -> str | None:
         return None
     password = secrets.token_urlsafe(12)
     auth.add_user("admin", "operator", password)
-    print(f"SpecPilot dashboard: first start, created operator 'admin' with password {password}\n"
-          f"  (stored hashed in {auth.users_file()}; add users with: python -m dashboard users add NAME --role viewer)",
-          flush=True)
+    print(first_start_box(password, str(auth.users_file())), flush=True)
     return password
+
+
+def first_start_box(password: str, users_file: str) -> str:
+    """The first start's login, framed so that it stands out among log lines."""
+    lines = ["SpecPilot dashboard: first start. Log in with",
+             "",
+             "    user name  admin",
+             f"    password   {password}",
+             "",
+             "The password is shown only this once (stored hashed in",
+             f"{users_file}).",
+             "Add users: python -m dashboard users add NAME --role viewer|operator"]
+    width = max(len(x) for x in lines)
+    bar = "+" + "-" * (width + 2) + "+"
+    return "\n".join(["", bar, *[f"| {x.ljust(width)} |" for x in lines], bar, ""])
 
 
 def main(argv: list[str] | None = None) -> int:
