@@ -27,16 +27,17 @@ from pathlib import Path
 from itsdangerous import BadSignature, SignatureExpired, URLSafeTimedSerializer
 
 from control.views.common import AuthError, User, load_users
+from engine_host import envs
 
 COOKIE = "specpilot_session"
 #: How long a session survives without a new login (s): one working day.
 MAX_AGE_S = 12 * 3600
-ENV_SECRET = "SPECPILOT_SESSION_SECRET"
+ENV_SECRET = envs.SESSION_SECRET
 _SALT = "specpilot-dashboard-session"
 
 
 def _secret() -> str:
-    env = os.environ.get(ENV_SECRET)
+    env = envs.session_secret()
     if env:
         return env
     from engine_host.home import home

@@ -32,6 +32,7 @@ NEW_PASSWORD = "SPECPILOT_NEW_PASSWORD"
 METRICS_SOURCE = "SPECPILOT_METRICS_SOURCE"
 PROMETHEUS_URL = "SPECPILOT_PROMETHEUS_URL"
 CHROMIUM = "SPECPILOT_CHROMIUM"
+SESSION_SECRET = "SPECPILOT_SESSION_SECRET"
 
 #: name -> meaning, for every variable SpecPilot reads (``SPECPILOT_VENV`` is read by
 #: ``scripts/setup.sh`` only; tests read their own variables, e.g. the engine start-up timeout).
@@ -51,6 +52,7 @@ VARIABLES: dict[str, str] = {
     NEW_PASSWORD: "password for `python -m dashboard users add` when there is no terminal to prompt on",
     METRICS_SOURCE: "where views read windowed figures: embedded (the store, default) or prometheus",
     PROMETHEUS_URL: "Prometheus server URL for the prometheus metric source",
+    SESSION_SECRET: "key that signs dashboard session cookies (else a random key in $SPECPILOT_HOME/dashboard-session.key)",
     CHROMIUM: "Chromium executable for browser benchmarks and tests, default /usr/bin/chromium",
 }
 
@@ -143,3 +145,8 @@ def prometheus_url(environ: Mapping[str, str] | None = None) -> str | None:
 def chromium(environ: Mapping[str, str] | None = None) -> str:
     """``$SPECPILOT_CHROMIUM``, default ``/usr/bin/chromium``."""
     return _env(environ).get(CHROMIUM, "/usr/bin/chromium")
+
+
+def session_secret(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_SESSION_SECRET``, None when unset or empty (the dashboard then keeps a random key)."""
+    return _env(environ).get(SESSION_SECRET) or None

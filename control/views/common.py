@@ -18,7 +18,6 @@ client below this module.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import pandas as pd
+
+from engine_host import envs
 
 from .. import samples as samples_mod
 from .. import store as store_mod
@@ -38,7 +39,7 @@ __all__ = ["AuthError", "ChangeOutcome", "HostInfo", "HostStatus", "PermissionDe
            "login", "open_store", "require", "require_reason", "samples_frame", "status_from_state",
            "stored_samples", "version_in_force"]
 
-ENV_DB = "SPECPILOT_DB"
+ENV_DB = envs.DB_URL
 #: Seconds the dashboard waits for an engine host before calling it down.
 STATE_TIMEOUT_S = 1.5
 
@@ -73,9 +74,9 @@ def utc(ts: float | int | datetime | None) -> datetime | None:
 
 
 def db_url() -> str | None:
-    """The store URL the dashboard was started with (``--db`` / ``$SPECPILOT_DB``),
+    """The store URL the dashboard was started with (``--db`` / ``$SPECPILOT_DB_URL``),
     None for the default SQLite file in ``$SPECPILOT_HOME``."""
-    return os.environ.get(ENV_DB) or os.environ.get("SPECPILOT_DB_URL") or None
+    return envs.db_url()
 
 
 _STORES: dict[str | None, Store] = {}
