@@ -211,7 +211,7 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
 
     from control import views
     from control.auth import User
-    from control.testing import FakeEngineHost
+    from tests.support import FakeEngineHost
 
     home = Path(tempfile.mkdtemp(prefix="specpilot-bench-dash-"))
     os.environ["SPECPILOT_HOME"] = str(home)

@@ -38,10 +38,11 @@ def require_control_token(request: Request) -> None:
     Raises:
         HTTPException: 401 with a ``WWW-Authenticate: Bearer`` header.
     """
-    token = os.environ.get(ENV_TOKEN, "")
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if not token or scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
+    token = os.environ.get(ENV_TOKEN, "").encode()
+    # compared as bytes: a header with non-ASCII bytes is a wrong token, not an error
+    header = request.headers.get("authorization", "").encode("latin-1", errors="replace")
+    scheme, _, given = header.partition(b" ")
+    if not token or scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), token):
         raise HTTPException(
             status_code=401,
             detail="control endpoints need 'Authorization: Bearer <token>' "

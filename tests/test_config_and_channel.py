@@ -74,7 +74,7 @@ def test_channel_roundtrip_and_sequence(tmp_path):
     other.write_state({"k_current": 4})
     assert ch.read_state() == {"k_current": 4}
     with pytest.raises(ChannelError):
-        ch.write_state({"x": "y" * 200_000})
+        ch.write_state({"x": "y" * (9 * 1024 * 1024)})
     assert ch.read_state() == {"k_current": 4}
     with pytest.raises(ChannelError):
         Channel(tmp_path / "missing.chan")
