@@ -32,7 +32,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel
 
-from .auth import require_control_token
+from .auth import ControlAuthError, control_auth_error_handler, require_control_token
 from .channel import ACK_APPLIED, ACK_REFUSED, CONFIG_BYTES, Channel, ChannelError, channel_from_env
 from .config import ConfigError, EngineLimits, LiveConfig, apply_patch, diff_configs
 from .schema import (
@@ -580,6 +580,7 @@ class SpecPilotEndpoints:
         dual engine host when ``$SPECPILOT_ROUTER_CONFIG`` asks for it (:mod:`engine_host.front`)."""
         app.include_router(control_router)
         app.include_router(health_router)
+        app.add_exception_handler(ControlAuthError, control_auth_error_handler)  # type: ignore[arg-type]
         from .router import router_config_from_env
 
         cfg = router_config_from_env()

@@ -421,7 +421,7 @@ def test_an_apply_the_paused_core_never_acknowledged_is_withdrawn_not_applied_la
     finally:
         os.kill(core_pid, signal.SIGCONT)
     assert r.status_code == 503, r.text
-    assert "withdrawn" in r.json()["detail"]
+    assert "withdrawn" in r.text
     time.sleep(2.0)  # the resumed core runs steps and reads the channel
     _ok_request(engine_host)
     after = control.get("/control/state").json()
