@@ -24,7 +24,8 @@ from engine_host.schema import ApplyAnswer, ControlState, Sample
 from .store import DEFAULT_TOKEN_ENV, ControlError
 
 DEFAULT_TIMEOUT_S = 5.0
-PUT_TIMEOUT_S = 15.0
+# above the engine host's longest answer: lock wait + ACK_TIMEOUT_S + lock wait to withdraw (about 20 s)
+PUT_TIMEOUT_S = 30.0
 
 
 class EngineError(ControlError):
