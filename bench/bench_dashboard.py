@@ -212,7 +212,7 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
     from streamlit.testing.v1 import AppTest
 
     from control.auth import User
-    from control.testing import FakeEngineHost
+    from tests.support import FakeEngineHost
 
     home = Path(tempfile.mkdtemp(prefix="specpilot-bench-dash-"))
     os.environ[envs.HOME] = str(home)

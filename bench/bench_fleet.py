@@ -1,7 +1,7 @@
 """Fleet scale: the embedded collector against Prometheus, with N stand-in engine hosts.
 
 For each N (default 1, 10, 50, 200) this starts N stand-in engine hosts serving
-realistic ``/metrics`` (``control.testing.FakeEngineHost``, every series the collector
+realistic ``/metrics`` (``tests.support.FakeEngineHost``, every series the collector
 reads, moving every second), then, side by side in one run:
 
 * embedded: ``python -m control collect`` (the collector daemon, a separate process)
@@ -58,7 +58,7 @@ class StandIns:
     drafts move in /metrics)."""
 
     def __init__(self, n: int):
-        from control.testing import FakeEngineHost
+        from tests.support import FakeEngineHost
 
         self.fakes = [FakeEngineHost(token="bench-fleet-token").start() for _ in range(n)]
         self._stop = threading.Event()
@@ -133,7 +133,7 @@ def prometheus(standins: StandIns, seconds: float, warm_s: float = 6.0) -> dict[
     import httpx
 
     from control.promsource import instance_of
-    from control.testing import PrometheusServer, why_no_prometheus
+    from tests.support import PrometheusServer, why_no_prometheus
 
     if why_no_prometheus():
         return None
@@ -174,7 +174,7 @@ def pages(n: int, repeats: int, days: float = 7.0) -> dict[str, Any]:
 
     from bench.bench_dashboard import APP, seed_store
     from control.auth import User
-    from control.testing import FakeEngineHost
+    from tests.support import FakeEngineHost
 
     home = Path(tempfile.mkdtemp(prefix="specpilot-bench-pages-"))
     os.environ[envs.HOME] = str(home)

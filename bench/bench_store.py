@@ -31,7 +31,7 @@ from control.fleet import fleet_series
 from control.models import MetricSample
 from control.samples import downsample, insert_samples, series
 from control.store import Store, add_host
-from control.testing import synthetic_sample
+from tests.support import synthetic_sample
 
 CHART = ["output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "kv_cache_usage", "running",
          "acceptance_rate", "k"]

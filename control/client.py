@@ -17,11 +17,15 @@ import time
 from typing import Any
 
 import httpx
+from pydantic import BaseModel, ValidationError
+
+from engine_host.schema import ApplyAnswer, ControlState, Sample
 
 from .store import DEFAULT_TOKEN_ENV, ControlError
 
 DEFAULT_TIMEOUT_S = 5.0
-PUT_TIMEOUT_S = 15.0
+# above the engine host's longest answer: lock wait + ACK_TIMEOUT_S + lock wait to withdraw (about 20 s)
+PUT_TIMEOUT_S = 30.0
 
 
 class EngineError(ControlError):
@@ -165,6 +169,16 @@ class EngineClient:
             raise EngineError(f"{self._where()} answered {path} with something other than JSON "
                               "(is this URL an engine host?)", r.status_code) from None
 
+    def _validated(self, model: type[BaseModel], body: Any, path: str) -> dict[str, Any]:
+        """``body`` checked against the engine host's contract (``engine_host.schema``),
+        as a JSON dict (fields the host left out get the contract's defaults)."""
+        try:
+            return model.model_validate(body).model_dump(mode="json")
+        except ValidationError as exc:
+            raise EngineError(f"{self._where()} answered {path} with a body that does not match the engine host's "
+                              f"contract ({model.__name__}): {exc.error_count()} error(s), first: "
+                              f"{'.'.join(map(str, exc.errors()[0]['loc']))}: {exc.errors()[0]['msg']}") from None
+
     # ------------------------------------------------------------------ API
 
     def health(self) -> bool:
@@ -192,17 +206,22 @@ class EngineClient:
         return r.text
 
     def state(self) -> dict[str, Any]:
-        """``GET /control/state``: config_version, config, speculation, batch, limits,
-        controller, engine{pid, started_at, ...}.
+        """``GET /control/state``: a :class:`engine_host.schema.ControlState` as a dict
+        (config_version, config, speculation{k_current, k_next, ...}, batch, limits,
+        controller, engine{pid, started_at, ...}).
 
         Raises:
-            EngineUnreachable, EngineAuthError, EngineError.
+            EngineUnreachable, EngineAuthError, EngineError (also: a body off the contract).
         """
-        return self._get_json("/control/state")
+        return self._validated(ControlState, self._get_json("/control/state"), "/control/state")
 
     def samples(self, since: float | None = None) -> list[dict[str, Any]]:
         """``GET /control/samples``: the engine's per-second samples after ``since`` (unix s)."""
-        return self._get_json("/control/samples", {"since": since} if since is not None else None)["samples"]
+        body = self._get_json("/control/samples", {"since": since} if since is not None else None)
+        samples = body.get("samples") if isinstance(body, dict) else None
+        if not isinstance(samples, list):
+            raise EngineError(f"{self._where()} answered /control/samples without a list of samples")
+        return [self._validated(Sample, s, "/control/samples") for s in samples]
 
     def warmup_runs(self, after_id: int = 0) -> list[dict[str, Any]]:
         """``GET /control/warmup/runs``: warm-up and heartbeat runs with ``id > after_id``."""
@@ -212,8 +231,8 @@ class EngineClient:
         """``PUT /control/config`` once (no retry).
 
         Returns:
-            The engine's answer: config_version, previous_version, config, diff, applied,
-            apply_latency_ms.
+            The engine's answer (:class:`engine_host.schema.ApplyAnswer` as a dict):
+            config_version, previous_version, config, diff, applied, apply_latency_ms, k_next.
         Raises:
             EngineRefused: 422/409 with the engine's reasons. EngineAuthError: 401.
             EngineUnreachable: not connected, or no answer within ``timeout_s`` (the
@@ -226,7 +245,14 @@ class EngineClient:
         except httpx.TransportError as exc:
             raise EngineUnreachable(f"{self._where()} is unreachable: {_describe(exc)}") from None
         self._raise_for(r)
-        return r.json()
+        try:
+            body = r.json()
+        except ValueError:
+            raise EngineError(f"{self._where()} answered PUT /control/config with something other than JSON",
+                              r.status_code) from None
+        if isinstance(body, dict) and "config_version" in body:  # the dual host may answer a routing-only change
+            return self._validated(ApplyAnswer, body, "PUT /control/config")
+        return body
 
 
 def _describe(exc: httpx.TransportError) -> str:

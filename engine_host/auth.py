@@ -10,6 +10,7 @@ import os
 import secrets
 
 from fastapi import HTTPException, Request
+from fastapi.responses import JSONResponse
 
 from . import envs
 from .home import home
@@ -33,17 +34,29 @@ def control_token() -> tuple[str, bool]:
     return token, True
 
 
+class ControlAuthError(HTTPException):
+    """401 for ``/control/*``, answered with ``WWW-Authenticate: Bearer`` by
+    :func:`control_auth_error_handler` (vLLM's handler for ``HTTPException`` drops headers)."""
+
+
+async def control_auth_error_handler(request: Request, exc: ControlAuthError) -> JSONResponse:
+    """Exception handler for :class:`ControlAuthError` (register it on the app)."""
+    return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail}, headers=exc.headers)
+
+
 def require_control_token(request: Request) -> None:
     """FastAPI dependency: 401 unless ``Authorization: Bearer <control token>``.
 
     Raises:
-        HTTPException: 401 with a ``WWW-Authenticate: Bearer`` header.
+        ControlAuthError: 401 with a ``WWW-Authenticate: Bearer`` header (also for a
+            header with non-ASCII bytes).
     """
-    token = envs.control_token() or ""
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if not token or scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
-        raise HTTPException(
+    token = (envs.control_token() or "").encode()
+    # compared as bytes: a header with non-ASCII bytes is a wrong token, not an error
+    header = request.headers.get("authorization", "").encode("latin-1", errors="replace")
+    scheme, _, given = header.partition(b" ")
+    if not token or scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), token):
+        raise ControlAuthError(
             status_code=401,
             detail="control endpoints need 'Authorization: Bearer <token>' "
             f"(the engine host's control token, ${ENV_TOKEN} or $SPECPILOT_HOME/control_token)",

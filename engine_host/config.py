@@ -24,16 +24,23 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from .router.settings import RouterSettings
 
 SpeculationMode = Literal["off", "fixed", "adaptive", "batch_table", "threshold", "heuristic"]
 SPECULATION_MODES: tuple[str, ...] = SpeculationMode.__args__  # type: ignore[attr-defined]
 
+#: Rows a batch table may have.
+MAX_TABLE_ROWS = 1024
+#: Floor of the live ``max_num_batched_tokens`` cap (tokens), see :func:`min_batched_tokens`.
+MIN_BATCHED_TOKENS = 256
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # One validation for every field: unknown fields refused, strict types ("4" is not
+    # an int, true is not 1), no Infinity/NaN in any float field.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class AdaptiveParams(_Strict):
@@ -84,10 +91,19 @@ class SpeculationConfig(_Strict):
     k_min: int = Field(0, ge=0, description="lower bound of K for adaptive/heuristic (tokens)")
     k_max: int | None = Field(None, ge=0, description="upper bound of K (tokens); None = engine K_max")
     table: list[tuple[int, int, int]] | None = Field(
-        None, description="batch_table: [(batch_start, batch_end, K), ...], inclusive ranges starting at 1"
+        None, max_length=MAX_TABLE_ROWS,
+        description="batch_table: [(batch_start, batch_end, K), ...], inclusive ranges starting at 1"
     )
     adaptive: AdaptiveParams = Field(default_factory=AdaptiveParams)
     threshold: ThresholdParams = Field(default_factory=ThresholdParams)
+
+    @field_validator("table", mode="before")
+    @classmethod
+    def _rows_as_tuples(cls, value: Any) -> Any:
+        # JSON has no tuples: accept each row as a 3-element array (elements stay strict ints)
+        if isinstance(value, list):
+            return [tuple(row) if isinstance(row, list) else row for row in value]
+        return value
 
     @model_validator(mode="after")
     def _check_bounds(self) -> "SpeculationConfig":
@@ -255,6 +271,10 @@ def apply_patch(current: LiveConfig, patch: dict[str, Any], limits: EngineLimits
         unknown = sorted(set(engine) - set(_RESTART_FIELDS))
         if unknown:
             raise ConfigError([{"loc": ["engine", u], "msg": "unknown start-up setting"} for u in unknown])
+        wrong_type = [k for k, v in engine.items() if not _same_type(v, getattr(limits, k))]
+        if wrong_type:
+            raise ConfigError([{"loc": ["engine", k], "msg": f"must be {type(getattr(limits, k)).__name__}, "
+                                f"like the start-up value {getattr(limits, k)!r}"} for k in wrong_type])
         changed = [k for k, v in engine.items() if v != getattr(limits, k)]
         if changed:
             raise RestartRequired(
@@ -278,12 +298,41 @@ def apply_patch(current: LiveConfig, patch: dict[str, Any], limits: EngineLimits
     return new
 
 
+def _same_type(value: Any, current: Any) -> bool:
+    if current is None or value is None:
+        return True
+    if isinstance(value, bool) != isinstance(current, bool):
+        return False
+    return isinstance(value, type(current))
+
+
+def min_batched_tokens(limits: EngineLimits, max_num_seqs: int | None = None) -> int:
+    """Floor of the live ``max_num_batched_tokens`` cap (tokens).
+
+    A step must hold a decode token plus K_max draft tokens for every running sequence
+    (``max_num_seqs * (1 + K_max)``) and a prefill chunk of at least
+    :data:`MIN_BATCHED_TOKENS`; below that a long prompt is prefilled a few tokens per
+    step (a 1,120-token prompt took minutes at a cap of 1). Never above the start-up value.
+
+    Args:
+        limits: the engine's start-up settings.
+        max_num_seqs: the running-sequence cap in force (None: the start-up value).
+    """
+    seqs = max_num_seqs or limits.max_num_seqs
+    return min(limits.max_num_batched_tokens, max(MIN_BATCHED_TOKENS, seqs * (1 + limits.k_max)))
+
+
 def validate_against_limits(config: LiveConfig, limits: EngineLimits) -> None:
     """Check a config against the engine's start-up settings.
 
+    Every K of the config (``k``, ``k_min``, ``k_max``, batch-table K, threshold
+    ``k_low``/``k_high``) must be within the engine's K_max; caps must lie between their
+    floor (``max_num_seqs`` >= 1, ``max_num_batched_tokens`` >= :func:`min_batched_tokens`)
+    and the start-up value.
+
     Raises:
         RestartRequired: speculation asked of an engine started without it.
-        ConfigError: K, bounds or caps above what the engine was started with; a router
+        ConfigError: K, bounds or caps outside what the engine can run, naming each field; a router
             section on a host that is not a dual engine host.
     """
     spec = config.speculation
@@ -308,6 +357,16 @@ def validate_against_limits(config: LiveConfig, limits: EngineLimits) -> None:
         errors.append({"loc": ["speculation", "k_max"], "msg": f"k_max={spec.k_max} is above K_max: {restart_hint}"})
     if spec.k_min > limits.k_max:
         errors.append({"loc": ["speculation", "k_min"], "msg": f"k_min={spec.k_min} is above K_max: {restart_hint}"})
+    for i, (_start, _end, k) in enumerate(spec.table or []):
+        if k > limits.k_max:
+            errors.append({"loc": ["speculation", "table", i], "msg": f"K={k} is above K_max: {restart_hint}"})
+    th, th_default = spec.threshold, ThresholdParams()
+    for name in ("k_low", "k_high"):
+        value = getattr(th, name)
+        # the defaults (2..8) are clamped to a smaller K_max unless the threshold policy is chosen
+        if value > limits.k_max and (spec.mode == "threshold" or value != getattr(th_default, name)):
+            errors.append({"loc": ["speculation", "threshold", name],
+                           "msg": f"{name}={value} is above K_max: {restart_hint}"})
     if spec.mode == "heuristic" and (spec.k_max if spec.k_max is not None else limits.k_max) < 1:
         errors.append({"loc": ["speculation", "k_max"], "msg": "heuristic mode needs k_max >= 1"})
     b = config.batch
@@ -327,6 +386,17 @@ def validate_against_limits(config: LiveConfig, limits: EngineLimits) -> None:
                 f"max_num_batched_tokens={limits.max_num_batched_tokens} (raising the ceiling needs a restart)",
             }
         )
+    if b.max_num_batched_tokens is not None and b.max_num_batched_tokens <= limits.max_num_batched_tokens:
+        floor = min_batched_tokens(limits, b.max_num_seqs)
+        if b.max_num_batched_tokens < floor:
+            errors.append(
+                {
+                    "loc": ["batch", "max_num_batched_tokens"],
+                    "msg": f"{b.max_num_batched_tokens} is below the floor of {floor} tokens per step "
+                    f"(max_num_seqs x (1 + K_max) = {(b.max_num_seqs or limits.max_num_seqs) * (1 + limits.k_max)}, "
+                    f"at least {MIN_BATCHED_TOKENS}, at most the start-up value)",
+                }
+            )
     if errors:
         raise ConfigError(errors)
 

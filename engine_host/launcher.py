@@ -25,6 +25,7 @@ from pathlib import Path
 from .channel import ENV_CHANNEL, Channel
 from .config import SPECULATION_MODES, LiveConfig, SpeculationConfig
 from .home import home, subdir
+from .orphan_guard import ENV_API_PID
 from .model import DEFAULT_MODEL_NAME, ModelError, default_model_dir, resolve_draft, resolve_model
 from .speculation import ENV_SPECULATION, METHODS, SpeculationError, SpeculationSpec, speculative_config
 from . import speculation
@@ -32,6 +33,8 @@ from .auth import ENV_TOKEN, control_token
 from .plugin import ENV_WARMUP
 
 PLUGINS = "specpilot_control,specpilot_stats,specpilot_general"
+ENV_API_KEY = "SPECPILOT_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
 DEFAULT_METHOD = "ngram"
 
 
@@ -121,7 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's async scheduling; the hook then subclasses AsyncScheduler, the class vLLM "
                    "itself would use. Default: on with the GPU build when --k-max is 0 (as plain vLLM), off "
                    "otherwise (vLLM refuses async scheduling with ngram drafts; the CPU build runs synchronously)")
-    p.add_argument("--api-key", default=None, help="require this key on the OpenAI API (/v1/*)")
+    p.add_argument("--api-key-file", default=None,
+                   help=f"require the key in this file on the OpenAI API (/v1/*); or set ${ENV_API_KEY} "
+                   f"(or ${VLLM_API_KEY_ENV}). The key reaches vLLM by environment, never on a command line")
+    p.add_argument("--api-key", default=None,
+                   help=f"deprecated: visible in 'ps' while this launcher starts; use --api-key-file or ${ENV_API_KEY}")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of device memory for vLLM (CPU build: of the NUMA node; default 0.3 there)")
     p.add_argument("--kv-cache-space-gib", type=float, default=2.0, help="CPU build only: KV cache size (GiB)")
@@ -196,14 +203,39 @@ def vllm_command(args: argparse.Namespace, model: str, extra: list[str], draft: 
         cmd.append("--async-scheduling")
     else:
         cmd.append("--no-async-scheduling")
-    if args.api_key:
-        cmd += ["--api-key", args.api_key]
     gmu = args.gpu_memory_utilization
     if gmu is None and is_cpu_build():
         gmu = 0.3
     if gmu is not None:
         cmd += ["--gpu-memory-utilization", str(gmu)]
     return cmd + extra
+
+
+def resolve_api_key(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
+    """The OpenAI API key: ``--api-key-file``, else ``$SPECPILOT_API_KEY``, else
+    ``$VLLM_API_KEY``, else the deprecated ``--api-key`` (a warning says it is visible in
+    ``ps`` while the launcher runs). None: the API is open.
+
+    Raises:
+        SystemExit: the key file cannot be read or is empty.
+    """
+    env = os.environ if env is None else env
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).expanduser().read_text().strip()
+        except OSError as exc:
+            raise SystemExit(f"error: cannot read --api-key-file: {exc}") from None
+        if not key:
+            raise SystemExit(f"error: --api-key-file {args.api_key_file} is empty")
+        return key
+    for name in (ENV_API_KEY, VLLM_API_KEY_ENV):
+        if env.get(name, "").strip():
+            return env[name].strip()
+    if args.api_key:
+        print(f"warning: --api-key is visible in 'ps' for this process until vLLM starts; use --api-key-file or "
+              f"${ENV_API_KEY} (the key reaches vLLM by environment either way)", file=sys.stderr, flush=True)
+        return args.api_key
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,11 +271,19 @@ def main(argv: list[str] | None = None) -> int:
         print(shlex.join(cmd))
         return 0
 
+    api_key = resolve_api_key(args)
     token, created = control_token()
     chan_path = subdir("run") / f"engine-{args.port}.chan"
+    # a fresh file per start (Channel(create=True) replaces the inode)
     Channel(chan_path, create=True).write_config(1, config.model_dump(mode="json"))
 
     env = dict(os.environ)
+    env.pop(ENV_API_KEY, None)
+    if api_key:
+        env[VLLM_API_KEY_ENV] = api_key  # vLLM reads it (never put it in argv)
+    else:
+        env.pop(VLLM_API_KEY_ENV, None)
+    env[ENV_API_PID] = str(os.getpid())  # exec keeps the PID: vLLM's children watch it (orphan_guard)
     env[ENV_TOKEN] = token
     env[ENV_CHANNEL] = str(chan_path)
     env[ENV_WARMUP] = args.warmup

@@ -39,9 +39,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel
 
 from . import envs
-from .auth import require_control_token
-from .channel import Channel, ChannelError, channel_from_env
+from .auth import ControlAuthError, control_auth_error_handler, require_control_token
+from .channel import ACK_APPLIED, ACK_REFUSED, CONFIG_BYTES, Channel, ChannelError, channel_from_env
 from .config import ConfigError, EngineLimits, LiveConfig, apply_patch, diff_configs
+from .schema import (
+    ApplyAnswer,
+    ConfigPatch,
+    ControlState,
+    ErrorAnswer,
+    SamplesAnswer,
+    WarmupRunsAnswer,
+    openapi_schema,
+)
 from .stats import SAMPLES
 from .warmup import RUNS, start_background_tasks
 
@@ -49,7 +58,34 @@ logger = logging.getLogger("specpilot.plugin")
 
 ENV_WARMUP = envs.WARMUP
 ENV_EXTENSIONS = envs.ENDPOINT_EXTENSIONS
-ACK_TIMEOUT_S = 5.0
+#: How long ``PUT /control/config`` waits for the engine core's decision (s). The core
+#: decides at its next step; a CPU step of a full batch with a long prefill chunk can
+#: take seconds on a small machine, so this is well above one step.
+ACK_TIMEOUT_S = 10.0
+#: How long the API waits for the command lock to withdraw a command it gave up on (s).
+LOCK_WAIT_S = 5.0
+#: Largest ``PUT /control/config`` body (bytes); larger is 413.
+MAX_BODY_BYTES = 1024 * 1024
+#: Deepest nesting of arrays/objects in a ``PUT /control/config`` body; deeper is 422.
+MAX_BODY_DEPTH = 32
+
+
+class ChannelBusy(RuntimeError):
+    """The command lock could not be taken in time (the engine core holds it: stopped
+    or stuck in the middle of a config decision)."""
+
+
+async def _take_channel_lock(channel: Channel, timeout_s: float) -> None:
+    """Take the channel's command lock without blocking the event loop.
+
+    Raises:
+        ChannelBusy: not taken within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not channel.try_lock():
+        if time.monotonic() >= deadline:
+            raise ChannelBusy(f"the control channel stayed locked for {timeout_s:.0f} s")
+        await asyncio.sleep(0.002)
 
 
 class EngineHostState:
@@ -72,9 +108,13 @@ class EngineHostState:
         if self.channel is None:
             return
         async with self.lock:
-            _, payload = self.channel.read_config()
-            payload = payload or {}
-            self.channel.write_config(int(payload.get("version", 0)), payload.get("config") or {}, warmup_k=k)
+            await _take_channel_lock(self.channel, timeout_s)
+            try:
+                _, payload = self.channel.read_config()
+                payload = payload or {}
+                self.channel.write_config(int(payload.get("version", 0)), payload.get("config") or {}, warmup_k=k)
+            finally:
+                self.channel.unlock()
         await _wake_engine_core()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -121,6 +161,7 @@ def build_state() -> dict[str, Any]:
         "speculation": {
             "mode": spec.get("mode"),
             "k_current": core.get("k_current"),
+            "k_next": core.get("k_next"),
             "k": spec.get("k"),
             "k_min": spec.get("k_min"),
             "k_max": k_hi,
@@ -196,15 +237,25 @@ async def check_prompt_lengths(config: LiveConfig, limits: EngineLimits) -> None
 
 
 async def apply_config(patch: dict[str, Any]) -> dict[str, Any]:
-    """Validate ``patch`` against the config in force, publish it, wait for the ack.
+    """Validate ``patch`` against the config in force, publish it, wait for the engine
+    core's decision.
+
+    The command is published and, when the API gives up waiting, withdrawn under the
+    channel's command lock (see :mod:`engine_host.channel`): a command answered 503 was
+    not applied and never will be; one the core applied is answered 200, late or not.
 
     Returns:
-        ``{"config_version", "config", "diff", "applied", "apply_latency_ms", ...}``.
+        An :class:`~engine_host.schema.ApplyAnswer` as a dict.
     Raises:
         ConfigError / RestartRequired: refused; nothing changed.
-        HTTPException(503): the engine core did not acknowledge in time.
+        HTTPException(413): the config does not fit the control channel.
+        HTTPException(503): the engine core took no decision within ``ACK_TIMEOUT_S``;
+            the command was withdrawn (not applied).
+        HTTPException(504): the engine core stopped in the middle of its decision; the
+            outcome is unknown (``GET /control/state`` says which version is in force).
     """
-    if HOST.channel is None:
+    channel = HOST.channel
+    if channel is None:
         raise HTTPException(status_code=503, detail="no control channel: start the engine host with python -m engine_host")
     async with HOST.lock:
         core = _core_or_503()
@@ -214,65 +265,178 @@ async def apply_config(patch: dict[str, Any]) -> dict[str, Any]:
         await check_prompt_lengths(new, limits)
         old_version = int(core.get("config_version") or 0)
         version = old_version + 1
+        new_dump, old_dump = new.model_dump(mode="json"), current.model_dump(mode="json")
         t0 = time.monotonic()
-        warmup_k = (HOST.channel.read_config()[1] or {}).get("warmup_k")
-        HOST.channel.write_config(version, new.model_dump(mode="json"), warmup_k=warmup_k)
+        try:
+            await _take_channel_lock(channel, LOCK_WAIT_S)
+        except ChannelBusy as exc:
+            raise HTTPException(status_code=503, detail=f"{exc}; nothing was sent, the config is unchanged") from None
+        try:
+            warmup_k = (channel.read_config()[1] or {}).get("warmup_k")
+            try:
+                channel.write_config(version, new_dump, warmup_k=warmup_k)
+            except ChannelError as exc:
+                raise HTTPException(status_code=413, detail=f"the config does not fit the engine's control channel "
+                                    f"({CONFIG_BYTES} bytes): {exc}") from None
+            seq = channel.config_seq()
+        finally:
+            channel.unlock()
         await _wake_engine_core()
-        state = core
-        while time.monotonic() - t0 < ACK_TIMEOUT_S:
-            state = HOST.core_state() or state
-            if state.get("config_version") == version:
-                break
-            if state.get("config_error") and f"version {version} " in state["config_error"]:
-                HOST.channel.write_config(old_version, current.model_dump(mode="json"))
-                raise ConfigError([{"loc": ["config"], "msg": state["config_error"]}])
-            await asyncio.sleep(0.002)
-        else:
-            raise HTTPException(
-                status_code=503,
-                detail=f"the engine core did not acknowledge config version {version} within {ACK_TIMEOUT_S:.0f} s; "
-                "it will apply it at its next step if it is alive",
-            )
+        outcome = await _wait_for_decision(channel, seq, t0)
+        if outcome is None:  # gave up: withdraw under the lock, unless the core decided meanwhile
+            try:
+                await _take_channel_lock(channel, LOCK_WAIT_S)
+            except ChannelBusy:
+                raise HTTPException(
+                    status_code=504,
+                    detail=f"the engine core stopped while deciding on config version {version}; whether it took "
+                    "effect is unknown: read GET /control/state",
+                ) from None
+            try:
+                ack_seq, ack = channel.read_ack()
+                outcome = ack if ack_seq == seq else None
+                if outcome is None:
+                    channel.write_config(old_version, old_dump, warmup_k=warmup_k, withdrawn=version)
+            finally:
+                channel.unlock()
+            if outcome is None:
+                raise HTTPException(
+                    status_code=503,
+                    detail=f"the engine core did not acknowledge config version {version} within "
+                    f"{ACK_TIMEOUT_S:.0f} s (busy or stopped); the command was withdrawn and will not be applied: "
+                    f"version {old_version} stays in force",
+                )
+        state = HOST.core_state() or core
+        if outcome == ACK_REFUSED:
+            await _take_channel_lock(channel, LOCK_WAIT_S)
+            try:
+                channel.write_config(old_version, old_dump, warmup_k=warmup_k, withdrawn=version)
+            finally:
+                channel.unlock()
+            raise ConfigError([{"loc": ["config"], "msg": state.get("config_error")
+                                or f"version {version} refused by the engine core"}])
         return {
             "config_version": version,
             "previous_version": old_version,
-            "config": new.model_dump(mode="json"),
-            "diff": diff_configs(current.model_dump(mode="json"), new.model_dump(mode="json")),
+            "config": new_dump,
+            "diff": diff_configs(old_dump, new_dump),
             "applied": True,
             "applied_at": state.get("config_applied_at"),
             "ack_step": state.get("config_ack_step"),
             "apply_latency_ms": round((time.monotonic() - t0) * 1000.0, 3),
             "k_current": state.get("k_current"),
+            "k_next": state.get("k_next"),
         }
+
+
+_WAKES: set[asyncio.Future[None]] = set()  # wake-up calls in flight, referenced until done
+
+
+async def _wait_for_decision(channel: Channel, seq: int, t0: float) -> int | None:
+    """Poll the acknowledgement word (one struct read) until the core decided on the
+    command published as ``seq``: ``ACK_APPLIED``/``ACK_REFUSED``, None on timeout. The
+    idle core is woken again every second (a wake-up can race its lock attempt)."""
+    delay, next_wake = 0.001, t0 + 1.0
+    while time.monotonic() - t0 < ACK_TIMEOUT_S:
+        ack_seq, outcome = channel.read_ack()
+        if ack_seq == seq and outcome in (ACK_APPLIED, ACK_REFUSED):
+            return outcome
+        if time.monotonic() >= next_wake:
+            next_wake += 1.0
+            task = asyncio.ensure_future(_wake_engine_core())
+            _WAKES.add(task)
+            task.add_done_callback(_WAKES.discard)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.02)
+    return None
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value (iterative: any depth is safe)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, d = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, d)
+            if d > MAX_BODY_DEPTH:
+                return d
+            stack.extend((v, d + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def _refusal(status: int, loc: list[Any], msg: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"detail": [{"loc": loc, "msg": msg}], "message": msg})
+
+
+async def parse_config_body(request: Request) -> Any:
+    """The JSON body of ``PUT /control/config``, or a refusal naming the cause.
+
+    Returns:
+        The parsed body, or a ``JSONResponse``: 413 over :data:`MAX_BODY_BYTES`, 422 for
+        malformed JSON or nesting deeper than :data:`MAX_BODY_DEPTH`.
+    """
+    declared = request.headers.get("content-length")
+    too_big = f"the request body is larger than the limit of {MAX_BODY_BYTES} bytes"
+    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return _refusal(413, ["body"], too_big)
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            return _refusal(413, ["body"], too_big)
+    try:
+        body = json.loads(raw or b"null")
+    except RecursionError:
+        return _refusal(422, ["body"], f"the JSON body is nested deeper than {MAX_BODY_DEPTH} levels")
+    except ValueError as exc:
+        return _refusal(422, ["body"], f"malformed JSON: {exc}")
+    if _depth(body) > MAX_BODY_DEPTH:
+        return _refusal(422, ["body"], f"the JSON body is nested deeper than {MAX_BODY_DEPTH} levels")
+    return body
 
 
 control_router = APIRouter(prefix="/control", tags=["control"], dependencies=[Depends(require_control_token)])
 
 
-@control_router.get("/state")
+_REFUSALS: dict[int | str, dict[str, Any]] = {
+    409: {"model": ErrorAnswer, "description": "needs an engine restart; nothing changed"},
+    413: {"model": ErrorAnswer, "description": "body or config too large; nothing changed"},
+    422: {"model": ErrorAnswer, "description": "invalid config, malformed or too deep JSON; nothing changed"},
+    503: {"description": "no decision by the engine core in time; the command was withdrawn (not applied)"},
+    504: {"description": "the engine core stopped mid-decision; the outcome is unknown"},
+}
+
+
+@control_router.get("/state", response_model=ControlState)
 async def get_state() -> dict[str, Any]:
     """Live config, controller state, caps in force and engine identity."""
     return build_state()
 
 
-@control_router.put("/config")
+@control_router.put(
+    "/config",
+    response_model=ApplyAnswer,
+    responses=_REFUSALS,
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": openapi_schema(ConfigPatch)}}}},
+)
 async def put_config(request: Request) -> Any:
-    """Apply a partial config live (within one engine step). 422 invalid, 409 needs a restart.
+    """Apply a partial config live (within one engine step). 422 invalid, 409 needs a
+    restart, 413 too large, 503 not acknowledged in time (withdrawn, not applied).
 
-    Body: any subset of ``{"speculation": {...}, "batch": {...}, "warmup": {...}}``.
+    Body: any subset of ``{"speculation": {...}, "batch": {...}, "warmup": {...}}``
+    (:class:`~engine_host.schema.ConfigPatch`).
     """
-    try:
-        body = json.loads(await request.body() or b"null")
-    except ValueError as exc:
-        return JSONResponse(status_code=422, content={"detail": [{"loc": ["body"], "msg": f"malformed JSON: {exc}"}],
-                                                      "message": f"malformed JSON: {exc}"})
+    body = await parse_config_body(request)
+    if isinstance(body, JSONResponse):
+        return body
     try:
         return await apply_config(body)
     except ConfigError as exc:
         return JSONResponse(status_code=exc.status, content={"detail": exc.errors, "message": str(exc)})
 
 
-@control_router.get("/samples")
+@control_router.get("/samples", response_model=SamplesAnswer)
 async def get_samples(
     since: float | None = Query(None, description="unix seconds; only samples after this"),
 ) -> dict[str, Any]:
@@ -280,7 +444,7 @@ async def get_samples(
     return {"now": time.time(), "samples": SAMPLES.samples(since)}
 
 
-@control_router.get("/warmup/runs")
+@control_router.get("/warmup/runs", response_model=WarmupRunsAnswer)
 async def get_warmup_runs(
     after_id: int = Query(0, ge=0, description="only runs with a larger id (incremental fetch)"),
 ) -> dict[str, Any]:
@@ -434,6 +598,7 @@ class SpecPilotEndpoints:
         (:func:`load_extensions`) attach theirs."""
         app.include_router(control_router)
         app.include_router(health_router)
+        app.add_exception_handler(ControlAuthError, control_auth_error_handler)  # type: ignore[arg-type]
         EXTENSIONS[:] = load_extensions()
         for ext in EXTENSIONS:
             ext.attach_router(app)

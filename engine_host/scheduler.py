@@ -29,7 +29,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from .channel import Channel, channel_from_env
+from .channel import ACK_APPLIED, ACK_REFUSED, Channel, channel_from_env
 from .config import LiveConfig
 from .controller import SpeculationController, StepObservation
 from .request_gate import RequestDraftGate, draft_token_cost
@@ -115,6 +115,7 @@ class _SpecPilotHook:
         }
         self._channel: Channel | None = channel_from_env()
         self._config = LiveConfig()
+        self._config_dump = self._config.model_dump(mode="json")
         self._config_version = 0
         self._config_seq = -1
         self._config_error: str | None = None
@@ -158,6 +159,16 @@ class _SpecPilotHook:
         seq = ch.config_seq()
         if seq == self._config_seq and not force:
             return False
+        # decide under the command lock, so the API cannot give up on (withdraw) a command
+        # between our read and our decision; busy: try again at the next step
+        if not ch.try_lock():
+            return False
+        try:
+            return self._take_config(ch, force)
+        finally:
+            ch.unlock()
+
+    def _take_config(self, ch: Channel, force: bool) -> bool:
         seq, payload = ch.read_config()
         self._config_seq = seq
         if not payload:
@@ -177,8 +188,10 @@ class _SpecPilotHook:
             self._config_error = f"version {version} refused by the engine core: {exc}"
             logger.error(self._config_error)
             self._publish(time.monotonic())
+            ch.write_ack(seq, ACK_REFUSED)
             return False
         self._config = cfg
+        self._config_dump = cfg.model_dump(mode="json")
         self._config_version = version
         self._gate_on = cfg.speculation.mode == "adaptive" and cfg.speculation.adaptive.per_request
         self._gate.probe_every = cfg.speculation.adaptive.probe_every
@@ -191,6 +204,7 @@ class _SpecPilotHook:
         self._max_running_seen = len(self.running)  # type: ignore[attr-defined]
         self._apply_caps()
         self._publish(time.monotonic())
+        ch.write_ack(seq, ACK_APPLIED)
         return True
 
     def _apply_caps(self) -> None:
@@ -213,6 +227,26 @@ class _SpecPilotHook:
             self._k_first_use_step = self._step_index
         self._overhead_s += time.perf_counter() - t
         return k
+
+    def _k_next(self, batch_size: int) -> int:
+        """K (tokens) the policy will use for the next step, without deciding it: the
+        warm-up K; off 0; fixed the configured K; batch_table the table's K at this batch
+        size; adaptive and the baselines their current choice. Clamped to 0..K_max."""
+        if self._k_engine <= 0:
+            return 0
+        if self._warmup_k is not None:
+            return self._warmup_k
+        policy = self.controller.policy
+        mode = self._config.speculation.mode
+        if mode == "off":
+            k = 0
+        elif mode == "fixed":
+            k = self._config.speculation.k
+        elif mode == "batch_table":
+            k = policy.k_for_batch(max(1, batch_size))  # a pure table lookup
+        else:
+            k = getattr(policy, "current", getattr(policy, "k", self.controller.k_current))
+        return max(0, min(int(k), self._k_engine))
 
     # -- vLLM scheduler overrides ---------------------------------------------
     def has_requests(self) -> bool:  # type: ignore[override]
@@ -339,11 +373,12 @@ class _SpecPilotHook:
             "published_at": time.time(),
             "limits": self._limits,
             "config_version": self._config_version,
-            "config": self._config.model_dump(mode="json"),
+            "config": self._config_dump,
             "config_applied_at": self._applied_at,
             "config_ack_step": self._ack_step,
             "config_error": self._config_error,
             "k_current": self._k_decided if self._warmup_k is not None else self.controller.k_current,
+            "k_next": self._k_next(running),
             "warmup_k": self._warmup_k,
             "warmup_steps_at_k": list(self._warmup_steps),
             "k_first_use_step": self._k_first_use_step,

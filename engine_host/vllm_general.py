@@ -11,6 +11,7 @@ from __future__ import annotations
 
 def register() -> None:
     """Called by vLLM's ``load_general_plugins()`` in each vLLM process. Never raises."""
-    from . import vllm_patches
+    from . import orphan_guard, vllm_patches
 
+    orphan_guard.install()
     vllm_patches.install()

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from control.cli import build_parser, main
-from control.testing import FakeEngineHost
+from tests.support import FakeEngineHost
 
 TOKEN = "cli-token"
 

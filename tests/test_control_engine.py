@@ -20,7 +20,7 @@ from control.apply import ConfigRefused, apply_change, reconcile, rollback
 from control.collector import Collector
 from control.samples import gaps, samples
 from control.store import Store, add_host, audit_events
-from control.testing import TcpRelay, free_port
+from tests.support import TcpRelay, free_port
 from control.versions import history
 
 pytestmark = pytest.mark.engine

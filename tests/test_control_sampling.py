@@ -17,7 +17,7 @@ from control.metrics_parse import (
     select_families,
 )
 from control.sampling import FAMILIES, SampleBuilder, rollup
-from control.testing import FakeEngineMetrics
+from tests.support import FakeEngineMetrics
 
 TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 from control import auth
 from control import versions as versions_mod
 from control.auth import User
-from control.testing import FakeEngineHost
+from tests.support import FakeEngineHost
 from control.views import common
 from control.views import control as control_views
 from control.views import history as history_views

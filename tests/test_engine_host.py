@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import os
+import signal
 import threading
 import time
 
@@ -159,8 +162,10 @@ def _ok_request(engine_host):
 
 
 def test_control_without_token_is_401_and_engine_keeps_serving(engine_host):
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}):
-        assert httpx.get(engine_host.url + "/control/state", headers=headers).status_code == 401
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"},
+                    {"Authorization": "Bearer tökén".encode()}):
+        r = httpx.get(engine_host.url + "/control/state", headers=headers)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         assert httpx.put(engine_host.url + "/control/config", headers=headers,
                          json={"speculation": {"k": 1}}).status_code == 401
     _ok_request(engine_host)
@@ -176,6 +181,11 @@ def test_control_without_token_is_401_and_engine_keeps_serving(engine_host):
         ({"speculation": {"depth": 3}}, "depth"),
         ({"bogus": 1}, "bogus"),
         ({"speculation": {"mode": "warp"}}, "mode"),
+        ({"speculation": {"k": "4"}}, "k"),
+        ({"speculation": {"k": True}}, "k"),
+        ({"speculation": {"mode": "batch_table", "table": [[1, 8, 50]]}}, "table"),
+        ({"speculation": {"threshold": {"k_high": 100}}}, "k_high"),
+        ({"batch": {"max_num_batched_tokens": 1}}, "max_num_batched_tokens"),
     ],
 )
 def test_invalid_config_is_422_and_changes_nothing(engine_host, control, body, field):
@@ -332,3 +342,92 @@ def test_invalid_heartbeat_schedules_are_refused(engine_host, control, hb, field
     assert r.status_code == 422, r.text
     assert any(field in [str(x) for x in e["loc"]] for e in r.json()["detail"]), r.json()
     assert control.get("/control/state").json()["config_version"] == before
+
+
+# --- bodies of any shape get an answer that names the cause (issue 18: 4, 5, 6, 15) ----------
+
+
+@pytest.mark.parametrize(
+    "raw,status,cause",
+    [
+        (b'{"speculation": {"threshold": {"interval_s": Infinity}}}', 422, "interval_s"),
+        (b'{"warmup": {"heartbeats": [{"name": "h", "interval_s": 5, "idle_s": NaN}]}}', 422, "idle_s"),
+        (b"[" * 100_000 + b"]" * 100_000, 422, "nested deeper"),
+        (b'{"speculation": ' * 40 + b"1" + b"}" * 40, 422, "nested deeper"),
+        (b'{"warmup": {"heartbeats": [{"name": "h", "interval_s": 5, "prompts": ["' + b"x" * (2 << 20) + b'"]}]}}',
+         413, "1048576 bytes"),
+    ],
+)
+def test_odd_bodies_are_refused_naming_the_cause(engine_host, control, raw, status, cause):
+    before = control.get("/control/state").json()
+    r = control.put("/control/config", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text[:300]
+    assert cause in r.text
+    after = control.get("/control/state").json()
+    assert after["config_version"] == before["config_version"] and after["config"] == before["config"]
+
+
+def test_a_config_over_16_kib_is_applied(engine_host, control):
+    hb = [{"name": f"big{i}", "interval_s": 3600.0, "enabled": False, "prompts": ["word " * 820]} for i in range(4)]
+    body = {"warmup": {"heartbeats": hb}}
+    assert len(json.dumps(body)) > 16 * 1024
+    try:
+        r = control.put("/control/config", json=body)
+        assert r.status_code == 200, r.text[:300]
+        st = control.get("/control/state").json()
+        assert st["config_version"] == r.json()["config_version"]
+        assert [h["name"] for h in st["config"]["warmup"]["heartbeats"]] == ["big0", "big1", "big2", "big3"]
+    finally:
+        control.put("/control/config", json={"warmup": {"heartbeats": []}})
+
+
+def test_openapi_schema_declares_the_control_bodies(engine_host):
+    spec = httpx.get(engine_host.url + "/openapi.json", timeout=30).json()
+    put = spec["paths"]["/control/config"]["put"]
+    body = put["requestBody"]["content"]["application/json"]["schema"]
+    assert {"speculation", "batch", "warmup", "engine"} <= set(body["properties"])
+    assert "mode" in body["properties"]["speculation"]["properties"]
+    assert {"200", "409", "413", "422"} <= set(put["responses"])
+    ok = put["responses"]["200"]["content"]["application/json"]["schema"]
+    assert ok["$ref"].endswith("ApplyAnswer")
+    state = spec["paths"]["/control/state"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert state["$ref"].endswith("ControlState")
+    assert "k_next" in spec["components"]["schemas"]["SpeculationState"]["properties"]
+
+
+# --- K in force on an idle engine (issue 19, item 1) ----------------------------------------
+
+
+def test_k_next_is_the_k_in_force_on_an_idle_engine_right_after_an_apply(engine_host, control, restore_config):
+    r = control.put("/control/config", json={"speculation": {"mode": "fixed", "k": 3}})
+    assert r.status_code == 200, r.text
+    assert r.json()["k_next"] == 3
+    st = control.get("/control/state").json()
+    assert st["speculation"]["k_next"] == 3  # k_current may still be the last step's K
+    assert control.put("/control/config", json={"speculation": {"mode": "off"}}).json()["k_next"] == 0
+    assert control.get("/control/state").json()["speculation"]["k_next"] == 0
+
+
+# --- an apply answered as failed never takes effect later (issue 18, item 3) ------------------
+
+
+def test_an_apply_the_paused_core_never_acknowledged_is_withdrawn_not_applied_later(engine_host, control,
+                                                                                   restore_config):
+    before = control.get("/control/state").json()
+    core_pid = before["engine"]["core_pid"]
+    k_before = before["config"]["speculation"]["k"]
+    os.kill(core_pid, signal.SIGSTOP)
+    try:
+        r = control.put("/control/config", json={"speculation": {"mode": "fixed", "k": 5 if k_before != 5 else 6}})
+    finally:
+        os.kill(core_pid, signal.SIGCONT)
+    assert r.status_code == 503, r.text
+    assert "withdrawn" in r.text
+    time.sleep(2.0)  # the resumed core runs steps and reads the channel
+    _ok_request(engine_host)
+    after = control.get("/control/state").json()
+    assert after["config_version"] == before["config_version"]
+    assert after["config"]["speculation"]["k"] == k_before
+    # and the engine takes the next apply normally
+    r = control.put("/control/config", json={"speculation": {"mode": "fixed", "k": 2}})
+    assert r.status_code == 200 and r.json()["config_version"] == before["config_version"] + 1

@@ -22,7 +22,7 @@ from control.collector import Collector
 from control.exporter import serve as serve_exporter
 from control.promsource import PrometheusSource, instance_of, store_window
 from control.store import Store, add_host
-from control.testing import PrometheusServer, free_port, why_no_prometheus
+from tests.support import PrometheusServer, free_port, why_no_prometheus
 
 pytestmark = pytest.mark.engine
 

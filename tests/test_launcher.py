@@ -63,3 +63,34 @@ def test_dtype_auto_follows_the_hardware(monkeypatch, cpu_build, native_fp16, fl
     monkeypatch.setattr(launcher, "is_cpu_build", lambda: cpu_build)
     monkeypatch.setattr(launcher, "cpu_has_native_fp16", lambda: native_fp16)
     assert value(command("--dtype", flag), "--dtype") == expect
+
+
+# --- the OpenAI API key never reaches a command line (issue 18, item 12) ---------------
+
+
+def test_api_key_is_not_on_vllms_command_line():
+    cmd = command("--api-key", "s3cret")
+    assert "s3cret" not in " ".join(cmd) and "--api-key" not in cmd
+
+
+def test_api_key_comes_from_a_file_then_the_environment_then_the_flag(tmp_path, capsys):
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    parse = launcher.build_parser().parse_args
+    assert launcher.resolve_api_key(parse(["--api-key-file", str(key_file)]), env={"SPECPILOT_API_KEY": "x"}) == "from-file"
+    assert launcher.resolve_api_key(parse([]), env={"SPECPILOT_API_KEY": "from-env"}) == "from-env"
+    assert launcher.resolve_api_key(parse([]), env={"VLLM_API_KEY": "vllm-env"}) == "vllm-env"
+    assert launcher.resolve_api_key(parse([]), env={}) is None
+    assert launcher.resolve_api_key(parse(["--api-key", "flag"]), env={}) == "flag"
+    assert "visible in 'ps'" in capsys.readouterr().err
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SystemExit, match="empty"):
+        launcher.resolve_api_key(parse(["--api-key-file", str(tmp_path / "empty")]), env={})
+
+
+def test_only_vllms_children_arm_the_orphan_guard():
+    from engine_host.orphan_guard import should_guard
+
+    assert should_guard(pid=200, env={"SPECPILOT_API_PID": "100"})  # engine core, workers
+    assert not should_guard(pid=100, env={"SPECPILOT_API_PID": "100"})  # the engine host itself
+    assert not should_guard(pid=200, env={})  # not started by the launcher

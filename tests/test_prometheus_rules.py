@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from control.testing import why_no_prometheus
+from tests.support import why_no_prometheus
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
 

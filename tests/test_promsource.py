@@ -25,7 +25,7 @@ from control.promsource import (
     store_window,
 )
 from control.store import Store, add_host
-from control.testing import FakeEngineHost, PrometheusServer, why_no_prometheus
+from tests.support import FakeEngineHost, PrometheusServer, why_no_prometheus
 
 
 def _need_prometheus():
@@ -121,7 +121,7 @@ def test_prometheus_and_collector_give_the_same_window_figures(fake, tmp_path, m
 
 
 def test_an_unreachable_prometheus_is_a_clear_error():
-    from control.testing import free_port
+    from tests.support import free_port
 
     src = PrometheusSource(f"http://127.0.0.1:{free_port()}", timeout_s=2)
     with pytest.raises(MetricSourceError, match="did not answer"):

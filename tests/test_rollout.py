@@ -21,7 +21,7 @@ from control.collector import Collector
 from control.models import Rollout
 from control.rollout import RolloutError, parse_guard
 from control.store import Store, add_host
-from control.testing import FakeEngineHost
+from tests.support import FakeEngineHost
 from control.versions import history
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -124,7 +124,7 @@ def dual_host(tmp_path, monkeypatch):
     import uvicorn
 
     from control.store import Store, add_host
-    from control.testing import FakeEngineHost, database_url
+    from tests.support import FakeEngineHost, database_url
     from engine_host.process import free_port
     from engine_host.router.app import create_app
     from engine_host.router.split import TrafficSplit

@@ -6,7 +6,7 @@ import pytest
 
 from control.alerts import AlertEvaluator, BadRule, events, list_rules, set_rule
 from control.store import Store, add_host
-from control.testing import BACKENDS, database_url
+from tests.support import BACKENDS, database_url
 
 
 @pytest.fixture(params=BACKENDS)

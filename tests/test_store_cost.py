@@ -15,7 +15,7 @@ from control.fleet import fleet_series, fleet_status
 from control.models import ConfigVersion
 from control.samples import insert_samples
 from control.store import Store, add_host
-from control.testing import BACKENDS, database_url, synthetic_sample
+from tests.support import BACKENDS, database_url, synthetic_sample
 from control.versions import record_version
 
 DAY = 86400

@@ -10,7 +10,7 @@ from sqlalchemy import inspect, select, text
 
 from control.db import StoreError, create_db_engine, current_revision, downgrade, open_engine, upgrade
 from control.models import AlertRule, Base
-from control.testing import BACKENDS, database_url
+from tests.support import BACKENDS, database_url
 
 def _single_head() -> str:
     """The one head of the revision chain (two heads would be a merge mistake)."""

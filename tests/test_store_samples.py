@@ -27,7 +27,7 @@ from control.samples import (
     series,
 )
 from control.store import Store, UnknownHost, add_host, get_host
-from control.testing import BACKENDS, FakeEngineHost, database_url, synthetic_sample
+from tests.support import BACKENDS, FakeEngineHost, database_url, synthetic_sample
 from control.versions import history
 
 T0 = 1_700_000_000 - (1_700_000_000 % 3600)  # an hour boundary
@@ -168,7 +168,7 @@ _WRITER = """
 import sys, time
 from control.store import Store, get_host
 from control.samples import insert_samples
-from control.testing import synthetic_sample
+from tests.support import synthetic_sample
 store = Store.open(sys.argv[1])
 hid = get_host(store, "h").id
 t = int(sys.argv[2])

@@ -24,7 +24,7 @@ from control.store import (
     list_hosts,
     remove_host,
 )
-from control.testing import BACKENDS, FakeEngineHost, database_url
+from tests.support import BACKENDS, FakeEngineHost, database_url
 from control.versions import UnknownVersion, diff_versions, get_version, history
 
 

@@ -6,7 +6,7 @@ import pydantic
 import pytest
 
 from control.store import Store, add_host, get_host
-from control.testing import BACKENDS, FakeEngineHost, database_url
+from tests.support import BACKENDS, FakeEngineHost, database_url
 from control.warmup import (
     UnknownSchedule,
     delete_schedule,
