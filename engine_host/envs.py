@@ -33,6 +33,8 @@ METRICS_SOURCE = "SPECPILOT_METRICS_SOURCE"
 PROMETHEUS_URL = "SPECPILOT_PROMETHEUS_URL"
 CHROMIUM = "SPECPILOT_CHROMIUM"
 SESSION_SECRET = "SPECPILOT_SESSION_SECRET"
+API_KEY = "SPECPILOT_API_KEY"
+API_PID = "SPECPILOT_API_PID"
 
 #: name -> meaning, for every variable SpecPilot reads (``SPECPILOT_VENV`` is read by
 #: ``scripts/setup.sh`` only; tests read their own variables, e.g. the engine start-up timeout).
@@ -52,6 +54,8 @@ VARIABLES: dict[str, str] = {
     NEW_PASSWORD: "password for `python -m dashboard users add` when there is no terminal to prompt on",
     METRICS_SOURCE: "where views read windowed figures: embedded (the store, default) or prometheus",
     PROMETHEUS_URL: "Prometheus server URL for the prometheus metric source",
+    API_KEY: "the OpenAI API key the engine host requires (else --api-key-file, $VLLM_API_KEY); never on a command line",
+    API_PID: "PID of the engine host's API process (set by the launcher; vLLM's other processes exit when their parent dies)",
     SESSION_SECRET: "key that signs dashboard session cookies (else a random key in $SPECPILOT_HOME/dashboard-session.key)",
     CHROMIUM: "Chromium executable for browser benchmarks and tests, default /usr/bin/chromium",
 }
@@ -150,3 +154,13 @@ def chromium(environ: Mapping[str, str] | None = None) -> str:
 def session_secret(environ: Mapping[str, str] | None = None) -> str | None:
     """``$SPECPILOT_SESSION_SECRET``, None when unset or empty (the dashboard then keeps a random key)."""
     return _env(environ).get(SESSION_SECRET) or None
+
+
+def api_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_API_KEY`` stripped, None when unset or blank."""
+    return (_env(environ).get(API_KEY) or "").strip() or None
+
+
+def api_pid(environ: Mapping[str, str] | None = None) -> str:
+    """``$SPECPILOT_API_PID`` (a PID as text), "" when unset."""
+    return _env(environ).get(API_PID, "")

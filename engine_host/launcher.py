@@ -22,18 +22,18 @@ import shlex
 import sys
 from pathlib import Path
 
+from . import envs, speculation
+from .auth import ENV_TOKEN, control_token
 from .channel import ENV_CHANNEL, Channel
 from .config import SPECULATION_MODES, LiveConfig, SpeculationConfig
 from .home import home, subdir
-from .orphan_guard import ENV_API_PID
 from .model import DEFAULT_MODEL_NAME, ModelError, default_model_dir, resolve_draft, resolve_model
-from .speculation import ENV_SPECULATION, METHODS, SpeculationError, SpeculationSpec, speculative_config
-from . import speculation
-from .auth import ENV_TOKEN, control_token
+from .orphan_guard import ENV_API_PID
 from .plugin import ENV_WARMUP
+from .speculation import ENV_SPECULATION, METHODS, SpeculationError, SpeculationSpec, speculative_config
 
 PLUGINS = "specpilot_control,specpilot_stats,specpilot_general"
-ENV_API_KEY = "SPECPILOT_API_KEY"
+ENV_API_KEY = envs.API_KEY
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
 DEFAULT_METHOD = "ngram"
 

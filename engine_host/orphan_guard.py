@@ -23,7 +23,9 @@ import sys
 import threading
 import time
 
-ENV_API_PID = "SPECPILOT_API_PID"
+from . import envs
+
+ENV_API_PID = envs.API_PID
 POLL_S = 0.2
 GRACE_S = 3.0
 
@@ -34,7 +36,7 @@ def should_guard(pid: int | None = None, env: dict[str, str] | None = None) -> b
     """True in a vLLM child process of a SpecPilot engine host (not the API process,
     not a process started some other way)."""
     env = os.environ if env is None else env
-    api = env.get(ENV_API_PID, "")
+    api = envs.api_pid(env)
     if not api.isdigit():
         return False
     return int(api) != (os.getpid() if pid is None else pid)
