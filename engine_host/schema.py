@@ -7,7 +7,8 @@
 * :class:`ControlState`: ``GET /control/state``.
 * :class:`ApplyAnswer`: the answer of ``PUT /control/config`` (200);
   :class:`ErrorAnswer` its refusals (409, 413, 422).
-* :class:`Sample`: one per-second sample of ``GET /control/samples``.
+* :class:`Sample` (defined in :mod:`engine_host.sample` with its builder): one per-second
+  sample of ``GET /control/samples``, the same row the collector stores.
 * :class:`WarmupRunsAnswer`: ``GET /control/warmup/runs``.
 
 The engine host's routes declare these models, so the served OpenAPI schema is the
@@ -23,10 +24,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from .config import EngineLimits, LiveConfig, SpeculationConfig
+from .sample import Sample
 
 __all__ = [
     "ApplyAnswer", "BatchState", "ConfigPatch", "ControlState", "CoreState", "DiffEntry", "EngineIdentity",
-    "EngineLimits", "EnginePatch", "ErrorAnswer", "ErrorItem", "LiveConfig", "Percentiles", "Sample",
+    "EngineLimits", "EnginePatch", "ErrorAnswer", "ErrorItem", "LiveConfig", "Sample",
     "SamplesAnswer", "SpeculationConfig", "SpeculationState", "WarmupRunsAnswer", "openapi_schema",
 ]
 
@@ -196,40 +198,6 @@ class ErrorAnswer(_Body):
 
 
 # --------------------------------------------------------------------------- samples and runs
-
-class Percentiles(_Body):
-    """P50/P95/P99 (ms) over a sliding window; None without values."""
-
-    p50: float | None = None
-    p95: float | None = None
-    p99: float | None = None
-
-
-class Sample(_Open):
-    """One per-second sample of the engine's ring buffer (``engine_host.stats``)."""
-
-    t: int = Field(description="unix second the sample covers")
-    output_tokens_per_s: Number = Field(description="user output tokens in that second (heartbeats excluded)")
-    internal_output_tokens: Number = 0
-    prompt_tokens_per_s: Number = 0
-    requests_finished: Number = 0
-    ttft_ms: Percentiles
-    itl_ms: Percentiles
-    e2e_ms: Percentiles
-    queue_ms: Percentiles
-    kv_cache_usage: float | None = Field(None, description="fraction 0..1")
-    running: int | None = None
-    waiting: int | None = None
-    num_drafts: Number = 0
-    draft_tokens: Number = 0
-    accepted_tokens: Number = 0
-    acceptance_rate: float | None = Field(None, description="accepted / draft tokens, fraction 0..1")
-    acceptance_per_position: list[float | None] = Field(
-        default_factory=list, description="accepted_j / drafted_j per draft position j")
-    k: int | None = None
-    mode: str | None = None
-    config_version: int | None = None
-
 
 class SamplesAnswer(_Body):
     """``GET /control/samples``."""
