@@ -64,9 +64,11 @@ print(f"[runner] torch {torch.__version__} cuda {torch.cuda.is_available()}, vll
 for g in ("vllm.endpoint_plugins", "vllm.stat_logger_plugins", "vllm.general_plugins"):
     print(f"[runner] entry points {g}: {[e.value for e in md.entry_points(group=g)]}")
 EOF
-  t0=$(date +%s)
-  "$PY" -m engine_host.model --quiet || { echo "model conversion failed" >&2; exit 5; }
-  echo "[runner] default model converted in $(( $(date +%s) - t0 )) s"
+  if [ -z "${SPECPILOT_NO_DEFAULT_MODEL:-}" ]; then  # set it when every command names --model
+    t0=$(date +%s)
+    "$PY" -m engine_host.model --quiet || { echo "model conversion failed" >&2; exit 5; }
+    echo "[runner] default model converted in $(( $(date +%s) - t0 )) s"
+  fi
 fi
 echo "[runner] ready after $(( $(date +%s) - t_start )) s in this call"
 
