@@ -1,4 +1,4 @@
-"""GPU measurements of the engine host against plain vLLM (run by ``bench/gpu_runner.sh``).
+"""GPU measurements of the engine host against plain vLLM (run by ``scripts/gpu/runner.sh``).
 
 Each ``--engine`` is started in turn (one process at a time, CUDA graphs on unless the
 engine's arguments say otherwise), measured, and stopped:
@@ -296,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--harness-duration", type=float, default=10.0)
     ap.add_argument("--harness-args", default="",
                     help="further 'python -m bench run' arguments, e.g. '--requests-per-client 6 --ramp 3'")
+    ap.add_argument("--model", default="default",
+                    help="'default' (the default model, prepared on first use) or a model folder, e.g. "
+                         "$SPECPILOT_HOME/models/Qwen2.5-Coder-1.5B-Instruct")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-results")))
     args = ap.parse_args(argv)
@@ -303,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         args.loads = []
     out = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    model = str(prepare_default_model(quiet=True))
+    model = str(prepare_default_model(quiet=True)) if args.model == "default" else args.model
+    if not Path(model, "config.json").is_file():
+        raise SystemExit(f"error: --model {model}: no config.json there")
     res_path = out / "results.json"
     results = json.loads(res_path.read_text()) if res_path.is_file() else {"engines": []}
     for spec in args.engine:

@@ -22,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import envs, speculation
+from . import envs, speculation, vllm_compat
 from .auth import ENV_TOKEN, control_token
 from .channel import ENV_CHANNEL, Channel
 from .config import SPECULATION_MODES, LiveConfig, SpeculationConfig
@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's executor for several GPUs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="vLLM's async scheduling; the hook then subclasses AsyncScheduler, the class vLLM "
-                   "itself would use. Default: on with the GPU build when --k-max is 0 (as plain vLLM), off "
+                   "itself would use. Default: on with the GPU build when --k-max is 0 (as plain vLLM) and, on "
+                   "vLLM >= 0.32, with ngram_gpu, draft_model, eagle, eagle3 and mtp (Model Runner V2); off "
                    "otherwise (vLLM refuses async scheduling with ngram drafts; the CPU build runs synchronously)")
     p.add_argument("--api-key-file", default=None,
                    help=f"require the key in this file on the OpenAI API (/v1/*); or set ${ENV_API_KEY} "
@@ -156,7 +157,9 @@ def use_async_scheduling(args: argparse.Namespace) -> bool:
     """Whether the engine runs vLLM's async scheduling (see ``--async-scheduling``)."""
     if args.async_scheduling is not None:
         return bool(args.async_scheduling)
-    return args.k_max <= 0 and not is_cpu_build()
+    dist = vllm_compat.installed_vllm()
+    return vllm_compat.async_scheduling_default(args.speculative_method, args.k_max,
+                                                version=dist[1] if dist else "0", cpu_build=is_cpu_build())
 
 
 def speculation_spec(args: argparse.Namespace, model: str, draft: str | None = None) -> SpeculationSpec:
@@ -174,20 +177,22 @@ def vllm_command(args: argparse.Namespace, model: str, extra: list[str], draft: 
     async_on = use_async_scheduling(args)
     is_path = Path(model).exists() or model.startswith(("/", ".", "~"))
     name = args.served_model_name or (Path(model).name if is_path else model)
-    sched = "SpecPilotAsyncScheduler" if async_on else "SpecPilotScheduler"
     cmd = [
         sys.executable, "-m", "engine_host.serve", "serve", model,
         "--served-model-name", name,
         "--host", args.host, "--port", str(args.port),
         "--max-model-len", str(args.max_model_len),
         "--dtype", resolve_dtype(args.dtype),
-        "--scheduler-cls", f"engine_host.scheduler.{sched}",
+        "--scheduler-cls", vllm_compat.scheduler_class(async_on),
         "--tensor-parallel-size", str(args.tensor_parallel_size),
         "--enable-prompt-tokens-details",
     ]
     if args.k_max > 0:
         spec = speculative_config(speculation_spec(args, model, draft), args.draft_tensor_parallel_size,
                                   args.draft_quantization)
+        dist = vllm_compat.installed_vllm()
+        spec.update(vllm_compat.speculative_config_extra(args.speculative_method, args.k_max,
+                                                         version=dist[1] if dist else "0", cpu_build=is_cpu_build()))
         cmd += ["--speculative-config", json.dumps(spec)]
     if args.max_num_seqs:
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]

@@ -1,0 +1,98 @@
+"""The offline GPU payload's bundles (scripts/gpu/payload.py): split into parts, checked on
+arrival, installed only when complete. No GPU and no network: small stand-in files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def payload():
+    spec = importlib.util.spec_from_file_location("gpu_payload", ROOT / "scripts" / "gpu" / "payload.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _bundle(payload, tmp_path: Path, name: str, files: dict[str, bytes], part_mib: int = 1) -> dict:
+    stage = tmp_path / f"stage-{name}"
+    for rel, data in files.items():
+        (stage / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stage / rel).write_bytes(data)
+    return payload.split_bundle(stage, tmp_path / "out", name, part_mib)
+
+
+def _arrive(tmp_path: Path, folders: list[Path]) -> Path:
+    parts = tmp_path / "scratch" / "parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    for d in folders:
+        for f in d.iterdir():
+            (parts / f.name).write_bytes(f.read_bytes())
+    return parts
+
+
+def test_parts_fit_one_transfer_and_each_folder_carries_the_part_list(payload, tmp_path):
+    data = bytes(range(256)) * (3 * 4096 + 17)  # about 3.2 MiB
+    summary = _bundle(payload, tmp_path, "qwen15", {"gguf/m.Q4_K_M.gguf": data})
+    folders = sorted((tmp_path / "out").glob("qwen15-*"))
+    assert len(folders) == len(summary["parts"]) == 4
+    for d in folders:
+        assert (d / "qwen15.parts.json").is_file()
+        assert all(f.stat().st_size <= 1 << 20 for f in d.glob("*.tar.part-*"))
+
+
+def test_a_bundle_is_installed_only_when_every_part_arrived_intact(payload, tmp_path):
+    data = b"gguf" * 700_000
+    _bundle(payload, tmp_path, "extra", {"gguf/x.bin": data})
+    folders = sorted((tmp_path / "out").glob("extra-*"))
+    scratch = tmp_path / "scratch"
+    _arrive(tmp_path, folders[:-1])
+    assert payload.install(scratch) == {"extra": f"waiting: {len(folders) - 1} of {len(folders)} parts"}
+    assert not (scratch / "root" / "gguf").exists()
+
+    parts = _arrive(tmp_path, folders[-1:])
+    last = sorted(parts.glob("*.tar.part-*"))[-1]
+    good = last.read_bytes()
+    last.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    assert payload.install(scratch) == {"extra": "corrupt"}
+
+    last.write_bytes(good)
+    assert payload.install(scratch) == {"extra": "installed"}
+    assert (scratch / "root" / "gguf" / "x.bin").read_bytes() == data
+    assert not list(parts.glob("*.tar.part-*"))  # parts removed once unpacked
+    assert payload.install(scratch) == {"extra": "already"}
+
+
+def test_check_reports_missing_parts_per_bundle(payload, tmp_path, capsys):
+    _bundle(payload, tmp_path, "extra", {"a.bin": b"x" * 2_500_000})
+    folders = sorted((tmp_path / "out").glob("extra-*"))
+    parts = _arrive(tmp_path, folders[:1])
+    assert payload.check(parts) == 1
+    assert json.loads(capsys.readouterr().out.strip())["extra"]["missing"] == len(folders) - 1
+
+
+def test_033_profile_carries_the_torch_stack_vllm_pins(payload):
+    p = payload.PROFILES["0.33.0"]
+    assert p.vllm_wheel == "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    assert set(p.big_wheels) == {"torch==2.14.0", "triton==3.8.0", "nvidia-nccl-cu13==2.32.3"}
+    for w in ("torchvision==0.29.0", "compressed-tensors==0.17.0", "loguru", "xgrammar==0.2.8"):
+        assert w in p.wheels
+    names = [payload._dist_name(s) for s in p.wheels + p.big_wheels]
+    assert len(names) == len(set(names)), "one version of each wheel"
+
+
+def test_gpu_payload_tooling_is_not_in_the_package_and_the_gpu_extra_is_pinned():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert not (ROOT / "bench" / "gpu_payload.py").exists()
+    assert "scripts*" not in cfg["tool"]["setuptools"]["packages"]["find"]["include"]
+    gpu = cfg["project"]["optional-dependencies"]["gpu"]
+    assert "vllm==0.33.0" in gpu and "torch==2.14.0" in gpu

