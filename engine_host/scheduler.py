@@ -33,6 +33,7 @@ from .channel import ACK_APPLIED, ACK_REFUSED, Channel, channel_from_env
 from .config import LiveConfig
 from .controller import SpeculationController, StepObservation
 from .request_gate import RequestDraftGate, draft_token_cost
+from .step_clock import StepClock
 
 logger = logging.getLogger("specpilot.scheduler")
 
@@ -133,6 +134,7 @@ class _SpecPilotHook:
         self._k_drafted = 0  # K of the drafts verified in the step being scheduled
         self._k_first_use_step: int | None = None
         self._t_sched = 0.0
+        self._clock = StepClock()
         self._step_index = 0
         self._hist = [0] * max(self._k_engine, 1)
         self._dhist = [0] * max(self._k_engine, 1)
@@ -267,6 +269,7 @@ class _SpecPilotHook:
             self._gate_drafts()
         self._overhead_s += time.perf_counter() - t
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        self._clock.scheduled(t, self._k_drafted, self._k_decided)
         self._step_index += 1
         return out
 
@@ -316,7 +319,11 @@ class _SpecPilotHook:
     def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         t = time.perf_counter()
-        step_time = t - self._t_sched if self._t_sched else 0.0
+        # under async scheduling the last schedule() is the *next* step: match outputs to
+        # their own step (engine_host.step_clock)
+        step_time, step = self._clock.output(t)
+        k_drafted = step.k_drafted if step is not None else self._k_drafted
+        k_proposed = step.k_proposed if step is not None else self._k_decided
         n_dec = 0
         total = 0
         if self._k_engine > 0:  # without speculation there is nothing for the controller to learn
@@ -333,8 +340,8 @@ class _SpecPilotHook:
             self.controller.observe(
                 StepObservation(
                     batch_size=n_dec,
-                    k_drafted=self._k_drafted,
-                    k_proposed=self._k_decided,
+                    k_drafted=k_drafted,
+                    k_proposed=k_proposed,
                     num_draft_tokens=self._drafted,
                     num_accepted_tokens=self._accepted,
                     accepted_hist=list(self._hist),
