@@ -440,21 +440,20 @@ LIVE_COLUMNS = [
 
 
 def samples_frame(samples: Iterable[dict[str, Any]]) -> pd.DataFrame:
-    """Per-second samples (the engine host's ``/control/samples`` shape, or the store's
-    flat shape) as a DataFrame with :data:`LIVE_COLUMNS` (ms, tokens/s, requests/s,
-    KV cache usage and acceptance as fractions 0..1, K in tokens)."""
+    """Samples (:class:`engine_host.sample.Sample` rows: the engine host's
+    ``/control/samples``, the store and Prometheus mode give the same shape) as a DataFrame
+    with :data:`LIVE_COLUMNS` (ms, tokens/s, requests/s, KV cache usage and acceptance as
+    fractions 0..1, K in tokens)."""
     rows = []
     for s in samples:
         row: dict[str, Any] = {"t": utc(s.get("t"))}
         for kind in LATENCY_KINDS:
-            nested = s.get(f"{kind}_ms")
             for p in PCTS:
-                flat = s.get(f"{kind}_{p}_ms", s.get(f"{kind}_ms_{p}"))
-                row[f"{kind}_{p}_ms"] = nested.get(p) if isinstance(nested, dict) else flat
+                row[f"{kind}_{p}_ms"] = s.get(f"{kind}_{p}_ms")
         row["output_tokens_per_s"] = s.get("output_tokens_per_s")
         rps = s.get("requests_per_s")
         if rps is None and s.get("requests_finished") is not None:
-            rps = float(s["requests_finished"]) / float(s.get("interval_s") or 1.0)
+            rps = float(s["requests_finished"]) / float(s.get("covered_s") or s.get("interval_s") or 1.0)
         row["requests_per_s"] = rps
         for key in ("kv_cache_usage", "running", "waiting", "acceptance_rate", "k", "mode", "config_version",
                     "max_num_seqs"):
