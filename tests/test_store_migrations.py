@@ -27,7 +27,7 @@ def test_upgrade_from_empty_to_head_then_downgrade_to_empty(db_url):
         assert current_revision(engine) is None
         assert not set(inspect(engine).get_table_names()) & TABLES
         upgrade(engine)
-        assert current_revision(engine) == "0007"
+        assert current_revision(engine) == "0009"
         assert TABLES <= set(inspect(engine).get_table_names())
         downgrade(engine, "base")
         assert current_revision(engine) is None
@@ -65,7 +65,7 @@ def test_default_alert_rules_are_data_in_the_schema(db_url):
 def test_opening_twice_is_idempotent(db_url):
     for _ in range(2):
         engine = open_engine(db_url)
-        assert current_revision(engine) == "0007"
+        assert current_revision(engine) == "0009"
         engine.dispose()
 
 

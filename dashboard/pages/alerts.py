@@ -60,3 +60,37 @@ def alerts_panel() -> None:
 
 
 alerts_panel()
+
+
+@st.fragment(run_every="5s")
+def drift_panel() -> None:
+    """Open config drifts with both sides, and the operator's two ways out."""
+    from control.drift import drifts, resolve_as_user
+    from control.store import Store
+
+    store = Store(views.store_engine(views.db_url()))
+    try:
+        rows = drifts(store, host, open_only=True)
+    except Exception as exc:
+        st.error(f"Config drift unavailable: {views.describe_error(exc)}")
+        return
+    if not rows:
+        return
+    st.subheader(f"Config drift ({len(rows)})")
+    for d in rows:
+        st.warning(f"{d['host']}: the engine runs config version {d['engine_version']}, the store's version in "
+                   f"force is {d['store_version']}. " + views.diff_text(d["diff"]).replace("\n", "; "),
+                   icon=":material/sync_problem:")
+        with st.form(f"drift_{d['id']}"):
+            reason = st.text_input("Reason", key=f"drift_reason_{d['id']}")
+            b = st.columns(2)
+            how = ("reapply" if b[0].form_submit_button(f"Re-apply store version {d['store_version']}")
+                   else "adopt" if b[1].form_submit_button("Adopt the engine's config") else None)
+        if how:
+            try:
+                st.success(resolve_as_user(store, d["host"], how, ui.current_user(), reason))
+            except Exception as exc:
+                st.error(views.describe_error(exc))
+
+
+drift_panel()
