@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     fl = sub.add_parser("fleet", help="fleet scale: embedded collector against Prometheus with N stand-in hosts, "
                         "page render times with 7 days of data")
     fleet_arguments(fl)
+    from .faults import add_arguments as faults_arguments
+
+    faults_arguments(sub.add_parser("faults", help="fault injection into control up: kill -9 / SIGTERM / SIGSTOP of "
+                                    "each process; orphans, recovery time, versions, store integrity"))
     return p
 
 
@@ -442,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench_fleet import main as fleet_main
 
             return fleet_main(args)
+        if args.command == "faults":
+            from .faults import main as faults_main
+
+            return faults_main(args)
         return {"run": cmd_run, "matrix": cmd_matrix, "report": cmd_report, "workloads": cmd_workloads}[args.command](args)
     except (BenchError, SourceMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)

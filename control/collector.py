@@ -48,6 +48,7 @@ from .warmup import sync_runs
 log = logging.getLogger("specpilot.collector")
 
 COLLECTOR_DOWN = "no collection: the collector was not running"
+COLLECTOR_STALLED = "no collection: the collector was stalled"
 
 
 def last_covered(store: Store, host_id: int) -> float | None:
@@ -190,6 +191,10 @@ class HostCollector:
                 record_closed_gap(self.store, self.host.id, self.covered_until, t, COLLECTOR_DOWN)
                 log.warning("host %s: nothing collected for %.0f s before this start; recorded as a gap",
                             self.host.name, t - self.covered_until)
+        elif self.last_ok is not None and t - self.last_ok > 3 * self.interval_s:
+            # this process did not scrape for a while (stopped, suspended, starved)
+            record_closed_gap(self.store, self.host.id, self.last_ok + self.interval_s, t, COLLECTOR_STALLED)
+            log.warning("host %s: no scrape for %.0f s; recorded as a gap", self.host.name, t - self.last_ok)
         self.up, self.last_ok = True, t
         start = snap.value(ENGINE_START)
         if start is not None and (self.known_start is None or abs(start - self.known_start) > 1e-3):

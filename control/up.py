@@ -57,6 +57,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dashboard-port", type=int, default=8501, help="dashboard port")
     p.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the engine host")
+    p.add_argument("--liveness-s", type=float, default=30.0,
+                   help="restart an engine host whose /health has failed for this long (s; 0: only on exit)")
 
 
 def dashboard_available() -> bool:
@@ -208,6 +210,25 @@ def _stop_child(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
         proc.wait(timeout=10)
 
 
+def wait_port_free(address: str, port: int, timeout_s: float = 60.0, out=sys.stdout) -> bool:
+    """Wait until nothing listens on ``address:port`` (e.g. the engine host of a previous
+    ``control up`` that was killed is still shutting down). Returns True when free."""
+    import socket
+
+    t0, said = time.monotonic(), False
+    while time.monotonic() - t0 < timeout_s:
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            if s.connect_ex((address if address not in ("0.0.0.0", "") else "127.0.0.1", port)) != 0:
+                return True
+        if not said:
+            print(f"SpecPilot: port {port} is still in use (a previous engine host shutting down?); waiting",
+                  file=out, flush=True)
+            said = True
+        time.sleep(0.5)
+    return False
+
+
 def start_dashboard(cmd: list[str]) -> subprocess.Popen:
     """Start the dashboard as a child that dies with this process."""
     return subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
@@ -220,7 +241,10 @@ class Supervisor:
         store: the store; name: the host's name in it; collector: the running
         :class:`control.collector.Collector`; make_engine: builds a fresh (not started)
         engine host; engine: the one running; dashboard_cmd / dashboard: the dashboard's
-        argv and process (None: none); ready_timeout_s: how long a restart may take (s).
+        argv and process (None: none); ready_timeout_s: how long a restart may take (s);
+        liveness_s: an engine host whose ``/health`` has not answered 200 for this long
+        (s) is killed and restarted like one that exited (0: off); probe_s: seconds
+        between ``/health`` probes.
 
     :meth:`run` loops until KeyboardInterrupt (Ctrl-C, SIGTERM). ``engine`` and
     ``dashboard`` are always the current processes (for the clean-up).
@@ -228,13 +252,15 @@ class Supervisor:
 
     def __init__(self, store: Any, name: str, collector: Any, make_engine: Callable[[], Any], engine: Any,
                  dashboard_cmd: list[str] | None, dashboard: subprocess.Popen | None, ready_timeout_s: float,
-                 poll_s: float = 0.5, out=sys.stdout):
+                 liveness_s: float = 30.0, probe_s: float = 2.0, poll_s: float = 0.5, out=sys.stdout):
         self.store, self.name, self.collector = store, name, collector
         self.make_engine, self.engine = make_engine, engine
         self.dashboard_cmd, self.dashboard = dashboard_cmd, dashboard
         self.ready_timeout_s, self.poll_s, self.out = ready_timeout_s, poll_s, out
         self.engine_backoff, self.dashboard_backoff = Backoff(), Backoff()
         self.restarts = 0
+        self.liveness_s, self.probe_s = liveness_s, probe_s
+        self._last_healthy = self._next_probe = time.monotonic()
         self._engine_up_since = time.monotonic()
         self._dashboard_up_since = time.monotonic()
 
@@ -251,8 +277,30 @@ class Supervisor:
         except Exception:  # the store may be unreachable; supervision goes on
             log.exception("could not record %s in the audit trail", action)
 
+    def _probe(self) -> None:
+        """Kill an engine host that stopped answering ``/health`` for ``liveness_s`` s."""
+        import httpx
+
+        now = time.monotonic()
+        if not self.liveness_s or now < self._next_probe:
+            return
+        self._next_probe = now + self.probe_s
+        try:
+            ok = httpx.get(self.engine.url + "/health", timeout=min(2.0, self.probe_s)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            self._last_healthy = time.monotonic()
+        elif time.monotonic() - self._last_healthy > self.liveness_s:
+            self._say(f"the engine host has not answered /health for {self.liveness_s:.0f} s; killing it")
+            self._audit("engine_host.kill", "failed", f"no answer on /health for {self.liveness_s:.0f} s",
+                        {"pid": self.engine.proc.pid})
+            kill_group(self.engine.proc.pid, grace_s=0.0)
+            self.engine.proc.wait()
+
     def run(self) -> None:
         while True:
+            self._probe()
             if not self.engine.alive():
                 self._engine_exited()
             if self.dashboard is not None and self.dashboard.poll() is not None:
@@ -278,6 +326,7 @@ class Supervisor:
         time.sleep(delay)
         self.restarts += 1
         self.engine = self.make_engine()
+        wait_port_free(self.engine.host, self.engine.port, out=self.out)
         self.engine.start()
         self._engine_up_since = time.monotonic()
         self._audit("engine_host.restart", "ok", f"restart {self.restarts} of the engine host (after {why})",
@@ -289,7 +338,7 @@ class Supervisor:
             if self.engine.alive():
                 self.engine.stop()
             return  # the next loop sees it dead and restarts it after a longer delay
-        self._engine_up_since = time.monotonic()
+        self._last_healthy = time.monotonic()
         self._say(f"engine host ready again in {seconds:.0f} s; the collector re-applies the last applied version")
 
     def _dashboard_exited(self) -> None:
@@ -335,6 +384,7 @@ def run_up(args: argparse.Namespace) -> int:
     collector = None
     dashboard = None
     try:
+        wait_port_free(args.address, args.port)
         print(f"SpecPilot: starting the engine host on {eh.url} (log {eh.log_path})", flush=True)
         eh.start()
         seconds = wait_ready(eh, args.ready_timeout)
@@ -357,7 +407,8 @@ def run_up(args: argparse.Namespace) -> int:
         if created:
             print(f"  control token  {token}  (saved in $SPECPILOT_HOME/control_token)")
         print("Ctrl-C stops everything.", flush=True)
-        sup = Supervisor(store, args.name, collector, make_engine, eh, dashboard_cmd, dashboard, args.ready_timeout)
+        sup = Supervisor(store, args.name, collector, make_engine, eh, dashboard_cmd, dashboard, args.ready_timeout,
+                         liveness_s=args.liveness_s)
         sup.run()
     except KeyboardInterrupt:
         return 0

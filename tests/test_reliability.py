@@ -273,3 +273,17 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_collector_that_stalled_records_the_stall_as_a_gap(store, fake):
+    from control.collector import COLLECTOR_STALLED
+
+    add_host(store, "h", fake.url)
+    hc = HostCollector(store, get_host(store, "h"), AlertEvaluator(store), warmup_sync_s=0)
+    t = time.time()
+    hc.tick(t)
+    hc.tick(t + 1)
+    hc.tick(t + 9)  # e.g. SIGSTOP for 8 s
+    (g,) = gaps(store, "h", 0, t + 100)
+    assert (g.started_at, g.ended_at, g.reason) == (t + 2, t + 9, COLLECTOR_STALLED)
+    hc.close()
