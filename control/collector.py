@@ -199,7 +199,8 @@ class HostCollector:
         start = snap.value(ENGINE_START)
         if start is not None and (self.known_start is None or abs(start - self.known_start) > 1e-3):
             self._reconcile(start)
-        self._check_drift(t)
+        if start is None or (self.known_start is not None and abs(start - self.known_start) <= 1e-3):
+            self._check_drift(t)  # not before a restart is reconciled (its re-apply is not drift)
         row = self.builder.feed(snap, t)
         if row is not None:
             insert_samples(self.store, self.host.id, [row])
