@@ -287,3 +287,21 @@ def test_a_collector_that_stalled_records_the_stall_as_a_gap(store, fake):
     (g,) = gaps(store, "h", 0, t + 100)
     assert (g.started_at, g.ended_at, g.reason) == (t + 2, t + 9, COLLECTOR_STALLED)
     hc.close()
+
+
+def test_cli_shows_a_drift_with_both_sides_and_adopts_it(store, db, fake, capsys):
+    from control.cli import main
+
+    add_host(store, "h", fake.url)
+    reconcile(store, "h")
+    assert main(["--db", db, "config", "drift", "--host", "h"]) == 0
+    assert "no open config drift" in capsys.readouterr().out
+    _put(fake, {"speculation": {"mode": "fixed", "k": 4}})
+    drift.check(store, "h", fake._state())
+    assert main(["--db", db, "config", "drift", "--host", "h"]) == 0
+    out = capsys.readouterr().out
+    assert "store:  version 1" in out and "engine: config version 2" in out and "speculation.k: store 0 / engine 4" in out
+    assert main(["--db", db, "config", "adopt", "--host", "h", "--reason", "keep it"]) == 0
+    assert "version 2 applied (adopted the engine's config version 2)" in capsys.readouterr().out
+    assert main(["--db", db, "config", "reapply", "--host", "h", "--reason", "nothing to do"]) == 1
+    assert "no open config drift" in capsys.readouterr().err
