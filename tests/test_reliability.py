@@ -305,3 +305,36 @@ def test_cli_shows_a_drift_with_both_sides_and_adopts_it(store, db, fake, capsys
     assert "version 2 applied (adopted the engine's config version 2)" in capsys.readouterr().out
     assert main(["--db", db, "config", "reapply", "--host", "h", "--reason", "nothing to do"]) == 1
     assert "no open config drift" in capsys.readouterr().err
+
+
+def test_alerts_page_shows_a_drift_and_an_operator_adopts_it(store, db, fake, monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    from control import views
+    from control.auth import User
+
+    monkeypatch.setenv("SPECPILOT_HOME", str(tmp_path / "home"))  # nothing touches a shared store
+    add_host(store, "h", fake.url)
+    reconcile(store, "h")
+    _put(fake, {"speculation": {"mode": "fixed", "k": 4}})
+    drift.check(store, "h", fake._state())
+    views.set_backend(views.StoreBackend(db))
+    try:
+        at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py"),
+                               default_timeout=60)
+        at.session_state["user"] = User("olga", "operator")
+        at.run()
+        at.switch_page("pages/alerts.py").run()
+        assert not at.exception, at.exception
+        (w,) = [w.value for w in at.warning if "store's version in force is 1" in str(w.value)]
+        assert "engine runs its config version 2" in w and "speculation.k" in w
+        at.text_input(key="drift_reason_1").input("keep the hand-tuned K")
+        adopt_button = [b for b in at.button if "Adopt" in str(b.label)][0]
+        adopt_button.click().run()
+        assert not at.exception, at.exception
+        assert any("adopted" in str(s.value) for s in at.success), [s.value for s in at.success]
+        assert history(store, "h")[0].source == "adopt" and history(store, "h")[0].author == "olga"
+    finally:
+        views.set_backend(None)

@@ -65,22 +65,17 @@ alerts_panel()
 @st.fragment(run_every="5s")
 def drift_panel() -> None:
     """Open config drifts with both sides, and the operator's two ways out."""
-    from control.drift import drifts, resolve_as_user
-    from control.store import Store
+    from control import drift_views
 
-    store = Store(views.store_engine(views.db_url()))
     try:
-        rows = drifts(store, host, open_only=True)
+        rows = drift_views.open_drifts(host)
     except Exception as exc:
         st.error(f"Config drift unavailable: {views.describe_error(exc)}")
         return
-    if not rows:
-        return
-    st.subheader(f"Config drift ({len(rows)})")
+    if rows:
+        st.subheader(f"Config drift ({len(rows)})")
     for d in rows:
-        st.warning(f"{d['host']}: the engine runs config version {d['engine_version']}, the store's version in "
-                   f"force is {d['store_version']}. " + views.diff_text(d["diff"]).replace("\n", "; "),
-                   icon=":material/sync_problem:")
+        st.warning(d["summary"], icon=":material/sync_problem:")
         with st.form(f"drift_{d['id']}"):
             reason = st.text_input("Reason", key=f"drift_reason_{d['id']}")
             b = st.columns(2)
@@ -88,7 +83,7 @@ def drift_panel() -> None:
                    else "adopt" if b[1].form_submit_button("Adopt the engine's config") else None)
         if how:
             try:
-                st.success(resolve_as_user(store, d["host"], how, ui.current_user(), reason))
+                st.success(drift_views.resolve(d["host"], how, ui.current_user(), reason))
             except Exception as exc:
                 st.error(views.describe_error(exc))
 
