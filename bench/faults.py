@@ -125,8 +125,10 @@ class Run:
         cmd = [sys.executable, "-m", "control", "--db", self.db, "up", "--port", str(self.port),
                "--dashboard-port", str(self.dport), "--model", self.model, "--engine-arg=--warmup=quick",
                "--engine-arg=--max-model-len=512", "--engine-arg=--k-max=4", "--engine-arg=--max-num-seqs=4"]
+        from control.up import die_with_parent
+
         self.up = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
 
     def token(self) -> str:
         return (self.home / "control_token").read_text().strip()
@@ -331,6 +333,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: unknown process or signal {bad}; processes {PROCESSES}, signals {SIGNALS}", file=sys.stderr)
         return 2
     rnd = random.Random(args.seed)
+
+    def on_term(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt  # so that the clean-up below runs
+
+    signal.signal(signal.SIGTERM, on_term)
     run = Run(args, out)
     cases: list[dict[str, Any]] = []
     try:
