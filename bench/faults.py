@@ -358,22 +358,30 @@ def main(args: argparse.Namespace) -> int:
             print(f"error: control up did not come up; see {out / 'control-up.log'}", file=sys.stderr)
             return 1
         print(f"control up serving after {startup:.1f} s (engine host, collector, dashboard)", flush=True)
-        with open(out / "cases.jsonl", "a") as f:
-            for i in range(args.repeat):
-                for p in processes:
-                    for s in signals_:
-                        c = run_case(run, p, s, rnd)
-                        c["round"] = i
-                        cases.append(c)
-                        f.write(json.dumps(c) + "\n")
-                        f.flush()
-                        print(f"round {i} {p:<12} {s:<4} recovery {c.get('recovery_s')} s, orphans "
-                              f"{len(c.get('orphans', []))}, lost {c.get('lost')}, misrecorded "
-                              f"{c.get('misrecorded')}, integrity {c.get('integrity')}"
-                              + (f" ({c['error']})" if c.get("error") else ""), flush=True)
+        try:
+            _rounds(run, args, processes, signals_, rnd, cases, out)
+        except KeyboardInterrupt:
+            print(f"interrupted after {len(cases)} cases", flush=True)
         table = summarise(cases, startup)
         print(table)
         (out / "summary.txt").write_text(table + "\n")
         return 0
     finally:
         run.stop()
+
+
+def _rounds(run: Run, args: argparse.Namespace, processes: list[str], signals_: list[str], rnd: random.Random,
+            cases: list[dict[str, Any]], out: Path) -> None:
+    with open(out / "cases.jsonl", "a") as f:
+        for i in range(args.repeat):
+            for p in processes:
+                for s in signals_:
+                    c = run_case(run, p, s, rnd)
+                    c["round"] = i
+                    cases.append(c)
+                    f.write(json.dumps(c) + "\n")
+                    f.flush()
+                    print(f"round {i} {p:<12} {s:<4} recovery {c.get('recovery_s')} s, orphans "
+                          f"{len(c.get('orphans', []))}, lost {c.get('lost')}, misrecorded "
+                          f"{c.get('misrecorded')}, integrity {c.get('integrity')}"
+                          + (f" ({c['error']})" if c.get("error") else ""), flush=True)
