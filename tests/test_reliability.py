@@ -338,3 +338,16 @@ def test_alerts_page_shows_a_drift_and_an_operator_adopts_it(store, db, fake, mo
         assert history(store, "h")[0].source == "adopt" and history(store, "h")[0].author == "olga"
     finally:
         views.set_backend(None)
+
+
+def test_fault_summary_counts_orphans_losses_and_misses_per_case():
+    from bench.faults import _descendants, summarise
+
+    ps = {10: (1, "up", True), 11: (10, "engine_host", True), 12: (11, "VLLM::EngineCore", True), 13: (1, "x", True)}
+    assert _descendants(10, ps) == {11, 12}
+    cases = [{"process": "engine-host", "signal": "KILL", "recovery_s": 40.0, "orphans": [], "lost": 0,
+              "misrecorded": 0, "integrity": "ok"},
+             {"process": "engine-host", "signal": "KILL", "recovery_s": None, "orphans": ["13 x"], "lost": 1,
+              "misrecorded": 2, "integrity": "ok"}]
+    row = summarise(cases, 38.0).splitlines()[2].split()
+    assert row[:7] == ["engine-host", "KILL", "2", "1", "1", "2", "ok"] and row[-1] == "1"
