@@ -13,7 +13,9 @@
    exit and each restart are recorded in the audit trail, and the engine host is started
    again after 1, 2, 4 ... 60 s (back to 1 s once a start has stayed up for 60 s); the
    collector then notices the new engine and re-applies the last applied version
-   (:func:`control.apply.reconcile`). A dashboard that exits is restarted the same way.
+   (:func:`control.apply.reconcile`). An engine host whose ``/health`` says its engine
+   is dead (503), or that does not answer for ``--liveness-s`` s, is killed and handled
+   the same way. A dashboard that exits is restarted the same way.
    Ctrl-C (or SIGTERM) stops everything, children first.
 
 No child outlives ``control up``: each is started with ``PR_SET_PDEATHSIG`` (Linux), so
@@ -243,7 +245,8 @@ class Supervisor:
         engine host; engine: the one running; dashboard_cmd / dashboard: the dashboard's
         argv and process (None: none); ready_timeout_s: how long a restart may take (s);
         liveness_s: an engine host whose ``/health`` has not answered 200 for this long
-        (s) is killed and restarted like one that exited (0: off); probe_s: seconds
+        (s), or that answered 503 twice in a row (vLLM's answer once its engine core is
+        dead), is killed and restarted like one that exited (0: off); probe_s: seconds
         between ``/health`` probes.
 
     :meth:`run` loops until KeyboardInterrupt (Ctrl-C, SIGTERM). ``engine`` and
@@ -252,7 +255,7 @@ class Supervisor:
 
     def __init__(self, store: Any, name: str, collector: Any, make_engine: Callable[[], Any], engine: Any,
                  dashboard_cmd: list[str] | None, dashboard: subprocess.Popen | None, ready_timeout_s: float,
-                 liveness_s: float = 30.0, probe_s: float = 2.0, poll_s: float = 0.5, out=sys.stdout):
+                 liveness_s: float = 30.0, probe_s: float = 1.0, poll_s: float = 0.5, out=sys.stdout):
         self.store, self.name, self.collector = store, name, collector
         self.make_engine, self.engine = make_engine, engine
         self.dashboard_cmd, self.dashboard = dashboard_cmd, dashboard
@@ -261,6 +264,7 @@ class Supervisor:
         self.restarts = 0
         self.liveness_s, self.probe_s = liveness_s, probe_s
         self._last_healthy = self._next_probe = time.monotonic()
+        self._dead_answers = 0
         self._engine_up_since = time.monotonic()
         self._dashboard_up_since = time.monotonic()
 
@@ -286,17 +290,23 @@ class Supervisor:
             return
         self._next_probe = now + self.probe_s
         try:
-            ok = httpx.get(self.engine.url + "/health", timeout=min(2.0, self.probe_s)).status_code == 200
+            status = httpx.get(self.engine.url + "/health", timeout=2.0).status_code
         except httpx.HTTPError:
-            ok = False
-        if ok:
+            status = None
+        self._dead_answers = self._dead_answers + 1 if status == 503 else 0
+        why = None
+        if status == 200:
             self._last_healthy = time.monotonic()
+        elif self._dead_answers >= 2:  # vLLM answers 503 only once its engine core is dead
+            why = "its engine is dead (/health answers 503)"
         elif time.monotonic() - self._last_healthy > self.liveness_s:
-            self._say(f"the engine host has not answered /health for {self.liveness_s:.0f} s; killing it")
-            self._audit("engine_host.kill", "failed", f"no answer on /health for {self.liveness_s:.0f} s",
-                        {"pid": self.engine.proc.pid})
+            why = f"no answer on /health for {self.liveness_s:.0f} s"
+        if why:
+            self._say(f"the engine host is alive but {why}; killing it")
+            self._audit("engine_host.kill", "failed", why, {"pid": self.engine.proc.pid})
             kill_group(self.engine.proc.pid, grace_s=0.0)
             self.engine.proc.wait()
+            self._dead_answers = 0
 
     def run(self) -> None:
         while True:
