@@ -240,7 +240,8 @@ class Run:
             return self.up.pid
         tree = _descendants(self.up.pid, ps)
         if process == "engine-host":
-            found = [p for p in tree if ps[p][0] == self.up.pid and "engine_host" in ps[p][1]]
+            found = [p for p in tree if ps[p][0] == self.up.pid
+                     and {"engine_host", "engine_host.serve"} & set(ps[p][1].split())]
         elif process == "engine-core":
             found = [p for p in tree if ps[p][1].startswith("VLLM::EngineCore")]
         elif process == "dashboard":

@@ -307,7 +307,8 @@ def test_up_supervises_the_engine_host_and_everything_dies_with_it(default_model
         applied = apply_change(store, "local", {"speculation": {"mode": "fixed", "k": 3}}, reason="tuned")
         assert applied.ok
         wait_for("the dashboard", lambda: _get_ok(f"http://127.0.0.1:{dport}/_stcore/health"), 120)
-        (engine_pid,) = [p for p, cmd in _children(proc.pid).items() if "engine_host" in cmd]
+        (engine_pid,) = [p for p, cmd in _children(proc.pid).items()
+                         if {"engine_host", "engine_host.serve"} & set(cmd.split())]
         dashboard_pids = {p for p, cmd in _children(proc.pid).items() if "streamlit" in cmd or "dashboard" in cmd}
 
         os.kill(engine_pid, signal.SIGKILL)
