@@ -19,8 +19,9 @@
    Ctrl-C (or SIGTERM) stops everything, children first.
 
 No child outlives ``control up``: each is started with ``PR_SET_PDEATHSIG`` (Linux), so
-the kernel sends it SIGTERM when ``control up`` dies, even by ``kill -9``; an engine
-host's process group is killed after it exits (anything it left behind in it).
+the kernel signals it when ``control up`` dies, even by ``kill -9`` (the dashboard gets
+SIGTERM, the engine host SIGKILL); an engine host's process group is killed after it
+exits (anything it left behind in it).
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> Callable[[], 
 
 
 class SupervisedEngineHost(EngineHostProcess):
-    """An engine host that dies with the process that started it (``PR_SET_PDEATHSIG``)."""
+    """An engine host that dies with the process that started it (``PR_SET_PDEATHSIG``
+    with SIGKILL)."""
 
     def start(self) -> "SupervisedEngineHost":
         env = dict(os.environ)
@@ -136,8 +138,11 @@ class SupervisedEngineHost(EngineHostProcess):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self.started_at = time.monotonic()
+        # SIGKILL: an engine host told to stop (SIGTERM) after its parent died was seen to
+        # hang in its shutdown; its engine core and workers die with it (engine_host)
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
+                                     start_new_session=True,
+                                     preexec_fn=die_with_parent(os.getpid(), signal.SIGKILL))
         return self
 
 
