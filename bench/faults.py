@@ -19,7 +19,8 @@ the fault, and measures
 Processes: ``engine-host`` (the engine host's API process), ``engine-core`` (vLLM's
 ``VLLM::EngineCore``), ``collector`` (``control up`` itself, which runs the collector:
 after SIGKILL/SIGTERM it is started again, as an init system would), ``dashboard``,
-``cli-apply`` (a ``python -m control config apply`` killed at a random moment).
+``cli-apply`` (a ``python -m control config apply`` killed while it holds the host's
+apply lease, 0-30 ms after it took it).
 Signals: ``KILL``, ``TERM``, ``STOP`` (held ``--stop-s`` s, then ``CONT``).
 
 Figures (one JSON line per case, and a summary table per process and signal) go to
@@ -222,6 +223,17 @@ class Run:
             mis += 1
         return lost, mis
 
+    def wait_for_lease_of(self, proc: subprocess.Popen, timeout_s: float = 30.0) -> bool:
+        """Wait until ``proc`` holds the host's apply lease (True), or has exited (False)."""
+        deadline = time.monotonic() + timeout_s
+        with sqlite3.connect(self.db_path, timeout=30) as c:
+            while time.monotonic() < deadline and proc.poll() is None:
+                row = c.execute("SELECT apply_lock_info FROM hosts WHERE name = 'local'").fetchone()
+                if row and row[0] and json.loads(row[0]).get("pid") == proc.pid:
+                    return True
+                time.sleep(0.002)
+        return False
+
     def integrity(self) -> str:
         with sqlite3.connect(self.db_path, timeout=30) as c:
             return ",".join(r[0] for r in c.execute("PRAGMA integrity_check"))
@@ -265,7 +277,8 @@ def run_case(run: Run, process: str, sig: str, rnd: random.Random) -> dict[str, 
                                 "--k", str(k), "--mode", "fixed", "--reason", "fault-injection: killed apply"],
                                env={**run.env, "SPECPILOT_CONTROL_TOKEN": run.token()}, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
-        time.sleep(rnd.uniform(0.3, 2.5))  # somewhere in start-up, validation, recording or the PUT
+        case["hit_mid_apply"] = run.wait_for_lease_of(cli)  # between taking the lease and giving it back
+        time.sleep(rnd.uniform(0.0, 0.03))  # state read, validation, recording, the PUT, the outcome
         t0 = time.monotonic()
         os.kill(cli.pid, signum)
         if sig == "STOP":
