@@ -327,15 +327,25 @@ def test_up_supervises_the_engine_host_and_everything_dies_with_it(default_model
         wait_for("host-down to close", lambda: not events(store, host="local", open_only=True), 30)
         assert open_drift(store, "local") is None  # a supervised restart is not drift
 
-        children = set(_children(proc.pid))
-        assert len(children) == 2
+        assert len(_children(proc.pid)) == 2
+        tree = _tree(proc.pid)  # engine host, its engine core and workers, dashboard
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        wait_for("the children to die with control up", lambda: not any(_alive(p) for p in children), 60)
+        wait_for("the whole tree to die with control up", lambda: not any(_alive(p) for p in tree), 60)
         assert not _engine_host_running(port)
     finally:
         store.close()
         _kill_group(proc)
+
+
+def _tree(pid: int) -> set[int]:
+    """``pid``'s live descendants."""
+    out, todo = set(), [pid]
+    while todo:
+        kids = set(_children(todo.pop())) - out
+        out |= kids
+        todo += list(kids)
+    return out
 
 
 def _get_ok(url: str) -> bool:
