@@ -193,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     fleet_arguments(fl)
     for name, (_, help_text) in TOOLS.items():
         sub.add_parser(name, help=help_text, add_help=False)  # parsed by the tool itself (run_tool)
+    from .faults import add_arguments as faults_arguments
+
+    faults_arguments(sub.add_parser("faults", help="fault injection into control up: kill -9 / SIGTERM / SIGSTOP of "
+                                    "each process; orphans, recovery time, versions, store integrity"))
     return p
 
 
@@ -482,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench_fleet import main as fleet_main
 
             return fleet_main(args)
+        if args.command == "faults":
+            from .faults import main as faults_main
+
+            return faults_main(args)
         return {"run": cmd_run, "matrix": cmd_matrix, "report": cmd_report, "workloads": cmd_workloads}[args.command](args)
     except (BenchError, SourceMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)

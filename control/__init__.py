@@ -12,11 +12,13 @@ concerns one engine host, the host's name):
     metrics_parse  /metrics through prometheus-client's parser; histogram quantiles
     sampling       scrapes -> 1 s samples (windowed percentiles, acceptance); roll-ups
     samples        samples in the store: chart series, downsampling, retention, gaps
-    collector      the daemon: scrape, store, alerts, gaps, restart detection
+    collector      the daemon: scrape, store, alerts, gaps, restart detection, drift checks
+    drift          config drift between an engine and the store: detection, re-apply, adopt
     alerts         alert rules as data, their evaluation, alert events
     cost           cost model and weekly report (data and CSV)
     fleet          fleet-wide status and aggregated series
     warmup         warm-up schedules and runs
-    cli, up        python -m control, and its 'up' main job
+    cli, up        python -m control, and its 'up' main job (supervises the engine host, dashboard)
+    cli_drift      python -m control config drift|reapply|adopt
     testing        throwaway PostgreSQL, stand-in engine host, TCP relay (tests, benchmarks)
 """

@@ -8,7 +8,13 @@ A missing value (no drafts, no requests in the window) does not breach a rule.
 
 The default rules come with the schema (migration 0001): ``low_acceptance``
 (acceptance < 0.5 for 300 s), ``kv_cache_full`` (KV cache usage > 0.9),
-``queue_time_p99`` (queue time P99 > 500 ms), ``host_down`` (up < 1 for 5 s).
+``queue_time_p99`` (queue time P99 > 500 ms), ``host_down`` (up < 1 for 5 s); migration
+0009 adds ``config_drift`` (``config_drift`` > 0: the engine's config differs from the
+store's version in force, :mod:`control.drift`).
+
+A supervisor that knows for certain that a host is down (``control up`` saw the engine
+host's process exit) opens ``up`` rules at once with :meth:`AlertEvaluator.open_now`
+instead of waiting their ``for_s``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from .store import ControlError, Store, active_host, audit, current_user
 OPS: dict[str, Callable[[float, float], bool]] = {
     "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
 }
-METRICS = ("up",) + SERIES_COLUMNS
+METRICS = ("up", "config_drift") + SERIES_COLUMNS
 
 
 class UnknownRule(ControlError, LookupError):
@@ -41,7 +47,7 @@ class BadRule(ControlError, ValueError):
 def _check(metric: str, op: str, threshold: float, for_s: float) -> None:
     if metric not in METRICS or metric in ("mode", "accepted_per_pos", "draft_tokens_per_pos",
                                            "acceptance_per_position"):
-        raise BadRule(f"unknown metric {metric!r}; use one of: up, {', '.join(SERIES_COLUMNS)}")
+        raise BadRule(f"unknown metric {metric!r}; use one of: up, config_drift, {', '.join(SERIES_COLUMNS)}")
     if op not in OPS:
         raise BadRule(f"unknown comparison {op!r}; use one of {', '.join(OPS)}")
     if for_s < 0:
@@ -186,6 +192,38 @@ class AlertEvaluator:
             if hid == host_id and rule_id not in active_rules and st.event_id is not None:
                 changes += self._close(f"rule {rule_id}", st, t)
         return changes
+
+    def open_now(self, host_id: int, t: float, metric: str, value: float, why: str) -> list[str]:
+        """Open every enabled rule on ``metric`` that ``value`` breaches for one host at
+        once (without waiting its ``for_s``), because the condition is known for certain
+        (e.g. ``up = 0``: the engine host's process exited). Rules already open stay as
+        they are; the next :meth:`evaluate` continues or closes them as usual.
+
+        Args:
+            t: when the condition began (unix s); why: added to the event's message.
+        Returns:
+            Messages of the events opened.
+        """
+        opened = []
+        for rule in self._rules_now():
+            if rule.metric != metric or (rule.host_id is not None and rule.host_id != host_id):
+                continue
+            if not OPS[rule.op](float(value), rule.threshold):
+                continue
+            st = self._state.setdefault((rule.id, host_id), _State())
+            if st.event_id is not None:
+                continue
+            st.since = t if st.since is None else min(st.since, t)
+            st.peak = float(value)
+            msg = f"{rule.name}: {rule.metric} = {float(value):.4g} {rule.op} {rule.threshold:g} ({why})"
+            with self.store.writer() as s:
+                ev = AlertEvent(rule_id=rule.id, host_id=host_id, started_at=st.since, value=float(value),
+                                peak=st.peak, message=msg)
+                s.add(ev)
+                s.flush()
+                st.event_id = ev.id
+            opened.append(f"opened {msg}")
+        return opened
 
     def _close(self, name: str, st: _State, t: float) -> list[str]:
         out = []

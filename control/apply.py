@@ -26,7 +26,7 @@ reapply``) and says so in the history and the audit trail.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from engine_host.config import ConfigError, EngineLimits, LiveConfig, apply_patch
 
@@ -43,6 +43,7 @@ from .versions import (
     record_outcome,
     record_version,
     release_lease,
+    set_engine_config_version,
 )
 
 SYSTEM_ACTOR = "control-plane"
@@ -161,7 +162,7 @@ def _send(store: Store, client: EngineClient, host: Host, pending: ConfigVersion
 def apply_change(store: Store, host_name: str, patch: dict[str, Any], *, reason: str, author: str | None = None,
                  interface: str = "api", source: str = "apply", rollback_of: int | None = None,
                  client: EngineClient | None = None, lock_wait_s: float = 60.0,
-                 lease_ttl_s: float = 60.0) -> ApplyResult:
+                 lease_ttl_s: float = 60.0, on_wait: Callable[[str], None] | None = None) -> ApplyResult:
     """Apply a change (any subset of the ``LiveConfig`` JSON) to a host as a new version.
 
     Args:
@@ -170,7 +171,9 @@ def apply_change(store: Store, host_name: str, patch: dict[str, Any], *, reason:
         interface: where from (``cli``, ``dashboard``, ``collector``...);
         client: an engine client (default: one for the host, token from its variable);
         lock_wait_s: how long to wait for another apply on the host (s); lease_ttl_s: how
-        long this apply may hold the host before others may take over (s).
+        long this apply may hold the host before others may take over (s); on_wait: told
+        whom this apply waits for while another holds the host (default: a warning on
+        the ``specpilot.apply`` logger, which the CLI prints on stderr).
     Returns:
         :class:`ApplyResult` with ``status`` ``applied`` or ``failed`` (engine down,
         refused by the engine, no acknowledgement); both are recorded.
@@ -188,7 +191,8 @@ def apply_change(store: Store, host_name: str, patch: dict[str, Any], *, reason:
     host = get_host(store, host_name)
     own_client = client is None
     client = client or EngineClient.for_host(host)
-    token = acquire_lease(store, host.id, ttl_s=lease_ttl_s, wait_s=lock_wait_s)
+    token = acquire_lease(store, host.id, ttl_s=lease_ttl_s, wait_s=lock_wait_s, who=f"{interface} ({author})",
+                          on_wait=on_wait)
     try:
         notes: list[str] = []
         state, down_reason = None, None
@@ -310,6 +314,7 @@ def reconcile(store: Store, host_name: str, client: EngineClient | None = None,
                 reason=f"engine host restarted (pid {known[0]} -> {pid}); re-applying version {base.version}",
                 rollback_of=base.version, client=client)
         elif base is not None:
+            set_engine_config_version(store, host.id, state.get("config_version"))
             out.notes.append(f"the restarted engine already runs version {base.version}'s config")
         return out
     finally:

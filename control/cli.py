@@ -455,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_fleet import add_fleet_commands, add_rollout_commands
 
     add_rollout_commands(config, command, fmt, _add_patch_options)
+    from .cli_drift import add_drift_commands
+    add_drift_commands(config, command, fmt, author)
     add_fleet_commands(sub, common)
 
     c = sub.add_parser("collect", help="run the collector daemon", parents=[common],

@@ -10,8 +10,13 @@ default), so a slow or dead host never delays the others. Per tick and host:
   rules with ``up = 0``; the daemon keeps running;
 * on success: close an open gap; when the engine's start time differs from the one
   last seen, run :func:`control.apply.reconcile` (first contact: import its config;
-  restart: re-apply the last applied version); build and store the 1 s sample
+  restart: re-apply the last applied version); read ``/control/state`` and compare it
+  with the store (:func:`control.drift.check`: a mismatch is recorded as config drift
+  and raises the ``config_drift`` alert); build and store the 1 s sample
   (:class:`control.sampling.SampleBuilder`); evaluate the rules;
+* when the collector starts (after a crash, a stop, a machine reboot), the span since
+  the host's last stored sample is recorded as a gap (``the collector was not
+  running``), so that views show it as a gap, not as zeros or an interpolation;
 * every ``warmup_sync_s``: copy new warm-up/heartbeat runs into the store.
 
 The main thread follows the host list (hosts added or removed while it runs) and
@@ -28,15 +33,42 @@ from typing import Callable
 
 from .alerts import AlertEvaluator
 from .apply import reconcile
+from sqlalchemy import func, select
+
 from .client import EngineClient, EngineError, TokenMissing
+from .drift import check as check_drift
+from .drift import open_drift
 from .metrics_parse import parse_metrics
-from .models import Host
+from .models import CollectionGap, Host, MetricSample
 from .samples import Retention, close_gap, downsample, insert_samples, open_gap
 from .sampling import ENGINE_START, FAMILIES, SampleBuilder
 from .store import Store, get_host, list_hosts
 from .warmup import sync_runs
 
 log = logging.getLogger("specpilot.collector")
+
+COLLECTOR_DOWN = "no collection: the collector was not running"
+COLLECTOR_STALLED = "no collection: the collector was stalled"
+
+
+def last_covered(store: Store, host_id: int) -> float | None:
+    """The end (unix s) of what the store covers for a host: its newest sample's
+    interval end (any resolution) or the end of its newest gap; None when it has neither."""
+    with store.reader() as s:
+        sample_end = s.scalar(select(func.max(MetricSample.t + MetricSample.resolution_s))
+                              .where(MetricSample.host_id == host_id))
+        gap_end = s.scalar(select(func.max(CollectionGap.ended_at)).where(CollectionGap.host_id == host_id))
+    ends = [float(x) for x in (sample_end, gap_end) if x is not None]
+    return max(ends) if ends else None
+
+
+def record_closed_gap(store: Store, host_id: int, started_at: float, ended_at: float, reason: str) -> int:
+    """Record a gap that is over already (e.g. while the collector was not running); returns its id."""
+    with store.writer() as s:
+        gap = CollectionGap(host_id=host_id, started_at=started_at, ended_at=ended_at, reason=reason)
+        s.add(gap)
+        s.flush()
+        return gap.id
 
 
 class HostCollector:
@@ -45,11 +77,13 @@ class HostCollector:
     Args:
         store: the store; host: the host row; evaluator: shared alert evaluator;
         window_s: trailing window (s) of percentiles and acceptance;
-        timeout_s: scrape timeout (s).
+        timeout_s: scrape timeout (s); interval_s: scrape interval (s): a span of more
+        than two intervals without samples before the first scrape is a gap.
     """
 
     def __init__(self, store: Store, host: Host, evaluator: AlertEvaluator, window_s: float = 10.0,
-                 timeout_s: float = 2.0, warmup_sync_s: float = 15.0, eval_lock: threading.Lock | None = None):
+                 timeout_s: float = 2.0, warmup_sync_s: float = 15.0, eval_lock: threading.Lock | None = None,
+                 interval_s: float = 1.0):
         self.store = store
         self.host = host
         self.evaluator = evaluator
@@ -63,9 +97,21 @@ class HostCollector:
         self._eval_lock = eval_lock or threading.Lock()
         self._token_warned = False
         self.samples_written = 0
+        self.interval_s = interval_s
+        # where the store's coverage ends: a gap from there if the first scrape comes later
+        self.covered_until = last_covered(store, host.id)
+        self.last_ok = self.covered_until
+        self.drift_open = open_drift(store, host.name) is not None
+        self._ctl: EngineClient | None = None
+        self._ctl_retry_at = 0.0
 
     def close(self) -> None:
         self.client.close()
+        if self._ctl is not None:
+            self._ctl.close()
+
+    def _drift_value(self) -> int:
+        return 1 if self.drift_open else 0
 
     def _evaluate(self, t: float, values: dict) -> None:
         with self._eval_lock:
@@ -78,7 +124,7 @@ class HostCollector:
             log.warning("host %s: down (%s); recording a gap", self.host.name, reason)
         self.up = False
         self.builder.reset()
-        self._evaluate(t, {"up": 0})
+        self._evaluate(t, {"up": 0, "config_drift": self._drift_value()})
 
     def _reconcile(self, start: float) -> None:
         try:
@@ -105,6 +151,31 @@ class HostCollector:
     def _control_client(self) -> EngineClient:
         return EngineClient.for_host(self.host, timeout_s=5.0)
 
+    def _check_drift(self, t: float) -> None:
+        """Read ``/control/state`` and compare it with the store (no token: skipped)."""
+        if self._ctl is None:
+            if time.monotonic() < self._ctl_retry_at:
+                return
+            try:
+                self._ctl = EngineClient.for_host(self.host, timeout_s=5.0, retries=0)
+            except TokenMissing:
+                self._ctl_retry_at = time.monotonic() + 30.0
+                return
+        try:
+            state = self._ctl.state()
+        except EngineError as exc:
+            log.debug("host %s: no state for the drift check (%s)", self.host.name, exc)
+            return
+        was = self.drift_open
+        drift = check_drift(self.store, self.host.name, state, now=t)
+        self.drift_open = drift is not None
+        if self.drift_open and not was:
+            log.warning("host %s: config drift: store version %s, engine config version %s (python -m control "
+                        "config drift --host %s)", self.host.name, drift.store_version, drift.engine_version,
+                        self.host.name)
+        elif was and not self.drift_open:
+            log.warning("host %s: config drift over", self.host.name)
+
     def tick(self, t: float) -> dict | None:
         """One scrape at ``t`` (unix s). Returns the stored sample row (None when none)."""
         try:
@@ -116,15 +187,25 @@ class HostCollector:
         if self.up is not True:
             if close_gap(self.store, self.host.id, t):
                 log.warning("host %s: back; gap closed", self.host.name)
+            elif self.up is None and self.covered_until is not None and t - self.covered_until > 2 * self.interval_s:
+                record_closed_gap(self.store, self.host.id, self.covered_until, t, COLLECTOR_DOWN)
+                log.warning("host %s: nothing collected for %.0f s before this start; recorded as a gap",
+                            self.host.name, t - self.covered_until)
+        elif self.last_ok is not None and t - self.last_ok > 3 * self.interval_s:
+            # this process did not scrape for a while (stopped, suspended, starved)
+            record_closed_gap(self.store, self.host.id, self.last_ok + self.interval_s, t, COLLECTOR_STALLED)
+            log.warning("host %s: no scrape for %.0f s; recorded as a gap", self.host.name, t - self.last_ok)
         self.up, self.last_ok = True, t
         start = snap.value(ENGINE_START)
         if start is not None and (self.known_start is None or abs(start - self.known_start) > 1e-3):
             self._reconcile(start)
+        if start is None or (self.known_start is not None and abs(start - self.known_start) <= 1e-3):
+            self._check_drift(t)  # not before a restart is reconciled (its re-apply is not drift)
         row = self.builder.feed(snap, t)
         if row is not None:
             insert_samples(self.store, self.host.id, [row])
             self.samples_written += 1
-        self._evaluate(t, {**(row or {}), "up": 1})
+        self._evaluate(t, {**(row or {}), "up": 1, "config_drift": self._drift_value()})
         if self.warmup_sync_s and time.monotonic() - self._last_warmup_sync > self.warmup_sync_s:
             self._last_warmup_sync = time.monotonic()
             try:
@@ -173,7 +254,8 @@ class Collector:
     # ------------------------------------------------------------------ per host
 
     def _host_loop(self, host: Host, stop: threading.Event) -> None:
-        hc = HostCollector(self.store, host, self.evaluator, self.window_s, eval_lock=self._eval_lock)
+        hc = HostCollector(self.store, host, self.evaluator, self.window_s, eval_lock=self._eval_lock,
+                           interval_s=self.interval_s)
         try:
             while not stop.is_set():
                 t = _sleep_until_tick(stop, self.interval_s)
@@ -235,6 +317,24 @@ class Collector:
             for thread, _, _ in self._threads.values():
                 thread.join(timeout=10)
             self._threads.clear()
+
+    def mark_down(self, host_name: str, t: float, why: str) -> list[str]:
+        """Record at once that a host is down for certain (its supervised process exited
+        at ``t``, unix s): open its gap and its ``up`` alerts without waiting for the
+        rules' ``for_s``. The host's scraping thread goes on (and closes both when it is back).
+
+        Returns:
+            Messages of the alerts opened.
+        Raises:
+            UnknownHost.
+        """
+        host = get_host(self.store, host_name)
+        open_gap(self.store, host.id, t, why)
+        with self._eval_lock:
+            opened = self.evaluator.open_now(host.id, t, "up", 0, why)
+        for msg in opened:
+            log.warning("host %s: alert %s", host_name, msg)
+        return opened
 
     def start(self) -> "Collector":
         """Run in a background thread (see :meth:`stop`)."""

@@ -16,6 +16,7 @@ Tables:
     warmup_schedules  heartbeat schedules per host (``HeartbeatSchedule`` JSON)
     warmup_runs       warm-up and heartbeat runs reported by engine hosts
     rollouts          canary rollouts of a config across hosts, step by step
+    config_drifts     spans during which an engine's config differed from the store's
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ class Host(Base):
     # Apply lease: one apply at a time per host, across processes (expires on its own).
     apply_lock_owner: Mapped[str | None] = mapped_column(String(128))
     apply_lock_until: Mapped[float | None] = mapped_column(Float)
+    # Who holds the lease: {"who", "origin", "machine", "pid", "pid_start", "since"} (so a
+    # waiting apply can say whom it waits for, and a lease of a dead process is released).
+    apply_lock_info: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    # The engine's own config_version that carries the store's version in force (recorded
+    # at apply, import, adopt; re-recorded when a restarted engine already runs it).
+    engine_config_version: Mapped[int | None] = mapped_column(Integer)
 
 
 class ConfigVersion(Base):
@@ -343,3 +350,35 @@ class LoginFailure(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(64))
     failed_at: Mapped[float] = mapped_column(Float)
+
+
+class ConfigDrift(Base):
+    """A span during which the engine's config (content or version) differed from the
+    store's version in force (``ended_at`` None while it lasts).
+
+    Both sides are kept: ``store_version`` (the control plane's number),
+    ``store_engine_version`` (the engine version recorded for it), ``store_config``;
+    ``engine_version`` (the engine's own ``config_version``), ``engine_config``,
+    ``engine_started_at`` (unix s). ``diff`` is store -> engine
+    (``[{"field", "old", "new"}]``). ``resolution``: ``reapply`` or ``adopt`` (an
+    operator's action, ``resolved_version`` the version it made), ``agreed`` (the sides
+    agree again by themselves) or ``changed`` (the engine side changed; a new drift follows).
+    """
+
+    __tablename__ = "config_drifts"
+    __table_args__ = (Index("ix_config_drifts_host_detected", "host_id", "detected_at"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="CASCADE"))
+    detected_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    store_version: Mapped[int | None] = mapped_column(Integer)
+    store_engine_version: Mapped[int | None] = mapped_column(Integer)
+    store_config: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    engine_version: Mapped[int | None] = mapped_column(Integer)
+    engine_started_at: Mapped[float | None] = mapped_column(Float)
+    engine_config: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    diff: Mapped[list[dict[str, Any]]] = mapped_column(JSONType)
+    resolution: Mapped[str | None] = mapped_column(String(16))
+    resolved_by: Mapped[str | None] = mapped_column(String(128))
+    resolved_version: Mapped[int | None] = mapped_column(Integer)

@@ -19,7 +19,7 @@ from control.alerts import events
 from control.apply import ConfigRefused, apply_change, reconcile, rollback
 from control.collector import Collector
 from control.samples import gaps, samples
-from control.store import Store, add_host, audit_events
+from control.store import Store, add_host, audit_events, get_host
 from tests.support import TcpRelay, free_port
 from control.versions import history
 
@@ -177,16 +177,19 @@ def test_engine_restart_is_detected_and_the_last_version_reapplied(store, defaul
                 eh.stop()
 
 
-def _start_up(default_model, tmp_path, port: int, *engine_args: str, **popen_kwargs):
-    """``python -m control up`` (no dashboard) in its own process group, output piped."""
+def _start_up(default_model, tmp_path, port: int, *engine_args: str, dashboard_port: int | None = None,
+              **popen_kwargs):
+    """``python -m control up`` (no dashboard unless ``dashboard_port``) in its own process
+    group, output piped."""
     import subprocess
     import sys
 
     env = {**os.environ, "SPECPILOT_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
     env.pop("SPECPILOT_CONTROL_TOKEN", None)
+    dash = ["--dashboard-port", str(dashboard_port)] if dashboard_port else ["--no-dashboard"]
     return subprocess.Popen(
         [sys.executable, "-m", "control", "--db", f"sqlite:///{tmp_path / 'up.db'}", "up", "--port", str(port),
-         "--model", default_model, "--no-dashboard", *(f"--engine-arg={a}" for a in engine_args)],
+         "--model", default_model, *dash, *(f"--engine-arg={a}" for a in engine_args)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
         **popen_kwargs)
 
@@ -264,3 +267,97 @@ def test_up_stops_on_ctrl_c_during_start_up_even_with_sigint_inherited_as_ignore
         assert not _engine_host_running(port)
     finally:
         _kill_group(proc)
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Live child processes of ``pid``: {pid: command line}."""
+    from pathlib import Path
+
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def test_up_supervises_the_engine_host_and_everything_dies_with_it(default_model, tmp_path, monkeypatch):
+    """kill -9 of the engine host under ``control up``: the dashboard and the collector keep
+    running, host-down opens within 5 s, the engine host restarts and gets the last applied
+    version back, the restart is audited; a registered price survives; kill -9 of
+    ``control up`` itself takes its children with it."""
+    from control.drift import open_drift
+    from control.versions import version_in_force
+
+    port, dport = free_port(), free_port()
+    db = f"sqlite:///{tmp_path / 'up.db'}"
+    store = Store.open(db)
+    add_host(store, "local", f"http://127.0.0.1:{port}", usd_per_hour=2.5, gpu_kind="H100")
+    proc = _start_up(default_model, tmp_path, port, "--warmup=quick", "--max-model-len=512", "--k-max=4",
+                     dashboard_port=dport)
+    try:
+        _read_until(proc, "Ctrl-C stops everything")
+        host = get_host(store, "local")
+        assert (host.usd_per_hour, host.gpu_kind) == (2.5, "H100")  # a restart of control up kept the price
+        wait_for("first contact", lambda: history(store, "local"), 60)
+        monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", (tmp_path / "home" / "control_token").read_text().strip())
+        applied = apply_change(store, "local", {"speculation": {"mode": "fixed", "k": 3}}, reason="tuned")
+        assert applied.ok
+        wait_for("the dashboard", lambda: _get_ok(f"http://127.0.0.1:{dport}/_stcore/health"), 120)
+        (engine_pid,) = [p for p, cmd in _children(proc.pid).items()
+                         if {"engine_host", "engine_host.serve"} & set(cmd.split())]
+        dashboard_pids = {p for p, cmd in _children(proc.pid).items() if "streamlit" in cmd or "dashboard" in cmd}
+
+        os.kill(engine_pid, signal.SIGKILL)
+        t_kill = time.time()
+        down = wait_for("host-down", lambda: [e for e in events(store, host="local", open_only=True)
+                                              if e["rule"] == "host_down"], 15, every_s=0.1)
+        assert down[0]["started_at"] - t_kill < 5.0 and time.time() - t_kill < 6.0
+        assert proc.poll() is None and _get_ok(f"http://127.0.0.1:{dport}/_stcore/health")
+        assert dashboard_pids <= set(_children(proc.pid))  # the same dashboard, still up
+        wait_for("the restart in the audit trail",
+                 lambda: [e for e in audit_events(store, host="local") if e.action == "engine_host.restart"], 30)
+        top = wait_for("the re-apply", lambda: [v for v in history(store, "local", limit=1)
+                                                 if v.source == "reapply" and v.status == "applied"], 400)[0]
+        assert top.rollback_of == applied.version and top.config["speculation"]["k"] == 3
+        assert version_in_force(store, "local").version == top.version
+        wait_for("host-down to close", lambda: not events(store, host="local", open_only=True), 30)
+        assert open_drift(store, "local") is None  # a supervised restart is not drift
+
+        assert len(_children(proc.pid)) == 2
+        tree = _tree(proc.pid)  # engine host, its engine core and workers, dashboard
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        wait_for("the whole tree to die with control up", lambda: not any(_alive(p) for p in tree), 60)
+        assert not _engine_host_running(port)
+    finally:
+        store.close()
+        _kill_group(proc)
+
+
+def _tree(pid: int) -> set[int]:
+    """``pid``'s live descendants."""
+    out, todo = set(), [pid]
+    while todo:
+        kids = set(_children(todo.pop())) - out
+        out |= kids
+        todo += list(kids)
+    return out
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

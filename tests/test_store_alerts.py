@@ -74,7 +74,7 @@ def test_rules_are_editable_data(store, host_id):
     _run(ev, host_id, 0.0, [{"up": 1, "kv_cache_usage": 0.6, "ttft_p99_ms": 1500.0, "queue_p99_ms": 900.0}] * 3)
     assert {e["rule"] for e in events(store)} == {"kv_cache_full", "high_ttft"}
     assert {r.name for r in list_rules(store, enabled_only=True)} == {"kv_cache_full", "high_ttft", "low_acceptance",
-                                                                      "host_down"}
+                                                                      "host_down", "config_drift"}
     with pytest.raises(BadRule):
         set_rule(store, "x", metric="no_such_metric", op=">", threshold=1)
     with pytest.raises(BadRule):

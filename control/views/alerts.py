@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 import pandas as pd
 
 from .. import alerts as alerts_mod
 from ..store import Store, UnknownHost
-from .common import utc
+from .common import User, require, require_reason, utc
 
 
 @dataclass
@@ -61,3 +62,35 @@ def alert_summary(store: Store) -> AlertSummary:
 
 
 __all__ = ["ALERT_COLUMNS", "AlertSummary", "alert_summary", "alerts"]
+
+
+# --------------------------------------------------------------------------- config drift
+
+
+def open_drifts(store: Store, host: str | None = None) -> list[dict[str, Any]]:
+    """Open config drifts, newest first (:func:`control.drift.drifts`), each with
+    ``summary``: one line naming both sides and the diff."""
+    from ..drift import drifts
+    from .history import diff_text
+
+    out = []
+    for d in drifts(store, host, open_only=True):
+        change = diff_text(d["diff"]).replace("\n", "; ") or "same content, another engine version"
+        out.append({**d, "summary": f"{d['host']}: the engine runs its config version {d['engine_version']}, the "
+                                    f"store's version in force is {d['store_version']} ({change})"})
+    return out
+
+
+def resolve_drift(store: Store, host: str, how: str, user: User | None, reason: str) -> str:
+    """Re-apply the store's version (``how = "reapply"``) or adopt the engine's config
+    (``"adopt"``) as ``user`` (re-checked against the users file now: operators only),
+    with a reason of at least 4 characters. Returns one line to show.
+
+    Raises:
+        PermissionDenied, ViewError, control.drift.NoDrift and what the apply raises
+        (see :func:`control.drift.resolve_as_user`).
+    """
+    from ..drift import resolve_as_user
+
+    checked = require(user, "apply")
+    return resolve_as_user(store, host, how, checked, require_reason(reason))

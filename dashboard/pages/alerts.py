@@ -61,3 +61,30 @@ def alerts_panel() -> None:
 
 
 alerts_panel()
+
+
+@st.fragment(run_every="5s")
+def drift_panel() -> None:
+    """Open config drifts with both sides, and the operator's two ways out."""
+    try:
+        rows = views.open_drifts(ui.store(), host)
+    except Exception as exc:
+        st.error(f"Config drift unavailable: {views.describe_error(exc)}")
+        return
+    if rows:
+        st.subheader(f"Config drift ({len(rows)})")
+    for d in rows:
+        st.warning(d["summary"], icon=":material/sync_problem:")
+        with st.form(f"drift_{d['id']}"):
+            reason = st.text_input("Reason", key=f"drift_reason_{d['id']}")
+            b = st.columns(2)
+            how = ("reapply" if b[0].form_submit_button(f"Re-apply store version {d['store_version']}")
+                   else "adopt" if b[1].form_submit_button("Adopt the engine's config") else None)
+        if how:
+            try:
+                st.success(views.resolve_drift(ui.store(), d["host"], how, ui.current_user(), reason))
+            except Exception as exc:
+                st.error(views.describe_error(exc))
+
+
+drift_panel()
