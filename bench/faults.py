@@ -44,7 +44,9 @@ from typing import Any
 
 import httpx
 
-MARK = "SPECPILOT_FAULT_RUN"
+from engine_host import envs
+
+MARK = envs.FAULT_RUN
 PROCESSES = ("engine-host", "engine-core", "collector", "dashboard", "cli-apply")
 SIGNALS = ("KILL", "TERM", "STOP")
 

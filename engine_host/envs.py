@@ -35,6 +35,7 @@ CHROMIUM = "SPECPILOT_CHROMIUM"
 SESSION_SECRET = "SPECPILOT_SESSION_SECRET"
 API_KEY = "SPECPILOT_API_KEY"
 API_PID = "SPECPILOT_API_PID"
+FAULT_RUN = "SPECPILOT_FAULT_RUN"
 
 #: name -> meaning, for every variable SpecPilot reads (``SPECPILOT_VENV`` is read by
 #: ``scripts/setup.sh`` only; tests read their own variables, e.g. the engine start-up timeout).
@@ -56,6 +57,7 @@ VARIABLES: dict[str, str] = {
     PROMETHEUS_URL: "Prometheus server URL for the prometheus metric source",
     API_KEY: "the OpenAI API key the engine host requires (else --api-key-file, $VLLM_API_KEY); never on a command line",
     API_PID: "PID of the engine host's API process (set by the launcher; vLLM's other processes exit when their parent dies)",
+    FAULT_RUN: "marks every process of one `python -m bench faults` run (found through /proc/PID/environ)",
     SESSION_SECRET: "key that signs dashboard session cookies (else a random key in $SPECPILOT_HOME/dashboard-session.key)",
     CHROMIUM: "Chromium executable for browser benchmarks and tests, default /usr/bin/chromium",
 }
