@@ -101,3 +101,172 @@ def fleet_series(store: Store, columns: Sequence[str], start: float, end: float 
                 agg.append(max(vals))
         out[c] = agg
     return out
+
+
+# --------------------------------------------------------------------------- the Fleet page's table
+
+#: Requests to engine hosts in flight at once when the Fleet page asks every host for its state.
+STATE_WORKERS = 8
+
+
+def fleet_overview(backend: Any | None = None, window_s: float = 60.0, now: float | None = None) -> Any:
+    """All hosts at a glance, one row each (a pandas DataFrame, by host name): ``host``,
+    ``state`` (UP, DOWN or the phase), ``mode``, ``k_current`` (tokens), ``running``,
+    ``max_num_seqs``, ``waiting``, ``open_alerts``, ``output_tokens_per_s`` (mean over the
+    last ``window_s`` s), ``ttft_p99_ms`` (the worst P99 over the last ``window_s`` s, ms),
+    ``usd_per_hour`` (USD/hour), ``gpu_kind``, ``url``, ``error`` (why a host is DOWN).
+
+    What it costs with N hosts: every host is asked for its state (``GET /control/state``,
+    the dashboard's state timeout) with up to :data:`STATE_WORKERS` requests in flight,
+    so a fleet with unreachable hosts waits about one timeout, not N; the figures come
+    from one query for all hosts: a GROUP BY over the store's 1 s samples, or, in
+    Prometheus mode, two PromQL queries (the token rate over the window, and the worst
+    10 s-window TTFT P99 of each second in it, as the Live page's series). Any other
+    backend (``control.views.set_backend``) is asked host by host, in parallel.
+
+    Args:
+        backend: the dashboard's store/engine access object (default: the one in force).
+        window_s: the window of the figures (s).
+        now: end of the window (unix s; default now).
+
+    Raises:
+        StoreError, MetricSourceError: the store or Prometheus cannot answer. A host that
+        is down never raises: its row says DOWN and why.
+    """
+    import pandas as pd
+
+    from . import views
+
+    backend = backend if backend is not None else views._backend()
+    now = time.time() if now is None else now
+    hosts = sorted(backend.list_hosts(), key=lambda h: h.name)
+    if not hosts:
+        return pd.DataFrame([])
+    since = now - window_s
+    ask = backend.engine_state
+    if isinstance(backend, views.StoreBackend):
+        figures, alerts, clients = _store_figures(backend, hosts, since, now, window_s)
+        ask = lambda name, timeout_s: clients[name].state()  # noqa: E731
+    else:
+        figures = _figures_host_by_host(backend, hosts, since, now)
+        open_alerts = backend.alerts(open_only=True)
+        alerts = {}
+        for a in open_alerts:
+            alerts[a["host"]] = alerts.get(a["host"], 0) + 1
+    statuses = _states(ask, hosts)
+    rows = []
+    for h in hosts:
+        s = statuses[h.name]
+        tokens, ttft = figures.get(h.name, (None, None))
+        rows.append({
+            "host": h.name, "state": s.label, "mode": s.mode, "k_current": s.k_current, "running": s.running,
+            "max_num_seqs": s.max_num_seqs, "waiting": s.waiting, "open_alerts": int(alerts.get(h.name, 0)),
+            "output_tokens_per_s": tokens, "ttft_p99_ms": ttft, "usd_per_hour": h.usd_per_hour,
+            "gpu_kind": h.gpu_kind, "url": h.url, "error": s.error,
+        })
+    return pd.DataFrame(rows)
+
+
+def _states(ask: Any, hosts: Sequence[Any]) -> dict[str, Any]:
+    """Each host's :class:`control.views.HostStatus`, asked in parallel through
+    ``ask(name, timeout_s)`` (the engine host's ``/control/state`` answer)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from . import views
+
+    def one(h: Any) -> Any:
+        try:
+            state = ask(h.name, timeout_s=views.STATE_TIMEOUT_S)
+        except Exception as exc:  # down, refused, timeout, 401, 5xx: all shown as DOWN
+            return views.HostStatus(name=h.name, url=h.url, up=False, error=views.describe_error(exc))
+        return views.status_from_state(h.name, h.url, state)
+
+    with ThreadPoolExecutor(max_workers=min(STATE_WORKERS, len(hosts)), thread_name_prefix="fleet-state") as pool:
+        return dict(zip((h.name for h in hosts), pool.map(one, hosts)))
+
+
+def _store_figures(backend: Any, hosts: Sequence[Any], since: float, until: float,
+                   window_s: float) -> tuple[dict[str, tuple[float | None, float | None]], dict[str, int], dict[str, Any]]:
+    """``({host: (output tokens/s, TTFT P99 ms)}, {host: open alerts}, {host: client})``
+    in one query each, from the store (or Prometheus in Prometheus mode) behind a
+    ``StoreBackend``; the clients (:class:`control.client.EngineClient`, no retries, the
+    dashboard's state timeout) are made once per host, URL and token variable."""
+    from sqlalchemy.orm import Session
+
+    from .models import Host
+    from .promsource import metrics_source
+
+    with Session(backend.engine) as s:
+        rows = s.execute(select(Host.id, Host.name, Host.url, Host.token_env).where(Host.removed_at.is_(None))).all()
+        names = {r.id: r.name for r in rows}
+        clients = {r.name: _client(r) for r in rows}
+        alerts = {names[hid]: n for hid, n in s.execute(
+            select(AlertEvent.host_id, func.count()).where(AlertEvent.ended_at.is_(None))
+            .group_by(AlertEvent.host_id)).all() if hid in names}
+        if metrics_source() == "prometheus":
+            return _prometheus_figures(hosts, until, window_s), alerts, clients
+        figures = {names[hid]: (tokens, ttft) for hid, tokens, ttft in s.execute(
+            select(MetricSample.host_id, func.avg(MetricSample.output_tokens_per_s), func.max(MetricSample.ttft_p99_ms))
+            .where(MetricSample.resolution_s == 1, MetricSample.t >= since, MetricSample.t <= until,
+                   MetricSample.host_id.in_(list(names)))
+            .group_by(MetricSample.host_id)).all() if hid in names}
+    return figures, alerts, clients
+
+
+_CLIENTS: dict[tuple[str, str, str], Any] = {}
+
+
+def _client(host: Any) -> Any:
+    """The Fleet page's client for a host row (``name``, ``url``, ``token_env``), kept
+    for the process: one HTTP connection per host, reused from render to render."""
+    from . import views
+    from .client import EngineClient
+
+    key = (host.name, host.url, host.token_env)
+    c = _CLIENTS.get(key)
+    if c is None:
+        c = _CLIENTS[key] = EngineClient.for_host(host, need_token=False, timeout_s=views.STATE_TIMEOUT_S, retries=0)
+    return c
+
+
+def _prometheus_figures(hosts: Sequence[Any], end: float, window_s: float) -> dict[str, tuple[float | None, float | None]]:
+    """Output tokens/s over the window and the worst 10 s-window TTFT P99 (ms) of each
+    second in it, for every host, from the Prometheus server in force (two queries)."""
+    import os
+
+    from .promsource import ENV_URL, PrometheusSource, _num, instance_of, queries
+
+    by_instance = {instance_of(h.url): h.name for h in hosts}
+    src = PrometheusSource(os.environ[ENV_URL])
+    w = max(1, int(window_s))
+    tokens_q = queries(list(by_instance), w)["output_tokens_per_s"]
+    ttft_q = f"max by (instance) (max_over_time(({queries(list(by_instance), 10)['ttft_p99_ms']})[{w}s:1s]))"
+    out: dict[str, list[float | None]] = {name: [None, None] for name in by_instance.values()}
+    for i, q in enumerate((tokens_q, ttft_q)):
+        for r in src._query(q, end):
+            name = by_instance.get(r["metric"].get("instance"))
+            if name is not None:
+                out[name][i] = _num(r["value"][1])
+    return {name: (v[0], v[1]) for name, v in out.items()}
+
+
+def _figures_host_by_host(backend: Any, hosts: Sequence[Any], since: float,
+                          until: float) -> dict[str, tuple[float | None, float | None]]:
+    """The same figures from any backend's ``stored_samples``, one host at a time (in parallel)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from . import views
+
+    def one(h: Any) -> tuple[float | None, float | None]:
+        try:
+            recent = views.samples_frame(backend.stored_samples(h.name, since=since, until=until))
+        except Exception:
+            return None, None
+        if recent.empty:
+            return None, None
+        ttft = recent["ttft_p99_ms"].dropna()
+        return float(recent["output_tokens_per_s"].mean()), (float(ttft.max()) if not ttft.empty else None)
+
+    with ThreadPoolExecutor(max_workers=min(STATE_WORKERS, len(hosts)), thread_name_prefix="fleet-samples") as pool:
+        return dict(zip((h.name for h in hosts), pool.map(one, hosts)))
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from control import rollout_views, views
+from control import fleet, rollout_views, views
 from dashboard import ui
 
 ui.require_user()
@@ -16,7 +16,7 @@ ui.page_header("Fleet", "All registered engine hosts. Pick one to open its live 
 def fleet_panel() -> None:
     """The host table (refreshes every 5 s)."""
     try:
-        df = views.fleet_overview()
+        df = fleet.fleet_overview()
     except Exception as exc:
         st.error(f"Fleet unavailable: {views.describe_error(exc)}")
         return
