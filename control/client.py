@@ -75,8 +75,8 @@ def resolve_token(token_env: str = DEFAULT_TOKEN_ENV) -> str:
 @functools.lru_cache(maxsize=1)
 def _ssl_context() -> Any:
     """One verifying SSL context (httpx's defaults: the CA bundle of ``$SSL_CERT_FILE``,
-    ``$SSL_CERT_DIR`` or certifi) shared by every client: building one loads the CA bundle,
-    tens of ms each, which a page that makes one client per host of a fleet paid N times."""
+    ``$SSL_CERT_DIR`` or certifi) shared by every client: building one loads the whole CA
+    bundle, which a page that makes one client per host of a fleet paid once per host."""
     return httpx.create_ssl_context()
 
 

@@ -118,7 +118,8 @@ def fleet_overview(backend: Any | None = None, window_s: float = 60.0, now: floa
 
     What it costs with N hosts: every host is asked for its state (``GET /control/state``,
     the dashboard's state timeout) with up to :data:`STATE_WORKERS` requests in flight,
-    so a fleet with unreachable hosts waits about one timeout, not N; the figures come
+    so unreachable hosts cost one timeout per :data:`STATE_WORKERS` of them, not one
+    each; the figures come
     from one query for all hosts: a GROUP BY over the store's 1 s samples, or, in
     Prometheus mode, two PromQL queries (the token rate over the window, and the worst
     10 s-window TTFT P99 of each second in it, as the Live page's series). Any other
@@ -146,7 +147,8 @@ def fleet_overview(backend: Any | None = None, window_s: float = 60.0, now: floa
     ask = backend.engine_state
     if isinstance(backend, views.StoreBackend):
         figures, alerts, clients = _store_figures(backend, hosts, since, now, window_s)
-        ask = lambda name, timeout_s: clients[name].state()  # noqa: E731
+        ask = lambda name, timeout_s: (clients[name].state() if name in clients  # noqa: E731
+                                       else backend.engine_state(name, timeout_s=timeout_s))
     else:
         figures = _figures_host_by_host(backend, hosts, since, now)
         open_alerts = backend.alerts(open_only=True)
