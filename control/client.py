@@ -12,6 +12,7 @@ token file of a local engine host (``$SPECPILOT_HOME/control_token``) is the fal
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -75,6 +76,14 @@ def resolve_token(token_env: str = DEFAULT_TOKEN_ENV) -> str:
                        "(printed by the engine host on first start; stored in its $SPECPILOT_HOME/control_token)")
 
 
+@functools.lru_cache(maxsize=1)
+def _ssl_context() -> Any:
+    """One verifying SSL context (httpx's defaults: the CA bundle of ``$SSL_CERT_FILE``,
+    ``$SSL_CERT_DIR`` or certifi) shared by every client: building one loads the whole CA
+    bundle, which a page that makes one client per host of a fleet paid once per host."""
+    return httpx.create_ssl_context()
+
+
 class EngineClient:
     """Client for one engine host.
 
@@ -92,7 +101,7 @@ class EngineClient:
         self.retries = retries
         self.backoff_s = backoff_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers,
+        self._http = httpx.Client(base_url=self.url, headers=headers, verify=_ssl_context(),
                                   timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)))
 
     @classmethod

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from sqlalchemy import func, select
 
-from .models import AlertEvent, CollectionGap, ConfigVersion, MetricSample
+from .models import AlertEvent, CollectionGap, ConfigVersion, Host, MetricSample
 from .samples import SERIES_COLUMNS, choose_resolution, rows_for_hosts
 from .store import Store, list_hosts
 from .versions import APPLIED
@@ -101,3 +101,62 @@ def fleet_series(store: Store, columns: Sequence[str], start: float, end: float 
                 agg.append(max(vals))
         out[c] = agg
     return out
+
+
+# --------------------------------------------------------------------------- the Fleet page's figures
+
+
+def window_figures(store: Store, since: float, until: float) -> dict[str, tuple[float | None, float | None]]:
+    """Every registered host's ``(output tokens/s, TTFT P99 ms)`` over ``since..until``
+    (unix s): the mean user output tokens/s of its 1 s samples and the worst of their
+    TTFT P99, in one GROUP BY over the store; in Prometheus mode two PromQL queries for
+    all hosts (the token rate over the window, and the worst 10 s-window TTFT P99 of each
+    second in it, as the Live page's series). Hosts without data are left out.
+
+    Raises:
+        StoreError, MetricSourceError: the store or Prometheus cannot answer.
+    """
+    from .promsource import metrics_source
+
+    with store.reader() as s:
+        rows = s.execute(select(Host.id, Host.name, Host.url).where(Host.removed_at.is_(None))).all()
+        names = {r.id: r.name for r in rows}
+        if metrics_source() == "prometheus":
+            return _prometheus_figures({r.name: r.url for r in rows}, until, until - since)
+        return {names[hid]: (tokens, ttft) for hid, tokens, ttft in s.execute(
+            select(MetricSample.host_id, func.avg(MetricSample.output_tokens_per_s), func.max(MetricSample.ttft_p99_ms))
+            .where(MetricSample.resolution_s == 1, MetricSample.t >= since, MetricSample.t <= until,
+                   MetricSample.host_id.in_(list(names)))
+            .group_by(MetricSample.host_id)).all() if hid in names}
+
+
+def open_alert_counts(store: Store) -> dict[str, int]:
+    """Open alerts per registered host name (one query)."""
+    with store.reader() as s:
+        rows = s.execute(select(Host.name, func.count()).join(AlertEvent, AlertEvent.host_id == Host.id)
+                         .where(AlertEvent.ended_at.is_(None), Host.removed_at.is_(None))
+                         .group_by(Host.name)).all()
+    return {name: int(n) for name, n in rows}
+
+
+def _prometheus_figures(urls: dict[str, str], end: float,
+                        window_s: float) -> dict[str, tuple[float | None, float | None]]:
+    """Output tokens/s over the window and the worst 10 s-window TTFT P99 (ms) of each
+    second in it, for every host (``{name: url}``), from the Prometheus server in force
+    (two queries)."""
+    from engine_host import envs
+
+    from .promsource import PrometheusSource, _num, instance_of, queries
+
+    by_instance = {instance_of(url): name for name, url in urls.items()}
+    src = PrometheusSource(envs.prometheus_url() or "")
+    w = max(1, int(window_s))
+    tokens_q = queries(list(by_instance), w)["output_tokens_per_s"]
+    ttft_q = f"max by (instance) (max_over_time(({queries(list(by_instance), 10)['ttft_p99_ms']})[{w}s:1s]))"
+    out: dict[str, list[float | None]] = {name: [None, None] for name in by_instance.values()}
+    for i, q in enumerate((tokens_q, ttft_q)):
+        for r in src._query(q, end):
+            name = by_instance.get(r["metric"].get("instance"))
+            if name is not None:
+                out[name][i] = _num(r["value"][1])
+    return {name: (v[0], v[1]) for name, v in out.items()}

@@ -30,13 +30,17 @@ class PrometheusServer:
         scrape_interval_s: scrape and rule evaluation interval (s).
         rule_files: rule files to load (copied next to the config).
         extra_scrape_configs: more ``scrape_configs`` entries (e.g. the control plane's exporter).
+        retention: how long the server keeps samples (Prometheus duration, e.g. ``1d``,
+            ``15d``); blocks placed in ``dir / "data"`` before :meth:`start` (a backfill)
+            are kept if younger.
 
     Raises:
         RuntimeError: binary missing or the server did not become ready (with its log).
     """
 
     def __init__(self, targets: list[str], scrape_interval_s: float = 1.0, rule_files: list[Path] | None = None,
-                 extra_scrape_configs: list[dict[str, Any]] | None = None):
+                 extra_scrape_configs: list[dict[str, Any]] | None = None, retention: str = "1d"):
+        self.retention = retention
         self.extra_scrape_configs = list(extra_scrape_configs or [])
         self.binary = shutil.which("prometheus")
         if self.binary is None:
@@ -75,7 +79,7 @@ class PrometheusServer:
             self._proc = subprocess.Popen(
                 [self.binary, f"--config.file={cfg}", f"--storage.tsdb.path={self.dir / 'data'}",
                  f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle",
-                 "--storage.tsdb.retention.time=1d", "--log.level=warn"],
+                 f"--storage.tsdb.retention.time={self.retention}", "--log.level=warn"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=self.dir, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
