@@ -144,7 +144,10 @@ class WeeklyReport:
         for h in self.hosts:
             w.writerow({"scope": "week", "period": period, "host": h["host"], **h})
         w.writerow({"scope": "week", "period": period, "host": "(fleet)", **self.fleet})
-        return buf.getvalue() if out is None else ""
+        if out is None:
+            assert isinstance(buf, io.StringIO)
+            return buf.getvalue()
+        return ""
 
 
 def _day(t: float) -> str:
@@ -167,10 +170,11 @@ def _baseline_windows(store: Store, host_id: int, version: int) -> list[tuple[fl
     with store.reader() as s:
         applied = list(s.execute(select(ConfigVersion.version, ConfigVersion.finished_at).where(
             ConfigVersion.host_id == host_id, ConfigVersion.status == APPLIED).order_by(ConfigVersion.version)))
-    spans = []
+    spans: list[tuple[float, float]] = []
     for i, (v, at) in enumerate(applied):
         if v == version:
             until = applied[i + 1][1] if i + 1 < len(applied) else time.time()
+            assert at is not None and until is not None  # an applied version has finished_at
             spans.append((at, until))
     return spans
 

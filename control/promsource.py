@@ -208,7 +208,7 @@ class PrometheusSource:
         n = int((end - start) // step_s) + 1
         ts = [start + i * step_s for i in range(n)]
         index = {round(t, 3): i for i, t in enumerate(ts)}
-        out = {i: {"t": ts, **{f: [None] * n for f in figures}} for i in instances}
+        out: dict[str, dict[str, Any]] = {i: {"t": ts, **{f: [None] * n for f in figures}} for i in instances}
         for f in figures:
             for r in self._query_range(qs[f], start, end, step_s):
                 inst = r["metric"].get("instance")
@@ -250,12 +250,12 @@ def store_window(store: Any, host: str, end: float, window_s: int = 60) -> dict[
     if not rows:
         return out
     total = lambda c: sum(r.get(c) or 0.0 for r in rows)
-    out["output_tokens"] = total("output_tokens")
-    out["output_tokens_per_s"] = out["output_tokens"] / w
-    out["requests_finished"] = total("requests_finished")
-    out["requests_per_s"] = out["requests_finished"] / w
-    out["draft_tokens"], out["accepted_tokens"] = total("draft_tokens"), total("accepted_tokens")
-    out["acceptance_rate"] = out["accepted_tokens"] / out["draft_tokens"] if out["draft_tokens"] else None
+    out["output_tokens"] = tokens = total("output_tokens")
+    out["output_tokens_per_s"] = tokens / w
+    out["requests_finished"] = finished = total("requests_finished")
+    out["requests_per_s"] = finished / w
+    out["draft_tokens"], out["accepted_tokens"] = drafted, accepted = total("draft_tokens"), total("accepted_tokens")
+    out["acceptance_rate"] = accepted / drafted if drafted else None
     for kind in HISTOGRAMS:
         merged = merge_buckets(decode_buckets((r.get("hist") or {}).get(kind)) for r in rows)
         for p, q in PERCENTILES.items():

@@ -129,7 +129,7 @@ def _figures(store: Store, host: str, end: float, window_s: int) -> dict[str, fl
 def _mean(rows: Sequence[dict[str, float | None]]) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for f in FIGURES:
-        vals = [r[f] for r in rows if r.get(f) is not None]
+        vals = [v for r in rows if (v := r.get(f)) is not None]
         out[f] = sum(vals) / len(vals) if vals else None
     return out
 
@@ -219,6 +219,7 @@ class _Runner:
     def _update(self, **values: Any) -> Rollout:
         with self.store.writer() as s:
             r = s.get(Rollout, self.id, with_for_update=True)
+            assert r is not None  # claimed by this runner
             for k, v in values.items():
                 setattr(r, k, v)
             r.updated_at = r.heartbeat_at = time.time()
@@ -228,6 +229,7 @@ class _Runner:
     def _step(self, **step: Any) -> None:
         with self.store.writer() as s:
             r = s.get(Rollout, self.id, with_for_update=True)
+            assert r is not None  # claimed by this runner
             r.steps = [*r.steps, {"at": time.time(), **step}]
             r.updated_at = r.heartbeat_at = time.time()
 
@@ -291,6 +293,7 @@ class _Runner:
                                             "no host was changed")
             r = self._update(phase="watch", watch_started_at=time.time())
         if r.phase == "watch":
+            assert r.watch_started_at is not None  # set with phase "watch"
             self._beat_until(r.watch_started_at + r.watch_s + SETTLE_S)
             end = float(int(time.time() - SETTLE_S))
             window = max(1, int(min(r.watch_s, end - r.watch_started_at)))

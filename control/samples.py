@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, cast
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import CursorResult, delete, func, insert, select, update
 
 from .models import CollectionGap, Host, MetricSample
 from .sampling import rollup
@@ -190,8 +190,8 @@ def downsample(store: Store, now: float | None = None, retention: Retention = Re
             stats[f"rolled_{dst}"] += _rollup_host(store, hid, src, dst, until)
     with store.writer() as s:
         for r in RESOLUTIONS:
-            stats["deleted"] += s.execute(delete(MetricSample).where(
-                MetricSample.resolution_s == r, MetricSample.t < now - retention.for_resolution(r))).rowcount or 0
+            stats["deleted"] += cast(CursorResult[Any], s.execute(delete(MetricSample).where(
+                MetricSample.resolution_s == r, MetricSample.t < now - retention.for_resolution(r)))).rowcount or 0
         s.execute(delete(CollectionGap).where(CollectionGap.ended_at < now - retention.hour_s))
     return stats
 
@@ -215,9 +215,10 @@ def open_gap(store: Store, host_id: int, started_at: float, reason: str) -> int:
 def close_gap(store: Store, host_id: int, ended_at: float) -> int:
     """End the host's open gap at ``ended_at`` (unix s); returns how many were closed."""
     with store.writer() as s:
-        return s.execute(update(CollectionGap).where(CollectionGap.host_id == host_id,
-                                                     CollectionGap.ended_at.is_(None))
-                         .values(ended_at=ended_at)).rowcount or 0
+        res = s.execute(update(CollectionGap).where(CollectionGap.host_id == host_id,
+                                                    CollectionGap.ended_at.is_(None))
+                        .values(ended_at=ended_at))
+        return cast(CursorResult[Any], res).rowcount or 0
 
 
 def gaps(store: Store, host: str, start: float = 0.0, end: float | None = None) -> list[CollectionGap]:

@@ -10,9 +10,9 @@ the collector with :func:`sync_runs`.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import CursorResult, delete, func, select
 from sqlalchemy.exc import IntegrityError
 
 from engine_host.config import HeartbeatSchedule, WarmupConfig
@@ -57,8 +57,8 @@ def delete_schedule(store: Store, host: str, name: str) -> None:
     """Delete a schedule. Raises: UnknownHost, UnknownSchedule."""
     with store.writer() as s:
         h = active_host(s, host)
-        n = s.execute(delete(WarmupSchedule).where(WarmupSchedule.host_id == h.id,
-                                                   WarmupSchedule.name == name)).rowcount
+        n = cast(CursorResult[Any], s.execute(delete(WarmupSchedule).where(
+            WarmupSchedule.host_id == h.id, WarmupSchedule.name == name))).rowcount
         if not n:
             raise UnknownSchedule(f"host {host!r} has no warm-up schedule {name!r}")
 

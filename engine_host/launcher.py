@@ -20,6 +20,7 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from . import envs, speculation, vllm_compat
@@ -216,7 +217,7 @@ def vllm_command(args: argparse.Namespace, model: str, extra: list[str], draft: 
     return cmd + extra
 
 
-def resolve_api_key(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
+def resolve_api_key(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> str | None:
     """The OpenAI API key: ``--api-key-file``, else ``$SPECPILOT_API_KEY``, else
     ``$VLLM_API_KEY``, else the deprecated ``--api-key`` (a warning says it is visible in
     ``ps`` while the launcher runs). None: the API is open.

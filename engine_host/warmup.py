@@ -95,7 +95,7 @@ def _headers(args: Any, request_id: str) -> dict[str, str]:
 
 
 def _served_name(args: Any) -> str:
-    names = getattr(args, "served_model_name", None)
+    names: Any = getattr(args, "served_model_name", None)
     if isinstance(names, list) and names:
         return names[0]
     return names or getattr(args, "model", "")

@@ -56,7 +56,9 @@ def report_from_cost(rep: Any) -> WeeklyReport:
     if not daily.empty:
         daily["day"] = pd.to_datetime(daily["day"]).dt.date
     base = "K = 0 (no speculation)" if rep.baseline == "k0" else rep.baseline.replace("version:", "config version ")
-    return WeeklyReport(start=utc(rep.start), end=utc(rep.end), summary=summary, daily=daily, baseline=base,
+    start, end = utc(rep.start), utc(rep.end)
+    assert start is not None and end is not None
+    return WeeklyReport(start=start, end=end, summary=summary, daily=daily, baseline=base,
                         csv=rep.to_csv().encode("utf-8"))
 
 
