@@ -80,7 +80,7 @@ def backend(tmp_path, monkeypatch):
     import streamlit as st
 
     monkeypatch.setenv("SPECPILOT_HOME", str(tmp_path))
-    monkeypatch.setenv("SPECPILOT_DB", f"sqlite:///{tmp_path / 'specpilot.db'}")
+    monkeypatch.setenv("SPECPILOT_DB_URL", f"sqlite:///{tmp_path / 'specpilot.db'}")
     monkeypatch.setenv("SPECPILOT_USERS_FILE", str(tmp_path / "users.toml"))
     monkeypatch.setenv("DASH_TOKEN_A", "token-a")
     monkeypatch.setenv("DASH_TOKEN_B", "token-b")

@@ -312,15 +312,21 @@ def test_alerts_page_shows_a_drift_and_an_operator_adopts_it(store, db, fake, mo
 
     from streamlit.testing.v1 import AppTest
 
-    from control import views
+    import streamlit as st
+
+    from control import auth
     from control.auth import User
 
     monkeypatch.setenv("SPECPILOT_HOME", str(tmp_path / "home"))  # nothing touches a shared store
+    monkeypatch.setenv("SPECPILOT_DB_URL", db)
+    monkeypatch.setenv("SPECPILOT_USERS_FILE", str(tmp_path / "users.toml"))
+    auth.add_user("olga", "operator", "operator-password")  # actions re-check the user against this file
     add_host(store, "h", fake.url)
     reconcile(store, "h")
     _put(fake, {"speculation": {"mode": "fixed", "k": 4}})
     drift.check(store, "h", fake._state())
-    views.set_backend(views.StoreBackend(db))
+    st.cache_data.clear()
+    st.cache_resource.clear()
     try:
         at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py"),
                                default_timeout=60)
@@ -337,7 +343,8 @@ def test_alerts_page_shows_a_drift_and_an_operator_adopts_it(store, db, fake, mo
         assert any("adopted" in str(s.value) for s in at.success), [s.value for s in at.success]
         assert history(store, "h")[0].source == "adopt" and history(store, "h")[0].author == "olga"
     finally:
-        views.set_backend(None)
+        st.cache_data.clear()
+        st.cache_resource.clear()
 
 
 def test_fault_summary_counts_orphans_losses_and_misses_per_case():
