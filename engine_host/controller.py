@@ -703,13 +703,46 @@ class SpeculationController:
                                    obs.k_drafted, obs.k_proposed)
         self.policy.observe(obs)
 
+    #: Batch sizes at which :meth:`snapshot` tabulates T(B, K) for the planner.
+    PLANNER_BATCH_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+    def step_time_table(self) -> dict[str, list[float]]:
+        """``T(B, K)`` in milliseconds for every B of :data:`PLANNER_BATCH_GRID` and K = 0..K_max:
+        ``{"<B>": [T(B, 0), T(B, 1), ...]}``, from the same model the policy uses
+        (:meth:`StepTimeModel.predict_curve` with the current draft-reach estimates)."""
+        acc, tm = self.acceptance, self.step_time
+        drafts = [acc.expected_draft(k) for k in range(0, self.k_engine + 1)]
+        return {str(b): [round(t * 1000.0, 4) for t in tm.predict_curve(b, drafts)] for b in self.PLANNER_BATCH_GRID}
+
+    def measured_batch_sizes(self) -> list[int] | None:
+        """``[smallest, largest]`` decode batch size (requests) whose step times the model
+        has measured (the ends of the measured log2 buckets); None before any pure-decode step."""
+        seen = [b for b, cell in self.step_time.buckets.items() if cell[1] > 0]
+        if not seen:
+            return None
+        return [1 << min(seen), (1 << (max(seen) + 1)) - 1]
+
     def snapshot(self, batch_size: int | None = None) -> dict[str, Any]:
-        """JSON-able state: K, estimates per position, E(K), T(B, K), goodput per K."""
+        """JSON-able state: K, estimates per position, E(K), T(B, K), goodput per K.
+
+        Per-position estimates (``acceptance_per_position``, ``conditional_acceptance``,
+        ``draft_reach_per_position``) are None at positions never measured since the
+        engine started (``acceptance_measured_request_steps[i]`` = 0): the policy still
+        works from its prior there (see :class:`AcceptanceEstimator`), but a prior is not
+        an estimate and is not reported as one. ``step_time_ms_by_batch`` tabulates
+        T(B, K) (ms) over a grid of batch sizes and ``step_time_measured_batch`` says which
+        batch sizes were measured (the capacity planner, :mod:`control.planner`, reads both).
+        """
         b = batch_size or getattr(self.policy, "last_batch", 1) or 1
         r = self.acceptance.r()
         ks = range(0, self.k_engine + 1)
         acc, tm = self.acceptance, self.step_time
         times = tm.predict_curve(b, [acc.expected_draft(k) for k in ks])
+        counts = list(acc.observed_request_steps[: self.k_engine])
+
+        def measured(values: list[float]) -> list[float | None]:
+            return [round(v, 4) if i < len(counts) and counts[i] > 0 else None
+                    for i, v in enumerate(values[: self.k_engine])]
         e = {str(k): round(acc.expected_tokens(k), 4) for k in ks}
         t = {str(k): round(times[k] * 1000.0, 3) for k in ks}
         g = {str(k): round(b * acc.expected_tokens(k) / times[k], 2) for k in ks}
@@ -720,11 +753,14 @@ class SpeculationController:
             "k_bounds": [self.policy.k_lo, self.policy.k_hi],
             "batch_size": b,
             "acceptance_rate": (self.accepted_total / self.drafted_total) if self.drafted_total else None,
-            "acceptance_per_position": [round(v, 4) for v in r[: self.k_engine]],
-            "conditional_acceptance": [round(v, 4) for v in self.acceptance.conditional()[: self.k_engine]],
-            "draft_reach_per_position": [round(v, 4) for v in self.acceptance.q()[: self.k_engine]],
+            "acceptance_per_position": measured(r),
+            "conditional_acceptance": measured(self.acceptance.conditional()),
+            "draft_reach_per_position": measured(self.acceptance.q()),
+            "acceptance_measured_request_steps": counts,
             "expected_tokens_per_step": e,
             "step_time_ms": t,
+            "step_time_ms_by_batch": self.step_time_table(),
+            "step_time_measured_batch": self.measured_batch_sizes(),
             "step_time_model": {"t0_ms": round(t0 * 1000, 4), "t1_ms_per_token": round(t1 * 1000, 5),
                                 "td_ms_per_draft_pass": round(td * 1000, 4),
                                 "draft_passes": self.step_time.draft_passes},
