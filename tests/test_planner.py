@@ -319,3 +319,70 @@ def test_what_if_values_are_checked():
         plan([], _state(), latency_slo_s=0.0)
     with pytest.raises(PlannerError, match="output tokens"):
         plan([], _state(), output_tokens=0)
+
+
+# --------------------------------------------------------------------------- the page
+
+
+class _PlannerBackend:
+    """The planner page's reads: one host, its stored samples, its live state."""
+
+    def __init__(self, samples, state):
+        self._samples, self._state = samples, state
+
+    def list_hosts(self):
+        from control import views
+
+        return [views.HostInfo("gpu-a", "http://a:8000", "H100", 2.5)]
+
+    def alerts(self, **_kw):
+        return []
+
+    def stored_samples(self, name, since, until=None, resolution_s=None, columns=None):
+        return list(self._samples)
+
+    def engine_state(self, name, timeout_s=1.5):
+        if self._state is None:
+            raise ConnectionError("connection refused")
+        return self._state
+
+
+def _planner_page(samples, state):
+    from pathlib import Path
+
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    from control import views
+    from control.auth import User
+
+    st.cache_data.clear()
+    views.set_backend(_PlannerBackend(samples, state))
+    try:
+        page = Path(__file__).resolve().parent.parent / "dashboard" / "pages" / "planner.py"
+        at = AppTest.from_file(str(page), default_timeout=60)
+        at.session_state["user"] = User("vic", "viewer")
+        at.run()
+    finally:
+        views.set_backend(None)
+    assert not at.exception, at.exception
+    return at
+
+
+def _page_text(at) -> str:
+    parts = [m.value for m in at.markdown] + [w.value for w in at.warning] + [c.value for c in at.caption]
+    return "\n".join(str(p) for p in parts + [e.value for e in at.error])
+
+
+def test_planner_page_shows_not_enough_data_on_a_bad_fit_and_the_engine_answer():
+    at = _planner_page(_bad_fit_samples(), _state(mode="fixed", k=2, cap=8))
+    text = _page_text(at)
+    assert "Fitted check K=2: not enough data" in text and "python -m bench run" in text
+    assert "the config in force (**K=2**)" in text
+    assert "Infinity" not in text and "inf" not in text.split()
+
+
+def test_planner_page_with_the_host_down_says_not_enough_data():
+    at = _planner_page(_bad_fit_samples(), None)
+    text = _page_text(at)
+    assert "Engine model: not enough data" in text and "did not answer" in text
