@@ -677,6 +677,7 @@ class SpeculationController:
         self.drafted_total = 0
         self.accepted_total = 0
         self.policy: Policy = OffPolicy(spec, k_engine, self)
+        self._table_cache: tuple[float, dict[str, list[float]]] | None = None
         self.configure(spec)
 
     def configure(self, spec: SpeculationConfig) -> None:
@@ -713,6 +714,15 @@ class SpeculationController:
         acc, tm = self.acceptance, self.step_time
         drafts = [acc.expected_draft(k) for k in range(0, self.k_engine + 1)]
         return {str(b): [round(t * 1000.0, 4) for t in tm.predict_curve(b, drafts)] for b in self.PLANNER_BATCH_GRID}
+
+    def _step_time_table_cached(self, max_age_s: float = 1.0) -> dict[str, list[float]]:
+        """:meth:`step_time_table`, recomputed at most every ``max_age_s`` seconds: the state
+        is published several times a second from the engine core, the table moves slowly."""
+        now = time.monotonic()
+        cached = self._table_cache
+        if cached is None or now - cached[0] >= max_age_s:
+            cached = self._table_cache = (now, self.step_time_table())
+        return cached[1]
 
     def measured_batch_sizes(self) -> list[int] | None:
         """``[smallest, largest]`` decode batch size (requests) whose step times the model
@@ -759,7 +769,7 @@ class SpeculationController:
             "acceptance_measured_request_steps": counts,
             "expected_tokens_per_step": e,
             "step_time_ms": t,
-            "step_time_ms_by_batch": self.step_time_table(),
+            "step_time_ms_by_batch": self._step_time_table_cached(),
             "step_time_measured_batch": self.measured_batch_sizes(),
             "step_time_model": {"t0_ms": round(t0 * 1000, 4), "t1_ms_per_token": round(t1 * 1000, 5),
                                 "td_ms_per_draft_pass": round(td * 1000, 4),
