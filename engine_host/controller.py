@@ -61,6 +61,9 @@ class StepObservation:
         now: monotonic timestamp (s).
         k_proposed: depth K the drafter ran at in this step for the next one (tokens;
             None: same as ``k_drafted``); a draft model's passes follow it.
+        warmup: the step served the start-up warm-up (synthetic prompts at forced depths):
+            its step time is learned, its acceptance is not (it says nothing about the
+            traffic the engine will serve), nor does the policy react to it.
     """
 
     batch_size: int
@@ -73,6 +76,7 @@ class StepObservation:
     now: float = field(default_factory=time.monotonic)
     draft_hist: list[int] | None = None
     k_proposed: int | None = None
+    warmup: bool = False
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -694,14 +698,17 @@ class SpeculationController:
         return k
 
     def observe(self, obs: StepObservation) -> None:
-        """Fold in one step's measurements and let the policy react."""
+        """Fold in one step's measurements and let the policy react (a warm-up step
+        teaches the step-time model only: see :class:`StepObservation`)."""
         self.total_steps += 1
-        self.drafted_total += obs.num_draft_tokens
-        self.accepted_total += obs.num_accepted_tokens
-        self.acceptance.observe(obs.k_drafted, obs.batch_size, obs.accepted_hist, obs.draft_hist)
         if obs.pure_decode:
             self.step_time.observe(obs.batch_size, obs.batch_size + obs.num_draft_tokens, obs.step_time_s,
                                    obs.k_drafted, obs.k_proposed)
+        if obs.warmup:
+            return
+        self.drafted_total += obs.num_draft_tokens
+        self.accepted_total += obs.num_accepted_tokens
+        self.acceptance.observe(obs.k_drafted, obs.batch_size, obs.accepted_hist, obs.draft_hist)
         self.policy.observe(obs)
 
     #: Batch sizes at which :meth:`snapshot` tabulates T(B, K) for the planner.

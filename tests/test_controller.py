@@ -341,3 +341,17 @@ def test_snapshot_tabulates_step_time_over_batch_sizes_for_the_planner():
     assert t_k0 == sorted(t_k0)  # larger batches take longer steps
     assert table["4"][0] == pytest.approx(20 + 1 * 4, rel=0.15)  # t0 + t1 * B at K = 0, in ms
     assert snap["step_time_measured_batch"] == [4, 7]
+
+
+def test_warmup_steps_teach_step_time_but_not_acceptance():
+    # the start-up warm-up runs synthetic prompts at every depth: after a restart the
+    # acceptance shown (and used) must come from served traffic, not from those prompts
+    ctl = adaptive()
+    for step in range(50):
+        hist = [4, 4, 4, 4, 4, 4, 4, 4]  # warm-up prompts: everything accepted
+        ctl.observe(StepObservation(4, 8, 32, 32, hist, 0.05, True, float(step), warmup=True))
+    snap = ctl.snapshot()
+    assert snap["acceptance_per_position"] == [None] * 8 and snap["acceptance_rate"] is None
+    assert snap["step_time_measured_batch"] == [4, 7]  # T(B, K) did learn
+    ctl.observe(StepObservation(4, 2, 8, 0, [0] * 8, 0.03, True, 51.0))
+    assert ctl.snapshot()["acceptance_per_position"][:3] == [pytest.approx(0.0, abs=0.1)] * 2 + [None]

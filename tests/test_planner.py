@@ -386,3 +386,36 @@ def test_planner_page_with_the_host_down_says_not_enough_data():
     at = _planner_page(_bad_fit_samples(), None)
     text = _page_text(at)
     assert "Engine model: not enough data" in text and "did not answer" in text
+
+
+# --------------------------------------------------------------------------- on the real engine
+
+
+@pytest.mark.engine
+def test_real_engine_state_gives_an_answer_and_no_data_beyond_measured_positions(engine_host, control,
+                                                                                   restore_config):
+    import httpx
+
+    before = control.get("/control/state").json()["controller"]["acceptance_measured_request_steps"]
+    assert control.put("/control/config", json={"speculation": {"mode": "fixed", "k": 2}}).status_code == 200
+    prompt = ("Copy this list exactly, then copy it again: red apple, green pear, yellow banana, purple plum, "
+              "orange mango, red apple, green pear, yellow banana, purple plum, orange mango, red apple,")
+    for _ in range(2):
+        r = httpx.post(engine_host.url + "/v1/completions", timeout=120,
+                       json={"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 48, "temperature": 0})
+        assert r.status_code == 200, r.text
+    state = control.get("/control/state").json()
+    ctl = state["controller"]
+    counts = ctl["acceptance_measured_request_steps"]
+    # served traffic at K = 2 measured positions 1-2 only (the start-up warm-up measures none)
+    assert counts[0] > before[0] and counts[1] > before[1] and counts[2:] == before[2:], (before, counts)
+    acc = ctl["acceptance_per_position"]
+    assert all((n == 0) == (a is None) for n, a in zip(counts, acc)), (counts, acc)  # no data, not the prior
+    metrics = httpx.get(engine_host.url + "/metrics", timeout=10).text  # None positions are left out, not a 500
+    assert 'specpilot:acceptance_per_position{position="1"}' in metrics
+    rep = plan([], state, output_tokens=48, prefill_s=0.05)
+    assert rep.engine_problem is None, rep.engine_problem
+    assert rep.default_label == "K=2" and {"K=0", "K=2"} <= set(rep.curves)
+    c = rep.curves["K=2"]
+    assert 0 < c.saturation_rps < math.inf and 0 < c.zero_load_latency_s < 60
+    assert rep.answer is not None and rep.answer.label == "K=2"
