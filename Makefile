@@ -1,16 +1,28 @@
 # SpecPilot: two commands on a fresh machine.
-#   make run    engine host (default model) + control daemon + dashboard
-#   make test   the test suite
+#   make run        engine host (default model) + control daemon + dashboard
+#   make test       the test suite (after the lint step when LINT=1)
+#   make test-fast  the tests that need no engine and no browser
+#   make lint       ruff (lint and format check) and mypy, as configured in pyproject.toml
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# 1: `make test` runs `make lint` first (switch it on here once the tree has no findings).
+LINT ?= 0
 
-.PHONY: run test setup setup-test engine bench clean
+.PHONY: run test test-fast lint setup setup-test engine bench clean
 
 run: setup
 	$(PY) -m control up
 
-test: setup-test
+test: setup-test $(if $(filter 1,$(LINT)),lint)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup-test
+	$(PY) -m pytest -m "not engine and not browser" $(PYTEST_ARGS)
+
+lint: setup-test
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 setup:
 	scripts/setup.sh

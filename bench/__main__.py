@@ -7,6 +7,13 @@ Subcommands:
     report     rebuild the summary tables and charts of a results folder
     workloads  where every prompt comes from, and a sample of prompts
 
+    fleet      fleet scale: embedded collector against Prometheus with N stand-in hosts
+
+and every other benchmark of the tree, each with its own options (:data:`TOOLS`;
+``python -m bench <command> --help``; ``python -m bench.<module>`` still works):
+    engine-host, collector, store, dashboard, warmup, draft-layers, profile-step,
+    host-overhead, qwen-models
+
 Results (JSON per cell, Plotly charts, summary tables) go to ``--out`` (default
 ``bench/results/<time>-<command>/``).
 """
@@ -25,6 +32,8 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from engine_host import envs
+
 from .engine_control import BenchError, EngineControl, mode_patch
 from .loadgen import Load
 from .metrics import SLO
@@ -37,7 +46,34 @@ DEFAULT_MODES = "fixed:0,fixed:2,fixed:4,fixed:8,adaptive,threshold,heuristic,ba
 # cached engine would give every cell after the first free prefills.
 DEFAULT_ENGINE_ARGS = ["--enforce-eager", "--k-max", "8", "--max-num-seqs", "16", "--max-model-len", "2048",
                        "--no-prefix-caching"]
-ENV_TOKEN = "SPECPILOT_CONTROL_TOKEN"
+ENV_TOKEN = envs.CONTROL_TOKEN
+
+
+#: ``python -m bench <command>``: the module of ``bench`` whose ``main(argv)`` runs it, and
+#: what it measures. The command's own arguments follow it on the command line.
+TOOLS: dict[str, tuple[str, str]] = {
+    "engine-host": ("bench_engine_host", "engine host against plain vLLM: hook overhead, config latency, start-up"),
+    "collector": ("bench_collector", "engine output tokens/s with and without the collector scraping /metrics"),
+    "store": ("bench_store", "store: 7 days of 1 s samples for 4 hosts written, downsampled and read back"),
+    "dashboard": ("bench_dashboard", "page render times with 7 days of stored samples for 4 hosts"),
+    "warmup": ("bench_warmup", "cold start against warm: TTFT of the first real request"),
+    "draft-layers": ("draft_layers", "acceptance per draft position of truncated drafts of the default model"),
+    "profile-step": ("profile_step", "where a decode step's time goes: n-gram engine at K = 0 against plain"),
+    "host-overhead": ("host_overhead", "engines side by side on one GPU: engine host against bare vllm serve"),
+    "qwen-models": ("qwen_models", "fetch and check the opt-in Qwen2.5-Coder benchmark pair"),
+}
+
+
+def run_tool(command: str, argv: list[str]) -> int:
+    """Run the :data:`TOOLS` entry ``command`` with its own arguments ``argv``.
+
+    Raises:
+        KeyError: ``command`` is not in :data:`TOOLS`.
+    """
+    import importlib
+
+    module = importlib.import_module(f"bench.{TOOLS[command][0]}")
+    return int(module.main(argv) or 0)
 
 
 def parse_load(text: str) -> Load:
@@ -62,8 +98,7 @@ def resolve_token(env_name: str) -> str | None:
     tok = os.environ.get(env_name)
     if tok:
         return tok.strip()
-    home = Path(os.environ.get("SPECPILOT_HOME") or Path.home() / ".specpilot").expanduser()
-    path = home / "control_token"
+    path = envs.home_dir() / "control_token"
     return path.read_text().strip() if path.is_file() else None
 
 
@@ -98,7 +133,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI of ``python -m bench``."""
+    """The CLI of ``python -m bench`` (the :data:`TOOLS` commands are listed, parsed by their modules)."""
     p = argparse.ArgumentParser(prog="python -m bench", description="SpecPilot benchmark harness: real-text workloads against an engine host, speculation modes side by side.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Modes: off, fixed:K, adaptive[:LO-HI], batch_table[:1-2=6,3-8=4,...], threshold, "
@@ -156,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     fl = sub.add_parser("fleet", help="fleet scale: embedded collector against Prometheus with N stand-in hosts, "
                         "page render times with 7 days of data")
     fleet_arguments(fl)
+    for name, (_, help_text) in TOOLS.items():
+        sub.add_parser(name, help=help_text, add_help=False)  # parsed by the tool itself (run_tool)
     return p
 
 
@@ -313,7 +350,7 @@ def _start_engine(args: argparse.Namespace, out: Path, plain: bool):
         extra += ["--speculation-mode", "fixed", "--k", "0"]
     home = out / ("engine-home-plain" if plain else "engine-home")
     home.mkdir(parents=True, exist_ok=True)
-    env = {"SPECPILOT_HOME": os.environ.get("SPECPILOT_HOME", str(home))}
+    env = {envs.HOME: os.environ.get(envs.HOME, str(home))}
     eh = EngineHostProcess(model=args.model, extra_args=extra, env=env,
                            log_path=out / ("engine-plain.log" if plain else "engine.log"))
     print(f"starting {'plain ' if plain else ''}engine host: {shlex.join(eh.command())}", file=sys.stderr)
@@ -387,7 +424,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         if outer is not None:
             outer.close()
     # rows in workload/load order with the plain column beside the same-engine modes
-    order = {(w, l): i for i, (w, l) in enumerate((w, l) for w in workloads for l in loads)}
+    order = {(w, ld): i for i, (w, ld) in enumerate((w, ld) for w in workloads for ld in loads)}
     results.sort(key=lambda r: order.get((r["spec"]["workload"], r["spec"]["load"]["label"]), 0))
     meta = {"command": "python -m bench " + shlex.join(sys.argv[1:]), "finished_at_unix": time.time(),
             "loads": {k: loads_def[k] for k in loads}, "modes": modes, "duration_s": args.duration}
@@ -436,6 +473,9 @@ def cmd_workloads(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m bench``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TOOLS:
+        return run_tool(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "fleet":

@@ -1,8 +1,8 @@
 """Collector cost benchmark: engine output tokens/s with and without the collector daemon
 scraping ``/metrics`` every second.
 
-    flock /tmp/specpilot-engine.lock python -m bench.bench_collector
-    python -m bench.bench_collector --window 45 --pairs 4 --concurrency 4
+    flock /tmp/specpilot-engine.lock python -m bench collector
+    python -m bench collector --window 45 --pairs 4 --concurrency 4
 
 One engine host (default model, CPU eager mode) serves a closed loop of ``--concurrency``
 streams of completions. Windows alternate without / with ``python -m control collect``
@@ -88,7 +88,7 @@ def window(url: str, seconds: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.bench_collector", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench collector", description=__doc__.split("\n\n")[0])
     p.add_argument("--window", type=float, default=40.0, help="seconds per window")
     p.add_argument("--pairs", type=int, default=3, help="without/with window pairs")
     p.add_argument("--concurrency", type=int, default=4, help="concurrent request streams")

@@ -8,7 +8,7 @@ with Streamlit's AppTest (the page script run on the server, which is where the 
 goes: queries, model fits, figure building) and reports the median and worst time per
 page over ``--repeats`` runs, plus the first (cold-cache) run.
 
-    python -m bench.bench_dashboard [--days 7] [--hosts 4] [--repeats 5] [--browser] [--json FILE]
+    python -m bench dashboard [--days 7] [--hosts 4] [--repeats 5] [--browser] [--json FILE]
 
 With ``--browser`` it also serves the app (``python -m dashboard``) on the same store and
 times, in headless Chromium, a click in the navigation until every chart, table and tile
@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from engine_host import envs
 
 PAGES = ["pages/live.py", "pages/control.py", "pages/history.py", "pages/fleet.py", "pages/alerts.py",
          "pages/cost.py", "pages/planner.py"]
@@ -110,7 +112,7 @@ def seed_store(url: str, hosts: list[tuple[str, str, str]], days: float = 7.0, n
                 t += 6 * 3600
             counts["versions"] += v
 
-            def k_at(t: float) -> tuple[int, int]:
+            def k_at(t: float, schedule: list = schedule) -> tuple[int, int]:
                 kk, vv = 0, 1
                 for ts, k_, v_ in schedule:
                     if ts <= t:
@@ -157,7 +159,7 @@ def browser_times(url: str, repeats: int, user: tuple[str, str], screenshots: Pa
             "--no-first-run", "--disable-component-update", "--disable-sync"]
     out = {}
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=os.environ.get("SPECPILOT_CHROMIUM", "/usr/bin/chromium"), args=args)
+        b = p.chromium.launch(executable_path=envs.chromium(), args=args)
         pg = b.new_page(viewport={"width": 1440, "height": 2400})
         pg.goto(url)
         pg.get_by_label("User name").fill(user[0])
@@ -209,14 +211,13 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
     """Seed, serve and render; returns the figures."""
     from streamlit.testing.v1 import AppTest
 
-    from control import views
     from control.auth import User
     from control.testing import FakeEngineHost
 
     home = Path(tempfile.mkdtemp(prefix="specpilot-bench-dash-"))
-    os.environ["SPECPILOT_HOME"] = str(home)
+    os.environ[envs.HOME] = str(home)
     url = f"sqlite:///{home / 'specpilot.db'}"
-    os.environ["SPECPILOT_DB"] = url
+    os.environ[envs.DB_URL] = url
     fakes = []
     hosts = []
     for i in range(n_hosts):
@@ -227,7 +228,6 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
     t0 = time.perf_counter()
     counts = seed_store(url, hosts, days=days)
     seed_s = time.perf_counter() - t0
-    views.set_backend(None)
     results = {}
     try:
         at = AppTest.from_file(str(APP), default_timeout=120)
@@ -236,7 +236,7 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
         at.run()
         for page in PAGES:
             times = []
-            for r in range(repeats + 1):
+            for _ in range(repeats + 1):
                 t = time.perf_counter()
                 at.switch_page(page).run()
                 times.append(time.perf_counter() - t)
@@ -281,7 +281,7 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: see the module docstring."""
-    p = argparse.ArgumentParser(prog="python -m bench.bench_dashboard", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench dashboard", description=__doc__.split("\n\n")[0])
     p.add_argument("--days", type=float, default=7.0, help="days of stored samples (default 7)")
     p.add_argument("--hosts", type=int, default=4, help="engine hosts (default 4)")
     p.add_argument("--repeats", type=int, default=5, help="timed renders per page after the first (default 5)")

@@ -10,7 +10,7 @@
 
 Run::
 
-    python -m bench.bench_engine_host [--rounds 2] [--duration 20] [--concurrency 8] [--skip-compiled]
+    python -m bench engine-host [--rounds 2] [--duration 20] [--concurrency 8] [--skip-compiled]
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ async def config_latency(eh: EngineHostProcess, model: str, n: int = 20) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.bench_engine_host", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench engine-host", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="A/B rounds (engine starts = 2 x rounds)")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of load per engine (s)")

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine_host import envs
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -171,21 +173,19 @@ def pages(n: int, repeats: int, days: float = 7.0) -> dict[str, Any]:
     from streamlit.testing.v1 import AppTest
 
     from bench.bench_dashboard import APP, seed_store
-    from control import views
     from control.auth import User
     from control.testing import FakeEngineHost
 
     home = Path(tempfile.mkdtemp(prefix="specpilot-bench-pages-"))
-    os.environ["SPECPILOT_HOME"] = str(home)
+    os.environ[envs.HOME] = str(home)
     url = f"sqlite:///{home / 'specpilot.db'}"
-    os.environ["SPECPILOT_DB"] = url
+    os.environ[envs.DB_URL] = url
     os.environ["BENCH_FLEET_TOKEN"] = "bench-fleet-token"
     fakes = [FakeEngineHost(token="bench-fleet-token").start() for _ in range(n)]
     try:
         t = time.perf_counter()
         seed_store(url, [(f"host-{i:03d}", f.url, "BENCH_FLEET_TOKEN") for i, f in enumerate(fakes)], days=days)
         seed_s = time.perf_counter() - t
-        views.set_backend(None)
         at = AppTest.from_file(str(APP), default_timeout=300)
         at.session_state["user"] = User("bench", "operator")
         at.session_state["selected_host"] = "host-000"
@@ -202,7 +202,6 @@ def pages(n: int, repeats: int, days: float = 7.0) -> dict[str, Any]:
             out[page.split("/")[1][:-3]] = {"first_s": round(times[0], 3), "median_s": round(statistics.median(times[1:]), 3)}
         return out
     finally:
-        views.set_backend(None)
         for f in fakes:
             f.stop()
 

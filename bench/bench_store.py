@@ -1,9 +1,9 @@
 """Store benchmark: 7 days of 1 s samples for 4 hosts, written and downsampled the way the
 collector does it, then the store's size and the time to load chart series.
 
-    python -m bench.bench_store                       # SQLite in a temporary folder
-    python -m bench.bench_store --db postgresql+psycopg://user@host/db
-    python -m bench.bench_store --days 1 --hosts 2    # quicker
+    python -m bench store                       # SQLite in a temporary folder
+    python -m bench store --db postgresql+psycopg://user@host/db
+    python -m bench store --days 1 --hosts 2    # quicker
 
 Per simulated hour and host, 3600 one-second rows go in (one transaction, as the
 collector's per-second writes would add up to), then :func:`control.samples.downsample`
@@ -76,7 +76,7 @@ def timed(fn, repeat: int = 7) -> tuple[float, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.bench_store", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench store", description=__doc__.split("\n\n")[0])
     p.add_argument("--db", default=None, help="store URL (default: SQLite in a temporary folder)")
     p.add_argument("--days", type=float, default=7.0)
     p.add_argument("--hosts", type=int, default=4)

@@ -13,7 +13,7 @@ again. Ratios are against the engine's own steady-state median. Target: <= 1.5x 
 
 Run::
 
-    python -m bench.bench_warmup [--idle 600] [--steady 20] [--heartbeat-interval 60] [--out FILE]
+    python -m bench warmup [--idle 600] [--steady 20] [--heartbeat-interval 60] [--out FILE]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def ttft_ms(url: str, model: str, prompt: str = PROMPT, max_tokens: int = 16) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.bench_warmup", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench warmup", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--idle", type=float, default=600.0, help="idle period before the second cold request (s)")
     ap.add_argument("--steady", type=int, default=20, help="requests for the steady-state median")

@@ -1,4 +1,4 @@
-"""``python -m bench.draft_layers``: acceptance per draft position of the default model's
+"""``python -m bench draft-layers``: acceptance per draft position of the default model's
 truncated drafts (its first N layers), on the bench workloads.
 
 For each N, one engine host (eager) runs ``draft_model`` speculation at fixed K with the
@@ -10,7 +10,7 @@ CPU). Results are printed as a Markdown table and written as JSON.
 
 Usage::
 
-    python -m bench.draft_layers --layers 4,8,12,16 --k 4 --requests 6 --out draft_layers.json
+    python -m bench draft-layers --layers 4,8,12,16 --k 4 --requests 6 --out draft_layers.json
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
-    p = argparse.ArgumentParser(prog="python -m bench.draft_layers", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench draft-layers", description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", default="4,8,12,16", help="comma-separated layer counts; 'ngram' adds an n-gram row")
     p.add_argument("--k", type=int, default=4, help="draft length K (tokens)")
     p.add_argument("--workloads", default="code,docs,chat")

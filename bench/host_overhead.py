@@ -25,14 +25,14 @@ would not fit.
 
 Typical use on a GPU host (docs/gpu.md), to split the engine host's cost into its parts::
 
-    python -m bench.host_overhead --loads 64 --rounds 3 \\
+    python -m bench host-overhead --loads 64 --rounds 3 \\
       --engine 'serve:bare:--gpu-memory-utilization 0.2 --no-enable-prefix-caching' \\
       --engine 'host:host:--k-max 0 --no-prefix-caching --gpu-memory-utilization 0.2' \\
       --engine 'serve:hook:--gpu-memory-utilization 0.2 --no-enable-prefix-caching --async-scheduling \\
                 --scheduler-cls engine_host.scheduler.SpecPilotAsyncScheduler' \\
       --engine 'serve:stats:VLLM_PLUGINS=specpilot_stats --gpu-memory-utilization 0.2 --no-enable-prefix-caching'
 
-    python -m bench.host_overhead --report overhead.json --baseline ngram4   # table only
+    python -m bench host-overhead --report overhead.json --baseline ngram4   # table only
 
 Results: ``--out/overhead.json`` (rewritten after each step) and a table on stdout.
 """
@@ -164,7 +164,7 @@ def parse_mode(item: str) -> tuple[str, dict[str, float]]:
     Raises:
         ValueError: an unknown mode, key or a value that is not a number.
     """
-    from engine_host.routing import ROUTING_MODES, SPLIT_SETTINGS
+    from engine_host.router.settings import ROUTING_MODES, SPLIT_SETTINGS
 
     mode, *pairs = item.split(":")
     if mode not in ROUTING_MODES:
@@ -361,7 +361,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line; see the module docstring."""
-    ap = argparse.ArgumentParser(prog="python -m bench.host_overhead", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench host-overhead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", action="append",
                     help="serve:NAME:ARGS, host:NAME:ARGS or dual:NAME:ARGS (repeatable; the first is the baseline)")

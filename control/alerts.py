@@ -39,7 +39,8 @@ class BadRule(ControlError, ValueError):
 
 
 def _check(metric: str, op: str, threshold: float, for_s: float) -> None:
-    if metric not in METRICS or metric in ("mode", "accepted_per_pos", "acceptance_per_position"):
+    if metric not in METRICS or metric in ("mode", "accepted_per_pos", "draft_tokens_per_pos",
+                                           "acceptance_per_position"):
         raise BadRule(f"unknown metric {metric!r}; use one of: up, {', '.join(SERIES_COLUMNS)}")
     if op not in OPS:
         raise BadRule(f"unknown comparison {op!r}; use one of {', '.join(OPS)}")

@@ -31,9 +31,12 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
+
+from engine_host import envs
 
 __all__ = [
     "ROLES",
@@ -49,9 +52,9 @@ __all__ = [
     "can",
 ]
 
-ENV_USERS_FILE = "SPECPILOT_USERS_FILE"
-ENV_USERS = "SPECPILOT_USERS"
-ENV_NEW_PASSWORD = "SPECPILOT_NEW_PASSWORD"
+ENV_USERS_FILE = envs.USERS_FILE
+ENV_USERS = envs.USERS
+ENV_NEW_PASSWORD = envs.NEW_PASSWORD
 
 #: What each role may do. ``view``: read pages; ``apply``: change a host's config;
 #: ``rollback``: apply an earlier version again.
@@ -69,8 +72,8 @@ LOCKOUT_S = 60.0
 
 _hasher = PasswordHasher()
 _DUMMY_HASH = _hasher.hash("specpilot-no-such-user")
-_failures: dict[str, list[float]] = {}
-_failures_lock = threading.Lock()
+_stores: dict[str | None, Any] = {}
+_stores_lock = threading.Lock()
 
 
 class AuthError(ValueError):
@@ -104,7 +107,7 @@ def can(user: User | None, action: str) -> bool:
 
 def users_file() -> Path:
     """Path of the users file: ``$SPECPILOT_USERS_FILE`` or ``$SPECPILOT_HOME/users.toml``."""
-    env = os.environ.get(ENV_USERS_FILE)
+    env = envs.users_file()
     if env:
         return Path(env).expanduser()
     from engine_host.home import home
@@ -164,7 +167,7 @@ def load_users(path: Path | None = None) -> dict[str, User]:
             raise AuthError(f"{path}: not valid TOML: {exc}") from None
         for name, entry in (data.get("users") or {}).items():
             users[name] = _check_entry(name, entry, str(path))
-    env = os.environ.get(ENV_USERS)
+    env = envs.users()
     if env:
         try:
             data = json.loads(env)
@@ -240,36 +243,87 @@ def remove_user(name: str, path: Path | None = None) -> None:
     _write_users(path, users)
 
 
-def _locked(name: str, now: float) -> bool:
-    with _failures_lock:
-        times = [t for t in _failures.get(name, []) if now - t < LOCKOUT_WINDOW_S]
-        _failures[name] = times
-        return len(times) >= MAX_FAILURES and now - times[-1] < LOCKOUT_S
+def _lockout_store(store: Any) -> Any:
+    """The store holding lock-out state: ``store``, else the dashboard's
+    (``$SPECPILOT_DB``, ``$SPECPILOT_DB_URL``, else the SQLite file in ``$SPECPILOT_HOME``),
+    opened once per process and URL."""
+    if store is not None:
+        return store
+    from .db import default_url
+    from .store import Store
+
+    url = os.environ.get("SPECPILOT_DB") or os.environ.get("SPECPILOT_DB_URL") or default_url()
+    with _stores_lock:
+        if url not in _stores:
+            _stores[url] = Store.open(url)
+        return _stores[url]
 
 
-def authenticate(name: str, password: str, users: dict[str, User] | None = None) -> User:
+def failures(store: Any, name: str, now: float | None = None) -> list[float]:
+    """Times (unix s) of the failed logins for ``name`` within ``LOCKOUT_WINDOW_S``
+    seconds before ``now``, oldest first (from the store's ``login_failures``)."""
+    from sqlalchemy import select
+
+    from .models import LoginFailure
+
+    now = time.time() if now is None else now
+    with store.reader() as s:
+        return list(s.scalars(select(LoginFailure.failed_at).where(
+            LoginFailure.name == name, LoginFailure.failed_at > now - LOCKOUT_WINDOW_S)
+            .order_by(LoginFailure.failed_at)))
+
+
+def _record_failure(store: Any, name: str, now: float) -> None:
+    from sqlalchemy import delete
+
+    from .models import LoginFailure
+
+    with store.writer() as s:
+        s.execute(delete(LoginFailure).where(LoginFailure.failed_at <= now - LOCKOUT_WINDOW_S))
+        s.add(LoginFailure(name=name[:64], failed_at=now))
+
+
+def _clear_failures(store: Any, name: str) -> None:
+    from sqlalchemy import delete
+
+    from .models import LoginFailure
+
+    with store.writer() as s:
+        s.execute(delete(LoginFailure).where(LoginFailure.name == name[:64]))
+
+
+def _locked(store: Any, name: str, now: float) -> bool:
+    times = failures(store, name[:64], now)
+    return len(times) >= MAX_FAILURES and now - times[-1] < LOCKOUT_S
+
+
+def authenticate(name: str, password: str, users: dict[str, User] | None = None, store: Any = None) -> User:
     """Check a login.
 
     Unknown names cost the same hash verification as known ones. After
     ``MAX_FAILURES`` failures within ``LOCKOUT_WINDOW_S`` seconds a name is locked for
-    ``LOCKOUT_S`` seconds.
+    ``LOCKOUT_S`` seconds. Failures are kept in the store (``login_failures``), so a
+    dashboard restart does not reset them.
 
+    Args:
+        store: the control plane's :class:`control.store.Store` (default: the
+            dashboard's, see :func:`_lockout_store`).
     Returns:
         The :class:`User`.
     Raises:
         AuthError: wrong name or password (one message for both), or locked out.
+        control.db.StoreError: the store cannot be opened.
     """
+    store = _lockout_store(store)
     now = time.time()
     name = (name or "").strip()
-    if _locked(name, now):
+    if _locked(store, name, now):
         raise AuthError(f"too many failed logins for {name!r}: try again in a minute")
     users = load_users() if users is None else users
     user = users.get(name)
     ok = verify_password(user.password_hash if user else _DUMMY_HASH, password or "")
     if not (ok and user):
-        with _failures_lock:
-            _failures.setdefault(name, []).append(now)
+        _record_failure(store, name, now)
         raise AuthError("wrong user name or password")
-    with _failures_lock:
-        _failures.pop(name, None)
+    _clear_failures(store, name)
     return user

@@ -67,22 +67,22 @@ def _store(args: argparse.Namespace):
     return Store.open(args.db)
 
 
-ENV_DB_URL, ENV_DB_ALIAS = "SPECPILOT_DB_URL", "SPECPILOT_DB"
-
-
 def db_from_env() -> str | None:
-    """The store URL from the environment: ``$SPECPILOT_DB_URL``, else ``$SPECPILOT_DB``
-    (the dashboard's name for it); None when neither is set.
+    """The store URL from the environment (:func:`engine_host.envs.db_url`:
+    ``$SPECPILOT_DB_URL``, else the deprecated ``$SPECPILOT_DB`` the dashboard used);
+    None when neither is set.
 
     Raises:
         ControlError: both are set to different URLs (the CLI and the dashboard would
             use different stores).
     """
-    url, alias = os.environ.get(ENV_DB_URL) or None, os.environ.get(ENV_DB_ALIAS) or None
+    from engine_host import envs
+
+    url, alias = os.environ.get(envs.DB_URL) or None, os.environ.get(envs.DB_URL_DEPRECATED) or None
     if url and alias and url != alias:
-        raise ControlError(f"${ENV_DB_URL} and ${ENV_DB_ALIAS} name different stores ({url} and {alias}): "
+        raise ControlError(f"${envs.DB_URL} and ${envs.DB_URL_DEPRECATED} name different stores ({url} and {alias}): "
                            "unset one, or give --db")
-    return url or alias
+    return envs.db_url()
 
 
 def _host_name(store: Any, given: str | None) -> str:

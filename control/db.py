@@ -13,14 +13,15 @@ concurrent writers in several processes queue up instead of failing with
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-ENV_DB = "SPECPILOT_DB_URL"
+from engine_host import envs
+
+ENV_DB = envs.DB_URL
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
 
@@ -30,7 +31,7 @@ class StoreError(RuntimeError):
 
 def default_url() -> str:
     """``$SPECPILOT_DB_URL`` when set, else ``sqlite:///$SPECPILOT_HOME/specpilot.db``."""
-    env = os.environ.get(ENV_DB)
+    env = envs.db_url()
     if env:
         return env
     from engine_host.home import home

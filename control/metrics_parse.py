@@ -19,6 +19,8 @@ from typing import Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine_host.router.metrics import select_families  # one definition, shared with the dual host's router
+
 #: Labels that locate a series rather than qualify it: summed over.
 LOCATION_LABELS = frozenset({"engine", "model_name"})
 
@@ -54,31 +56,6 @@ class Snapshot:
         """Cumulative counts by upper bound (s, ``math.inf`` for ``+Inf``) of histogram
         ``name`` (without ``_bucket``); empty when absent."""
         return {float(le): v for le, v in self.by_label(name + "_bucket", "le").items()}
-
-
-_SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
-
-
-def _family(name: str) -> str:
-    for suffix in _SUFFIXES:
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
-
-
-def select_families(text: str, families: frozenset[str] | set[str]) -> str:
-    """The lines of ``text`` (samples and their ``# HELP``/``# TYPE`` lines) that belong
-    to the metric families named in ``families`` (names without ``_total``/``_bucket``...)."""
-    keep = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            name = parts[2] if len(parts) > 2 else ""
-        else:
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in families or _family(name) in families:
-            keep.append(line)
-    return "\n".join(keep) + "\n"
 
 
 def parse_metrics(text: str, families: frozenset[str] | set[str] | None = None) -> Snapshot:

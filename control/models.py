@@ -194,6 +194,7 @@ class MetricSample(Base):
     accepted_tokens: Mapped[float] = mapped_column(Float, default=0.0)
     acceptance_rate: Mapped[float | None] = mapped_column(Float)
     accepted_per_pos: Mapped[list[float] | None] = mapped_column(JSONType)
+    draft_tokens_per_pos: Mapped[list[float] | None] = mapped_column(JSONType)
     acceptance_per_position: Mapped[list[float | None] | None] = mapped_column(JSONType)
     k: Mapped[float | None] = mapped_column(Float)
     mode: Mapped[str | None] = mapped_column(String(16))
@@ -329,3 +330,16 @@ class Rollout(Base):
     message: Mapped[str | None] = mapped_column(Text)
     owner: Mapped[str | None] = mapped_column(String(64))
     heartbeat_at: Mapped[float | None] = mapped_column(Float)
+
+
+class LoginFailure(Base):
+    """A failed dashboard login for a user name (``failed_at`` unix s). Lock-out is
+    counted from these rows (:func:`control.auth.authenticate`), so it survives a
+    dashboard restart; a successful login deletes the name's rows."""
+
+    __tablename__ = "login_failures"
+    __table_args__ = (Index("ix_login_failures_name_failed_at", "name", "failed_at"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64))
+    failed_at: Mapped[float] = mapped_column(Float)

@@ -34,12 +34,14 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlparse
 
+from engine_host import envs
+
 from .metrics_parse import decode_buckets, merge_buckets, quantile
 from .sampling import HISTOGRAMS, PERCENTILES
 from .store import ControlError
 
-ENV_SOURCE = "SPECPILOT_METRICS_SOURCE"
-ENV_URL = "SPECPILOT_PROMETHEUS_URL"
+ENV_SOURCE = envs.METRICS_SOURCE
+ENV_URL = envs.PROMETHEUS_URL
 SOURCES = ("embedded", "prometheus")
 
 #: The figures both sources give for a window (units in the names; fractions 0..1).
@@ -59,10 +61,10 @@ def metrics_source() -> str:
     Raises:
         MetricSourceError: an unknown source, or ``prometheus`` without a URL.
     """
-    src = (os.environ.get(ENV_SOURCE) or "embedded").strip().lower()
+    src = envs.metrics_source()
     if src not in SOURCES:
         raise MetricSourceError(f"{ENV_SOURCE}={src!r} is not a metric source; use one of {', '.join(SOURCES)}")
-    if src == "prometheus" and not os.environ.get(ENV_URL):
+    if src == "prometheus" and not envs.prometheus_url():
         raise MetricSourceError(f"metric source prometheus needs a server URL ({ENV_URL} or --prometheus-url)")
     return src
 
@@ -280,7 +282,7 @@ def host_window(store: Any, host: str, end: float | None = None, window_s: int =
     end = time.time() if end is None else end
     if metrics_source() == "prometheus":
         inst = instance_of(get_host(store, host).url)
-        return PrometheusSource(os.environ[ENV_URL]).window([inst], end, window_s)[inst]
+        return PrometheusSource(envs.prometheus_url() or "").window([inst], end, window_s)[inst]
     return store_window(store, host, end, window_s)
 
 
@@ -294,7 +296,7 @@ def prometheus_samples(url: str, since: float, until: float, step_s: int = 1,
     Raises:
         MetricSourceError: no URL set or the server cannot answer.
     """
-    prom_url = os.environ.get(ENV_URL)
+    prom_url = envs.prometheus_url()
     if not prom_url:
         raise MetricSourceError(f"metric source prometheus needs a server URL ({ENV_URL} or --prometheus-url)")
     step = max(1, int(step_s))

@@ -182,6 +182,7 @@ class FakeEngineMetrics:
         self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "draft tokens", registry=r)
         self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "accepted", registry=r)
         self.accepted_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "per pos", ["position"], registry=r)
+        self.draft_pos = Counter("specpilot:spec_decode_num_draft_tokens_per_pos", "per pos", ["position"], registry=r)
         self.hist = {name: Histogram(name, name, buckets=self.LATENCY_BUCKETS, registry=r) for name in (
             "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
             "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds")}
@@ -202,7 +203,8 @@ class FakeEngineMetrics:
 
     def serve(self, requests: int = 1, output_tokens: int = 50, prompt_tokens: int = 20, ttft_s: float = 0.05,
               itl_s: float = 0.02, queue_s: float = 0.001, drafts: int = 0, draft_tokens: int = 0,
-              accepted: int = 0, accepted_per_pos: list[int] | None = None) -> None:
+              accepted: int = 0, accepted_per_pos: list[int] | None = None,
+              draft_tokens_per_pos: list[int] | None = None) -> None:
         """Count ``requests`` finished requests with these figures (per request)."""
         for _ in range(requests):
             self.generation.inc(output_tokens)
@@ -219,6 +221,8 @@ class FakeEngineMetrics:
         self.accepted.inc(accepted)
         for i, n in enumerate(accepted_per_pos or []):
             self.accepted_pos.labels(str(i)).inc(n)
+        for i, n in enumerate(draft_tokens_per_pos or []):
+            self.draft_pos.labels(str(i)).inc(n)
 
     def text(self) -> str:
         from prometheus_client import generate_latest

@@ -127,6 +127,10 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"SpecPilot: engine host ready in {seconds:.0f} s", flush=True)
         add_host(store, args.name, eh.url, usd_per_hour=args.usd_per_hour or 0.0,
                  gpu_kind=args.gpu or ("cpu" if cpu else "gpu"), update=True, origin_=origin("up"))
+        if not args.no_dashboard and dashboard_available():
+            from dashboard.__main__ import bootstrap_user
+
+            bootstrap_user()  # first start: the admin's password, framed, before the collector's log lines
         collector = Collector(store, interval_s=args.interval).start()
         if not args.no_dashboard and dashboard_available():
             cmd = [sys.executable, "-m", "dashboard", "--port", str(args.dashboard_port), "--address", args.address]

@@ -7,7 +7,7 @@
 
 Starting is a thin wrapper over ``streamlit run dashboard/app.py`` with headless
 settings (no browser opened, no usage statistics, no file watcher, no tracebacks shown
-to users). The store is read from ``--db`` or ``$SPECPILOT_DB``, else the SQLite file
+to users). The store is read from ``--db`` or ``$SPECPILOT_DB_URL``, else the SQLite file
 in ``$SPECPILOT_HOME``. ``users add`` prompts for the password twice, or reads it from
 ``$SPECPILOT_NEW_PASSWORD``. On a first start with no user at all, an operator ``admin``
 is created with a random password, printed once.
@@ -21,8 +21,10 @@ import os
 import sys
 from pathlib import Path
 
+from engine_host import envs
+
 APP = Path(__file__).resolve().parent / "app.py"
-ENV_DB = "SPECPILOT_DB"
+ENV_DB = envs.DB_URL
 
 
 def streamlit_argv(port: int, address: str) -> list[str]:
@@ -57,7 +59,7 @@ def _users(args: argparse.Namespace) -> int:
             auth.remove_user(args.name)
             print(f"removed {args.name} from {auth.users_file()}")
             return 0
-        password = os.environ.get(auth.ENV_NEW_PASSWORD)
+        password = envs.new_password()
         if password is None:
             if not sys.stdin.isatty():
                 print(f"no terminal to prompt on: set ${auth.ENV_NEW_PASSWORD}", file=sys.stderr)
@@ -93,10 +95,23 @@ def bootstrap_user() -> str | None:
         return None
     password = secrets.token_urlsafe(12)
     auth.add_user("admin", "operator", password)
-    print(f"SpecPilot dashboard: first start, created operator 'admin' with password {password}\n"
-          f"  (stored hashed in {auth.users_file()}; add users with: python -m dashboard users add NAME --role viewer)",
-          flush=True)
+    print(first_start_box(password, str(auth.users_file())), flush=True)
     return password
+
+
+def first_start_box(password: str, users_file: str) -> str:
+    """The first start's login, framed so that it stands out among log lines."""
+    lines = ["SpecPilot dashboard: first start. Log in with",
+             "",
+             "    user name  admin",
+             f"    password   {password}",
+             "",
+             "The password is shown only this once (stored hashed in",
+             f"{users_file}).",
+             "Add users: python -m dashboard users add NAME --role viewer|operator"]
+    width = max(len(x) for x in lines)
+    bar = "+" + "-" * (width + 2) + "+"
+    return "\n".join(["", bar, *[f"| {x.ljust(width)} |" for x in lines], bar, ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     if args.db:
         env[ENV_DB] = args.db
+        env.pop(envs.DB_URL_DEPRECATED, None)
     if not args.no_bootstrap_user:
         bootstrap_user()
     argv_st = streamlit_argv(args.port, args.address)

@@ -4,6 +4,10 @@
 A router: the login page until someone logs in, then the pages (one file each in
 ``pages/``) with the signed-in user and a log-out button in the sidebar. Viewers see
 every page read-only; operators may also apply and roll back.
+
+A session survives a reload through a signed cookie (:mod:`dashboard.session`). Before
+login every page's address leads to the login form, so a deep link (``/history``)
+opens its page once the user has logged in.
 """
 
 from __future__ import annotations
@@ -13,8 +17,17 @@ import streamlit as st
 st.set_page_config(page_title="SpecPilot", page_icon=":material/speed:", layout="wide",
                    initial_sidebar_state="expanded")
 
-from control import auth  # noqa: E402
-from dashboard import ui  # noqa: E402
+from control.views import common  # noqa: E402
+from dashboard import session, ui  # noqa: E402
+
+#: Pages by address (``url_path``); the first is the default.
+PAGES = [("pages/live.py", "Live", ":material/monitoring:"),
+         ("pages/control.py", "Control", ":material/tune:"),
+         ("pages/history.py", "History", ":material/history:"),
+         ("pages/fleet.py", "Fleet", ":material/dns:"),
+         ("pages/alerts.py", "Alerts", ":material/notifications:"),
+         ("pages/cost.py", "Cost review", ":material/payments:"),
+         ("pages/planner.py", "Planner", ":material/query_stats:")]
 
 
 def login_page() -> None:
@@ -22,8 +35,8 @@ def login_page() -> None:
     st.title("SpecPilot")
     st.caption("Operations dashboard for vLLM serving with adaptive speculative decoding")
     try:
-        users = auth.load_users()
-    except auth.AuthError as exc:
+        users = common.load_users()
+    except common.AuthError as exc:
         st.error(f"The users file cannot be read: {exc}")
         st.stop()
     if not users:
@@ -37,35 +50,44 @@ def login_page() -> None:
         submitted = st.form_submit_button("Log in", type="primary")
     if submitted:
         try:
-            user = auth.authenticate(name, password, users)
-        except auth.AuthError as exc:
+            user = common.login(ui.store(), name, password, users)
+        except common.AuthError as exc:
             st.error(str(exc))
         else:
             st.session_state["user"] = user
+            st.session_state["session_token"] = session.issue(user)
             st.session_state.pop("login_password", None)
+            st.session_state.pop("logged_out", None)
             st.rerun()
+    if st.session_state.get("logged_out"):
+        st.html(session.clear_cookie_script(), unsafe_allow_javascript=True)
 
 
 def _logout() -> None:
     for key in list(st.session_state.keys()):
         del st.session_state[key]
+    st.session_state["logged_out"] = True  # the cookie this session started with no longer counts
+
+
+def _url_path(script: str) -> str:
+    return script.rsplit("/", 1)[-1].removesuffix(".py")
 
 
 user = ui.current_user()
+if user is None and not st.session_state.get("logged_out"):
+    user = session.restore(st.context.cookies.get(session.COOKIE))  # a reload, a new tab, a deep link
+    if user is not None:
+        st.session_state["user"] = user
 if user is None:
-    page = st.navigation([st.Page(login_page, title="Log in", icon=":material/login:")], position="hidden")
+    # Every page's address shows the login form, so that a deep link opens its page after login.
+    page = st.navigation([st.Page(login_page, title="Log in", icon=":material/login:", url_path=_url_path(f),
+                                  default=i == 0) for i, (f, _, _) in enumerate(PAGES)], position="hidden")
 else:
-    pages = [
-        st.Page("pages/live.py", title="Live", icon=":material/monitoring:", default=True),
-        st.Page("pages/control.py", title="Control", icon=":material/tune:"),
-        st.Page("pages/history.py", title="History", icon=":material/history:"),
-        st.Page("pages/fleet.py", title="Fleet", icon=":material/dns:"),
-        st.Page("pages/alerts.py", title="Alerts", icon=":material/notifications:"),
-        st.Page("pages/cost.py", title="Cost review", icon=":material/payments:"),
-        st.Page("pages/planner.py", title="Planner", icon=":material/query_stats:"),
-    ]
+    pages = [st.Page(f, title=title, icon=icon, default=i == 0) for i, (f, title, icon) in enumerate(PAGES)]
     page = st.navigation(pages, position="sidebar", expanded=True)
     with st.sidebar:
+        if st.session_state.get("session_token"):
+            st.html(session.set_cookie_script(st.session_state["session_token"]), unsafe_allow_javascript=True)
         st.markdown(f"Signed in as **{user.name}** · {user.role}")
         if user.role == "viewer":
             st.caption("Read only: viewers cannot change configs.")

@@ -2,7 +2,8 @@
 alert banner, Plotly figure conventions (units on every axis, one colour per meaning,
 config changes as markers), and cached reads.
 
-Nothing here decides or queries anything by itself: data comes from ``control.views``.
+Nothing here decides or queries anything by itself: data comes from the view modules
+(``control.views.*``), given the store opened once per process (:func:`store`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from control import views
-from control.auth import User
+from control.views import alerts as alert_views
+from control.views import common
+from control.views.common import Store, User
 
 # One colour per meaning, colour-blind safe (Okabe-Ito), same on every page.
 COLORS = {
@@ -35,7 +37,7 @@ COLORS = {
     "good": "#009E73",
 }
 K_COLORS = ["#000000", "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#7F7F7F"]
-CHART_HEIGHT = 260
+CHART_HEIGHT = 285
 
 
 def current_user() -> User | None:
@@ -51,10 +53,26 @@ def require_user() -> User:
     return user
 
 
+@st.cache_resource(show_spinner=False)
+def _store(url: str | None) -> Store:
+    return common.open_store(url)
+
+
+def store() -> Store:
+    """The control plane's store, opened (and migrated) once per process and held in
+    ``st.cache_resource``: ``--db`` / ``$SPECPILOT_DB``, else the SQLite file in
+    ``$SPECPILOT_HOME``. Every view gets it as its first argument."""
+    return _store(common.db_url())
+
+
 @st.cache_data(ttl=10, show_spinner=False)
-def cached_hosts() -> list[views.HostInfo]:
+def _cached_hosts(url: str | None) -> list[common.HostInfo]:
+    return common.list_hosts(store())
+
+
+def cached_hosts() -> list[common.HostInfo]:
     """Registered hosts (refreshed every 10 s)."""
-    return views.list_hosts()
+    return _cached_hosts(common.db_url())
 
 
 def host_picker(label: str = "Host", key: str = "host", allow_all: bool = False) -> str | None:
@@ -80,7 +98,7 @@ def alert_banner() -> None:
     try:
         summary = _cached_alert_summary()
     except Exception as exc:  # a broken store must not break every page
-        st.warning(f"Alerts unavailable: {views.describe_error(exc)}")
+        st.warning(f"Alerts unavailable: {common.describe_error(exc)}")
         return
     if summary.open_count:
         text = "; ".join(summary.lines[:3]) + (f" (+{summary.open_count - 3} more)" if summary.open_count > 3 else "")
@@ -88,9 +106,13 @@ def alert_banner() -> None:
                  icon=":material/notifications_active:")
 
 
+def _cached_alert_summary() -> alert_views.AlertSummary:
+    return _alert_summary(common.db_url())
+
+
 @st.cache_data(ttl=5, show_spinner=False)
-def _cached_alert_summary() -> views.AlertSummary:
-    return views.alert_summary()
+def _alert_summary(url: str | None) -> alert_views.AlertSummary:
+    return alert_views.alert_summary(store())
 
 
 def fmt(value: Any, unit: str = "", digits: int = 0) -> str:
@@ -102,6 +124,47 @@ def fmt(value: Any, unit: str = "", digits: int = 0) -> str:
     else:
         text = f"{value:,}"
     return f"{text} {unit}".strip()
+
+
+def fmt_ms(value: Any) -> str:
+    """A latency for a metric tile, short enough never to be cut: ``4.1 ms``,
+    ``485 ms``, ``2.49 s``, ``19.9 s``, ``125 s``; '—' when unknown."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    v = float(value)
+    if v < 10:
+        return f"{v:.1f} ms"
+    if v < 1000:
+        return f"{v:.0f} ms"
+    if v < 10_000:
+        return f"{v / 1000:.2f} s"
+    if v < 100_000:
+        return f"{v / 1000:.1f} s"
+    return f"{v / 1000:,.0f} s"
+
+
+def fmt_rate(value: Any, unit: str) -> str:
+    """A rate for a metric tile, at most 4 significant figures: ``812 tok/s``,
+    ``2,485 tok/s``, ``19.9k tok/s``; '—' when unknown."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    v = float(value)
+    if v < 10:
+        return f"{v:.1f} {unit}"
+    if v < 10_000:
+        return f"{v:,.0f} {unit}"
+    if v < 1_000_000:
+        return f"{v / 1000:.1f}k {unit}"
+    return f"{v / 1e6:.2f}M {unit}"
+
+
+def wrap_tiles() -> None:
+    """Metric tiles wrap a long value onto a second line instead of cutting it with
+    '…' (Streamlit cuts by default), with a value font that fits 4 tiles a row at 800 px."""
+    st.html("<style>[data-testid='stMetricValue'], [data-testid='stMetricValue'] > div {"
+            "white-space: normal !important; overflow: visible !important; text-overflow: clip !important;"
+            "overflow-wrap: anywhere; font-size: clamp(1.1rem, 2.2vw, 1.8rem) !important; line-height: 1.2;}"
+            "</style>")
 
 
 def _arr(values: Any) -> Any:
@@ -154,9 +217,10 @@ def base_layout(fig: dict[str, Any], title: str, y_title: str, x_title: str = "t
     fig["layout"].update({
         "title": {"text": title, "x": 0, "xanchor": "left", "font": {"size": 15, "color": "#222"}},
         "height": height,
-        "margin": {"l": 60, "r": 20, "t": 60, "b": 45},
-        "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.0, "x": 1, "xanchor": "right",
-                   "font": {"size": 12}},
+        "margin": {"l": 60, "r": 20, "t": 60, "b": 80},
+        # Below the plot: above it, the legend would cover the config-version labels.
+        "legend": {"orientation": "h", "yref": "container", "yanchor": "bottom", "y": 0.01, "x": 0,
+                   "xanchor": "left", "font": {"size": 12}},
         "paper_bgcolor": "white",
         "plot_bgcolor": "white",
         "hovermode": "x unified",
@@ -234,6 +298,20 @@ def show(fig: dict[str, Any], key: str | None = None) -> None:
     """Render a figure (no validation: see :func:`new_fig`) without Plotly's mode bar."""
     st.plotly_chart(go.Figure(fig, _validate=False), width="stretch", key=key, theme=None,
                     config={"displayModeBar": False, "displaylogo": False})
+
+
+def no_none(df: pd.DataFrame, digits: int = 2) -> Any:
+    """A Styler that shows missing values as '—' (never "None") and numbers with
+    ``digits`` decimals (whole numbers without)."""
+    def number(v: Any) -> str:
+        if isinstance(v, bool):
+            return str(v)
+        if isinstance(v, (int, np.integer)) or (isinstance(v, float) and v.is_integer()):
+            return f"{v:,.0f}"
+        return f"{v:,.{digits}f}"
+
+    num = [c for c in df.columns if pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])]
+    return df.style.format(na_rep="—").format(number, subset=num, na_rep="—")
 
 
 def color_cells(df: pd.DataFrame, column: str, good: Iterable[str], bad: Iterable[str],

@@ -11,4 +11,5 @@ Modules:
     stats       per-second samples for live views (a vLLM stat-logger plugin)
     plugin      the ``/control/*``, ``/ready`` routes and ``specpilot:*`` metrics
     launcher    ``python -m engine_host``: builds and runs ``vllm serve``
+    router      the dual engine host: a plain and a speculative engine behind one address
 """

@@ -11,15 +11,16 @@ import secrets
 
 from fastapi import HTTPException, Request
 
+from . import envs
 from .home import home
 
-ENV_TOKEN = "SPECPILOT_CONTROL_TOKEN"
+ENV_TOKEN = envs.CONTROL_TOKEN
 
 
 def control_token() -> tuple[str, bool]:
     """Return ``(token, created)``: ``$SPECPILOT_CONTROL_TOKEN`` or the token file in the
     data directory, generated (mode 0600) on first start."""
-    env = os.environ.get(ENV_TOKEN)
+    env = envs.control_token()
     if env:
         return env, False
     path = home() / "control_token"
@@ -38,7 +39,7 @@ def require_control_token(request: Request) -> None:
     Raises:
         HTTPException: 401 with a ``WWW-Authenticate: Bearer`` header.
     """
-    token = os.environ.get(ENV_TOKEN, "")
+    token = envs.control_token() or ""
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
     if not token or scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):

@@ -30,13 +30,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import envs
+
 MAGIC = b"SPCHAN01"
 CONFIG_OFF = 8
 CONFIG_BYTES = 16 * 1024
 STATE_OFF = 32 * 1024
 STATE_BYTES = 96 * 1024
 FILE_SIZE = STATE_OFF + 12 + STATE_BYTES
-ENV_CHANNEL = "SPECPILOT_CHANNEL"
+ENV_CHANNEL = envs.CHANNEL
 
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -136,5 +138,5 @@ class Channel:
 
 def channel_from_env() -> Channel | None:
     """Open the channel named by ``$SPECPILOT_CHANNEL``; None when unset."""
-    path = os.environ.get(ENV_CHANNEL)
+    path = envs.channel_path()
     return Channel(path) if path else None

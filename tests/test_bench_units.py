@@ -15,7 +15,6 @@ from bench import metrics as bm
 from bench import workloads as wl
 from bench.report import group_ratios, markdown_tables, write_summary
 
-
 # --- percentiles -----------------------------------------------------------------------
 
 def test_percentiles_match_numpy_linear_interpolation():
@@ -527,3 +526,25 @@ def test_host_overhead_modes_carry_split_settings_per_row():
     assert "| d/auto | chat@c8 | 0.105 [0.010, 0.200] (2) | 1 of 2 (0, 7) |" in text
     res["rows"][1]["router"]["chat@c8"] = [{"p_speculative": 0.2}]  # results of an older bench
     assert "| d/auto | chat@c8 | 0.200 [0.200, 0.200] (1) | - |" in summarize(res)
+
+
+def test_every_benchmark_entry_point_is_a_command_of_python_m_bench(capsys):
+    import re
+    from pathlib import Path
+
+    from bench.__main__ import TOOLS, build_parser, main
+
+    root = Path(__file__).resolve().parent.parent / "bench"
+    entry_points = {p.stem for p in root.glob("*.py")
+                    if re.search(r'^if __name__ == "__main__":', p.read_text(), re.M)}
+    # run/matrix/report/workloads/fleet are parsed by bench/__main__ itself; the GPU payload has its own runner
+    assert entry_points - {"__main__", "bench_fleet", "gpu_bench", "gpu_payload"} == {m for m, _ in TOOLS.values()}
+    text = build_parser().format_help()
+    for name in (*TOOLS, "run", "matrix", "report", "workloads", "fleet"):
+        assert name in text
+    with pytest.raises(SystemExit) as exc:
+        main(["store", "--help"])  # the tool's own options
+    assert exc.value.code == 0 and "python -m bench store" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["host-overhead", "--engine", "plain", "--keep"])  # the tool's own errors reach the user
+    assert "--keep needs --state" in capsys.readouterr().err

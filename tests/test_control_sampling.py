@@ -110,7 +110,8 @@ def test_sample_rows_have_throughput_windowed_percentiles_and_acceptance():
     b = SampleBuilder(window_s=3.0)
     assert _feed(b, m, 1000.0) is None  # the first scrape is the baseline
     m.serve(requests=2, output_tokens=50, ttft_s=0.3, itl_s=0.03, queue_s=0.7,
-            drafts=10, draft_tokens=40, accepted=20, accepted_per_pos=[8, 6, 4, 2])
+            drafts=10, draft_tokens=30, accepted=20, accepted_per_pos=[8, 6, 4, 2],
+            draft_tokens_per_pos=[10, 10, 5, 5])  # half the drafts stopped after 2 tokens
     m.running.set(2)
     m.kv.set(0.5)
     m.k.set(4)
@@ -120,8 +121,9 @@ def test_sample_rows_have_throughput_windowed_percentiles_and_acceptance():
     assert row["requests_finished"] == 2 and row["prompt_tokens"] == 40
     assert 250 < row["ttft_p50_ms"] <= 500 and 500 < row["queue_p99_ms"] <= 750
     assert row["itl_p50_ms"] == pytest.approx(30.0)  # all ITLs in the (0.02, 0.04] bucket -> midpoint
-    assert row["acceptance_rate"] == 0.5
-    assert row["acceptance_per_position"] == [0.8, 0.6, 0.4, 0.2]
+    assert row["acceptance_rate"] == round(20 / 30, 4)
+    # accepted_j / draft_tokens_j: not accepted_j / drafts (0.4, 0.2 at positions 3 and 4)
+    assert row["acceptance_per_position"] == [0.8, 0.6, 0.8, 0.4]
     assert (row["kv_cache_usage"], row["running"], row["k"], row["mode"]) == (0.5, 2, 4, "fixed")
     # Later seconds with fast requests: the slow ones stay in the window (3 s), then leave it.
     m.running.set(0)
@@ -161,7 +163,8 @@ def test_rollup_sums_weights_and_merges_histograms_exactly():
     _feed(b, m, 0.0)
     rows = []
     for i, (ttft, kv, k) in enumerate([(0.05, 0.2, 0), (0.3, 0.6, 2), (0.05, 0.4, 2)], start=1):
-        m.serve(requests=2, ttft_s=ttft, drafts=4, draft_tokens=8, accepted=6, accepted_per_pos=[4, 2])
+        m.serve(requests=2, ttft_s=ttft, drafts=4, draft_tokens=8, accepted=6, accepted_per_pos=[4, 2],
+                draft_tokens_per_pos=[4, 4])
         m.kv.set(kv)
         m.k.set(k)
         rows.append(_feed(b, m, float(i)))

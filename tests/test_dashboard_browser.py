@@ -207,6 +207,14 @@ def test_live_charts_fill_while_load_runs(page, stack, engine_host, artifacts_di
     shot(page, artifacts_dir, "live")
 
 
+def _versions(stack):
+    """The host's config versions in the store, newest first."""
+    from control import versions
+    from control.views.common import open_store
+
+    return versions.history(open_store(stack["db"]), HOST)
+
+
 def _speculation_form(pg):
     go(pg, "Control")
     return visible(pg.get_by_test_id("stForm")).filter(has=pg.get_by_role("spinbutton", name="K (fixed mode)", exact=True))
@@ -224,10 +232,7 @@ def test_invalid_k_shows_inline_error_and_applies_nothing(page, stack, engine_ho
     shot(page, artifacts_dir, "control-invalid")
     assert page.get_by_role("button", name=f"Apply to {HOST}").count() == 0
     assert state(engine_host)["config_version"] == before
-    from control.views import StoreBackend
-
-    versions = StoreBackend(stack["db"]).versions(host=HOST)
-    assert all(v["reason"] != "browser test: too deep" for v in versions)
+    assert all(v.reason != "browser test: too deep" for v in _versions(stack))
 
 
 def test_operator_changes_k_with_a_reason(page, stack, engine_host, artifacts_dir):
@@ -243,6 +248,8 @@ def test_operator_changes_k_with_a_reason(page, stack, engine_host, artifacts_di
     assert state(engine_host)["speculation"]["k"] == 0  # nothing applied before the confirmation
     page.get_by_role("button", name=f"Apply to {HOST}").click()
     page.get_by_text("Applied: version").wait_for()
+    # The K the policy uses for the next step, idle or not (not the last step's K, 0 while idle).
+    page.get_by_text("K in force: 3.").wait_for()
     shot(page, artifacts_dir, "control-applied")
     st = state(engine_host)
     assert st["speculation"]["mode"] == "fixed" and st["speculation"]["k"] == 3
@@ -254,26 +261,28 @@ def test_operator_changes_k_with_a_reason(page, stack, engine_host, artifacts_di
 
 
 def test_operator_rolls_back_from_history(page, stack, engine_host, artifacts_dir):
-    from control.views import StoreBackend
-
-    versions = StoreBackend(stack["db"]).versions(host=HOST)
-    target = next(v for v in versions if v["outcome"] == "applied" and v["config"]["speculation"]["k"] == 0)
+    target = next(v for v in _versions(stack) if v.status == "applied" and v.config["speculation"]["k"] == 0)
     login(page, stack, OPERATOR)
     go(page, "History")
     page.get_by_test_id("stSelectbox").filter(has_text="Version").click()
-    page.keyboard.type(f"{HOST} v{target['version']} ")  # the list is virtualised: filter it by typing
-    page.get_by_role("option").filter(has_text=f"{HOST} v{target['version']} ").first.click()
+    page.keyboard.type(f"{HOST} v{target.version} ")  # the list is virtualised: filter it by typing
+    page.get_by_role("option").filter(has_text=f"{HOST} v{target.version} ").first.click()
     form = page.get_by_test_id("stForm").filter(has_text="Roll ")
-    form.get_by_text(f"back to v{target['version']}").wait_for()
+    form.get_by_text(f"back to v{target.version}").wait_for()
+    form.get_by_text("What changes against").wait_for()  # the diff against the config in force
+    assert form.get_by_test_id("stDataFrame").count() == 1
     form.get_by_role("textbox", name="Reason (required)").fill(REASON_ROLLBACK)
+    form.get_by_role("button", name="Roll back").click()  # no tick: refused, the reason stays
+    page.get_by_text("Tick the confirmation first.").wait_for()
+    assert form.get_by_role("textbox", name="Reason (required)").input_value() == REASON_ROLLBACK
     form.get_by_text("I confirm").click()
     form.get_by_role("button", name="Roll back").click()
     page.get_by_text("Rolled back").wait_for()
     shot(page, artifacts_dir, "history-rollback")
     assert state(engine_host)["speculation"]["k"] == 0
-    newest = StoreBackend(stack["db"]).versions(host=HOST)[0]
-    assert newest["reason"] == REASON_ROLLBACK and newest["author"] == OPERATOR[0]
-    assert newest["outcome"] == "applied"
+    newest = _versions(stack)[0]
+    assert newest.reason == REASON_ROLLBACK and newest.author == OPERATOR[0]
+    assert newest.status == "applied"
 
 
 def test_cost_review_csv_download(page, stack, artifacts_dir):
@@ -298,3 +307,82 @@ def test_every_page_screenshot(page, stack, artifacts_dir, title, name):
     go(page, title)
     assert page.get_by_test_id("stException").count() == 0
     shot(page, artifacts_dir, name)
+
+
+def test_a_reload_keeps_the_session_and_a_deep_link_opens_its_page(browser, stack, artifacts_dir):
+    ctx = browser.new_context(viewport={"width": 1280, "height": 1200})
+    try:
+        pg = ctx.new_page()
+        pg.set_default_timeout(30_000)
+        login(pg, stack, VIEWER)
+        go(pg, "History")
+        pg.reload()
+        pg.get_by_text("Signed in as").wait_for()  # still logged in, on the same page
+        pg.get_by_role("heading", name="History", level=1).wait_for()
+        pg.get_by_role("button", name="Log out").click()
+        pg.get_by_role("button", name="Log in").wait_for()
+        pg.reload()
+        pg.get_by_role("button", name="Log in").wait_for()  # logging out ended the session
+        assert pg.get_by_text("Signed in as").count() == 0
+    finally:
+        ctx.close()
+    ctx = browser.new_context(viewport={"width": 1280, "height": 1200})
+    try:
+        pg = ctx.new_page()
+        pg.set_default_timeout(30_000)
+        pg.goto(stack["url"] + "/history")
+        pg.get_by_label("User name").fill(VIEWER[0])
+        pg.get_by_role("textbox", name="Password").fill(VIEWER[1])
+        pg.get_by_role("button", name="Log in").click()
+        pg.get_by_role("heading", name="History", level=1).wait_for()
+        shot(pg, artifacts_dir, "deep-link-history")
+    finally:
+        ctx.close()
+
+
+OVERFLOW_JS = """() => [...document.querySelectorAll('[data-testid="stMetric"] *')]
+    .filter(e => e.scrollWidth > e.clientWidth + 1 && e.clientWidth > 0)
+    .map(e => e.textContent)"""
+
+
+def test_live_tiles_never_cut_a_number_under_high_latency(browser, stack, artifacts_dir):
+    """A host whose stored samples say TTFT P99 24.9 s, ITL P99 19.9 s and 47,620
+    tokens/s: at 1280 px (and at 800 px) no tile's text overflows its box."""
+    from control.samples import insert_samples
+    from control.store import add_host, remove_host
+
+    store = stack["store"]
+    h = add_host(store, "slow", f"http://127.0.0.1:{_free_port()}", usd_per_hour=1.0, token_env=TOKEN_ENV,
+                 actor="test")
+    now = int(time.time())
+    insert_samples(store, h.id, [{"resolution_s": 1, "t": t, "covered_s": 1.0, "busy_s": 1.0, "output_tokens": 47620.0,
+                                  "prompt_tokens": 0.0, "requests_finished": 1.0, "output_tokens_per_s": 47620.0,
+                                  "ttft_p50_ms": 9870.0, "ttft_p95_ms": 19904.0, "ttft_p99_ms": 24900.0,
+                                  "itl_p50_ms": 4762.0, "itl_p95_ms": 12000.0, "itl_p99_ms": 19904.0,
+                                  "kv_cache_usage": 0.973, "running": 128.0, "waiting": 4762.0,
+                                  "acceptance_rate": 0.999, "k": 8.0, "config_version": 1}
+                                 for t in range(now - 60, now)])
+    time.sleep(10.5)  # the dashboard's host list is cached for 10 s
+    try:
+        for width in (1280, 800):
+            ctx = browser.new_context(viewport={"width": width, "height": 1400})
+            try:
+                pg = ctx.new_page()
+                pg.set_default_timeout(30_000)
+                login(pg, stack, VIEWER)
+                pg.get_by_test_id("stSelectbox").filter(has_text="Host").first.click()
+                pg.get_by_role("option", name="slow").click()
+                tile = pg.get_by_test_id("stMetric").filter(has_text="TTFT P99")
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and "24.9 s" not in tile.inner_text():
+                    time.sleep(0.5)
+                assert "24.9 s" in tile.inner_text(), tile.inner_text()
+                time.sleep(1.0)
+                cut = pg.evaluate(OVERFLOW_JS)
+                shot(pg, artifacts_dir, f"live-tiles-{width}")
+                assert cut == [], f"tiles cut at {width} px: {cut}"
+                assert "…" not in " ".join(pg.get_by_test_id("stMetric").all_inner_texts())
+            finally:
+                ctx.close()
+    finally:
+        remove_host(store, "slow", actor="test")

@@ -6,133 +6,93 @@ from __future__ import annotations
 
 from pathlib import Path
 import time
-from datetime import datetime, timedelta, timezone
 
 import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from control import views
+from control import auth
+from control import versions as versions_mod
 from control.auth import User
+from control.testing import FakeEngineHost
+from control.views import common
+from control.views import control as control_views
+from control.views import history as history_views
+from control.views import live as live_views
+from control.views import planner as planner_views
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 PAGES = ["pages/live.py", "pages/control.py", "pages/history.py", "pages/fleet.py", "pages/alerts.py",
          "pages/cost.py", "pages/planner.py"]
 
 
-class FakeBackend:
-    """In-memory stand-in for the store and the engine hosts."""
+class StateEngine(FakeEngineHost):
+    """The control plane's stand-in engine host (real HTTP, real config validation) with
+    the parts of ``/control/state`` the Live page draws: running requests and the
+    controller's estimates; ``extra``, ``extra_spec`` and ``extra_limits`` are merged into
+    the state."""
 
-    def __init__(self, now: float | None = None):
-        self.now = now or time.time()
-        self.down: set[str] = set()
-        self.config = {"speculation": {"mode": "adaptive", "k": 0, "k_min": 0, "k_max": None, "table": None,
-                                       "adaptive": {"margin": 0.05, "hysteresis": 0.03, "ema_alpha": 0.05,
-                                                    "explore_every": 40},
-                                       "threshold": {"interval_s": 10.0, "raise_above": 0.75, "lower_below": 0.6,
-                                                     "off_below": 0.4, "k_low": 2, "k_high": 8}},
-                       "batch": {"max_num_seqs": None, "max_num_batched_tokens": None},
-                       "warmup": {"heartbeats": []}}
-        self.version = 3
-        self.applied: list[tuple[str, dict, str, str]] = []
-        self.rolled: list[tuple[str, int, str, str]] = []
+    def __init__(self, token: str):
+        super().__init__(token=token)
+        self.extra: dict = {}
+        self.extra_limits: dict = {}
+        self.extra_spec: dict = {}
+        self.config["speculation"]["mode"] = "adaptive"
+        self.controller = {"acceptance_per_position": [0.8, 0.6, 0.45, 0.3],
+                           "predicted_goodput_tokens_per_s": {str(k): 100 + 10 * k - k * k for k in range(9)},
+                           "expected_tokens_per_step": {str(k): 1 + 0.5 * k for k in range(9)},
+                           "step_time_ms": {str(k): 20 + k for k in range(9)}}
 
-    def list_hosts(self):
-        return [views.HostInfo("gpu-a", "http://a:8000", "H100", 2.5), views.HostInfo("gpu-b", "http://b:8000", "H100", 2.5)]
+    def _state(self):
+        s = super()._state()
+        s["speculation"].update({"k_current": 3, **self.extra_spec})
+        s["batch"].update({"running": 5, "waiting": 1})
+        s["limits"].update(self.extra_limits)
+        s["controller"] = self.controller
+        s.update(self.extra)
+        return s
 
-    def engine_state(self, name, timeout_s=1.5):
-        if name in self.down:
-            raise ConnectionError("connection refused")
-        return {"config_version": self.version, "config": self.config,
-                "speculation": {"mode": self.config["speculation"]["mode"], "k_current": 3, "k": 0, "k_min": 0,
-                                "k_max": 8, "k_max_engine": 8},
-                "batch": {"max_num_seqs": 8, "max_num_batched_tokens": 2048, "running": 5, "waiting": 1},
-                "limits": {"model": "m", "k_max": 8, "max_num_seqs": 8, "max_num_batched_tokens": 2048,
-                           "max_model_len": 1024, "speculative_method": "ngram"},
-                "controller": {"acceptance_per_position": [0.8, 0.6, 0.45, 0.3],
-                               "predicted_goodput_tokens_per_s": {str(k): 100 + 10 * k - k * k for k in range(9)},
-                               "expected_tokens_per_step": {str(k): 1 + 0.5 * k for k in range(9)},
-                               "step_time_ms": {str(k): 20 + k for k in range(9)}},
-                "engine": {"phase": "ready", "started_at": self.now - 3600},
-                **({"router": self.router} if getattr(self, "router", None) else {})}
 
-    def _samples(self, since, until=None, step=1.0):
-        out = []
-        t = max(since, self.now - 7 * 86400)
-        end = until or self.now
-        i = 0
-        while t < end:
-            k = 0 if (int(t) // 600) % 2 else 4
-            load = 0.5 + 1.5 * ((int(t) // 60) % 5) / 4
-            out.append({"t": t, "interval_s": step, "ttft_ms": {"p50": 40 + load * 10, "p95": 80, "p99": 120},
-                        "itl_ms": {"p50": 12, "p95": 20, "p99": 30}, "e2e_ms": {"p50": 900 / (1 - load * 0.2)},
-                        "output_tokens_per_s": 300 * load, "requests_finished": load * step, "kv_cache_usage": 0.4,
-                        "running": 4, "waiting": 0, "acceptance_rate": 0.6 if k else None,
-                        "acceptance_per_position": [0.8, 0.6, 0.4, 0.3] if k else None, "k": k, "mode": "adaptive",
-                        "config_version": 3})
-            t += step
-            i += 1
-        return out
+class Stack:
+    """A real SQLite store (seeded with samples, versions and alerts) and two stand-in
+    engine hosts, ``gpu-a`` and ``gpu-b``."""
 
-    def stored_samples(self, name, since, until=None, resolution_s=None, columns=None):
-        step = resolution_s or (1.0 if self.now - since <= 3600 else 60.0)
-        return self._samples(since, until, step)
+    def __init__(self, home: Path):
+        from bench.bench_dashboard import seed_store
 
-    def engine_samples(self, name, since, timeout_s=1.5):
-        return self._samples(max(since, self.now - 600))
+        self.url = f"sqlite:///{home / 'specpilot.db'}"
+        self.engines = {"gpu-a": StateEngine("token-a").start(), "gpu-b": StateEngine("token-b").start()}
+        seed_store(self.url, [("gpu-a", self.engines["gpu-a"].url, "DASH_TOKEN_A"),
+                              ("gpu-b", self.engines["gpu-b"].url, "DASH_TOKEN_B")], days=0.3)
+        self.store = common.open_store(self.url)
 
-    def versions(self, host=None, since=None, until=None, limit=500):
-        base = datetime.fromtimestamp(self.now, tz=timezone.utc)
-        rows = []
-        for v in range(1, self.version + 1):
-            rows.append({"host": "gpu-a", "version": v, "created_at": base - timedelta(minutes=10 * (self.version - v)),
-                         "author": "alice", "reason": f"change {v}", "outcome": "applied" if v != 2 else "failed",
-                         "message": None if v != 2 else "K=12 is above K_max", "applied_at": None,
-                         "diff": [{"field": "speculation.k", "old": v - 1, "new": v}], "config": self.config,
-                         "source": "apply"})
-        return [r for r in rows if host in (None, r["host"])]
+    @property
+    def puts(self) -> list:
+        return self.engines["gpu-a"].puts
 
-    def apply(self, name, patch, author, reason):
-        self.applied.append((name, patch, author, reason))
-        self.version += 1
-        return views.ChangeOutcome(True, self.version, "applied", [], self.version, 3)
-
-    def rollback(self, name, version, author, reason):
-        self.rolled.append((name, version, author, reason))
-        self.version += 1
-        return views.ChangeOutcome(True, self.version, "applied", [], self.version, 3)
-
-    def alerts(self, open_only=False, host=None, since=None, limit=500):
-        start = datetime.fromtimestamp(self.now - 900, tz=timezone.utc)
-        rows = [{"id": 1, "host": "gpu-b", "rule": "kv_cache_high", "severity": "warning",
-                 "message": "KV cache usage 93% > 90%", "value": 0.93, "started_at": start, "ended_at": None},
-                {"id": 2, "host": "gpu-a", "rule": "host_down", "severity": "critical", "message": "host down",
-                 "value": None, "started_at": start - timedelta(hours=5), "ended_at": start - timedelta(hours=4)}]
-        return [r for r in rows if (not open_only or r["ended_at"] is None) and host in (None, r["host"])]
-
-    def weekly_report(self, host=None, end=None, baseline="k0"):
-        end = end or datetime.now(timezone.utc)
-        start = end - timedelta(days=7)
-        days = [(start + timedelta(days=i)).date() for i in range(7)]
-        daily = pd.DataFrame([{"host": h, "day": d, "usd": 60.0, "output_tokens": 2e7 + i * 1e6,
-                               "usd_per_million_tokens": 60.0 / (20 + i), "utilisation": 0.5 + 0.05 * i}
-                              for h in ("gpu-a", "gpu-b") for i, d in enumerate(days)])
-        summary = pd.DataFrame([{"host": h, "usd": 420.0, "output_tokens": 1.61e8, "usd_per_million_tokens": 2.61,
-                                 "utilisation": 0.65, "baseline_usd_per_million_tokens": 3.1, "saving_usd": 66.0,
-                                 "saving_frac": 0.157} for h in ("gpu-a", "gpu-b")]).reindex(
-            columns=views.SUMMARY_COLUMNS)
-        return views.WeeklyReport(start, end, summary, daily, "K = 0 (no speculation)", summary.to_csv().encode())
+    def stop(self) -> None:
+        for e in self.engines.values():
+            e.stop()
 
 
 @pytest.fixture
-def backend():
+def backend(tmp_path, monkeypatch):
     import streamlit as st
 
+    monkeypatch.setenv("SPECPILOT_HOME", str(tmp_path))
+    monkeypatch.setenv("SPECPILOT_DB", f"sqlite:///{tmp_path / 'specpilot.db'}")
+    monkeypatch.setenv("SPECPILOT_USERS_FILE", str(tmp_path / "users.toml"))
+    monkeypatch.setenv("DASH_TOKEN_A", "token-a")
+    monkeypatch.setenv("DASH_TOKEN_B", "token-b")
+    auth.add_user("vic", "viewer", "viewer-password")
+    auth.add_user("olga", "operator", "operator-password")
     st.cache_data.clear()
-    b = FakeBackend()
-    views.set_backend(b)
+    st.cache_resource.clear()
+    b = Stack(tmp_path)
     yield b
-    views.set_backend(None)
+    b.stop()
+    st.cache_data.clear()
+    st.cache_resource.clear()
 
 
 def _app(user: User | None, page: str | None = None) -> AppTest:
@@ -156,7 +116,7 @@ def _texts(at: AppTest) -> str:
 
 
 def test_login_page_before_login(backend, monkeypatch, tmp_path):
-    monkeypatch.setenv("SPECPILOT_USERS_FILE", str(tmp_path / "users.toml"))
+    monkeypatch.setenv("SPECPILOT_USERS_FILE", str(tmp_path / "nobody.toml"))
     at = _app(None)
     assert not at.exception
     assert "No dashboard user is configured" in _texts(at)
@@ -186,7 +146,7 @@ def test_operator_invalid_k_shows_inline_error_and_applies_nothing(backend):
     at.button[[b.label for b in at.button].index("Preview change")].click().run()
     assert not at.exception
     assert "K=12 is above K_max" in _texts(at)
-    assert backend.applied == []
+    assert backend.puts == []
 
 
 def test_operator_change_needs_reason_then_preview_then_confirm(backend):
@@ -198,17 +158,18 @@ def test_operator_change_needs_reason_then_preview_then_confirm(backend):
     at.text_input(key="f_reason_spec").set_value("ticket 42: fixed K for the test")
     at.button[[b.label for b in at.button].index("Preview change")].click().run()
     assert not at.exception
-    assert backend.applied == []
+    assert backend.puts == []
     assert "Review the change" in "\n".join(s.value for s in at.subheader)
     at.button(key="confirm_apply").click().run()
     assert not at.exception
-    assert backend.applied and backend.applied[0][2] == "olga"
-    assert backend.applied[0][1]["speculation"]["k"] == 4
+    newest = versions_mod.history(backend.store, "gpu-a")[0]
+    assert newest.author == "olga" and newest.config["speculation"]["k"] == 4
+    assert backend.puts and backend.puts[-1]["speculation"]["k"] == 4
     assert "Applied" in _texts(at)
 
 
 def test_down_host_is_shown_as_down(backend):
-    backend.down.add("gpu-a")
+    backend.engines["gpu-a"].stop()
     at = _app(OPERATOR, "pages/live.py")
     assert not at.exception
     assert "DOWN" in _texts(at)
@@ -217,32 +178,33 @@ def test_down_host_is_shown_as_down(backend):
 
 
 def test_views_refuse_viewer_changes(backend):
-    with pytest.raises(views.PermissionDenied):
-        views.apply_change("gpu-a", {"speculation": {"k": 1}}, VIEWER, "a reason")
-    with pytest.raises(views.PermissionDenied):
-        views.rollback("gpu-a", 1, VIEWER, "a reason")
-    with pytest.raises(views.ViewError, match="reason"):
-        views.apply_change("gpu-a", {"speculation": {"k": 1}}, OPERATOR, " ")
-    assert backend.applied == [] and backend.rolled == []
+    before = len(versions_mod.history(backend.store, "gpu-a"))
+    with pytest.raises(common.PermissionDenied):
+        control_views.apply_change(backend.store, "gpu-a", {"speculation": {"k": 1}}, VIEWER, "a reason")
+    with pytest.raises(common.PermissionDenied):
+        history_views.rollback(backend.store, "gpu-a", 1, VIEWER, "a reason")
+    with pytest.raises(common.ViewError, match="reason"):
+        control_views.apply_change(backend.store, "gpu-a", {"speculation": {"k": 1}}, OPERATOR, " ")
+    assert backend.puts == [] and len(versions_mod.history(backend.store, "gpu-a")) == before
 
 
 def test_preview_uses_the_engine_config_model(backend):
-    state = backend.engine_state("gpu-a")
-    p = views.preview_change(state["config"], state["limits"], {"speculation": {"mode": "fixed", "k": 5}})
+    state = backend.engines["gpu-a"]._state()
+    p = control_views.preview_change(state["config"], state["limits"], {"speculation": {"mode": "fixed", "k": 5}})
     assert p.ok and {d["field"] for d in p.diff} == {"speculation.k", "speculation.mode"}
-    p = views.preview_change(state["config"], state["limits"], {"speculation": {"k_min": 5, "k_max": 2}})
+    p = control_views.preview_change(state["config"], state["limits"], {"speculation": {"k_min": 5, "k_max": 2}})
     assert not p.ok and "k_min=5 is above k_max=2" in " ".join(p.errors.values())
-    p = views.preview_change(state["config"], state["limits"], {"batch": {"max_num_seqs": 64}})
+    p = control_views.preview_change(state["config"], state["limits"], {"batch": {"max_num_seqs": 64}})
     assert not p.ok and "batch.max_num_seqs" in p.errors
-    p = views.preview_change(state["config"], state["limits"], {"speculation": {"k": -1}})
+    p = control_views.preview_change(state["config"], state["limits"], {"speculation": {"k": -1}})
     assert not p.ok and "speculation.k" in p.errors
 
 
 def test_request_count_and_mean_latency_from_stored_histogram():
-    n, mean_ms = views._requests_in({"e2e": {"0.5:1.5": 3, "1.5:2.5": 1, "10.0:inf": 0}})
+    n, mean_ms = common.requests_in({"e2e": {"0.5:1.5": 3, "1.5:2.5": 1, "10.0:inf": 0}})
     assert n == 4 and mean_ms == pytest.approx(1000 * (3 * 1.0 + 2.0) / 4)
-    assert views._requests_in(None) == (None, None)
-    assert views._requests_in({"e2e": {}}) == (None, None)
+    assert common.requests_in(None) == (None, None)
+    assert common.requests_in({"e2e": {}}) == (None, None)
 
 
 def test_cost_printable_view_renders_static_tables(backend):
@@ -264,11 +226,12 @@ def test_heartbeat_form_shows_model_errors(backend):
     previews[2].click().run()
     assert not at.exception
     text = _texts(at)
-    assert "String should match pattern" in text  # name, inline, from HeartbeatSchedule
+    assert "use only letters, digits and _ . - (no spaces)" in text  # name, inline, in words
+    assert "String should match pattern" not in text
     at.text_input(key="f_hb_name").set_value("nightly")
     [b for b in at.button if b.label == "Preview change"][2].click().run()
     assert "set exactly one of 'interval_s' and 'cron'" in _texts(at)
-    assert backend.applied == []
+    assert backend.puts == []
     at.number_input(key="f_hb_interval").set_value(300.0)
     [b for b in at.button if b.label == "Preview change"][2].click().run()
     assert "Review the change" in "\n".join(s.value for s in at.subheader)
@@ -280,16 +243,16 @@ def test_planner_display_points_are_binned_but_fit_uses_all():
     rates = np.linspace(0.1, 3.0, 1000)
     pts = pd.DataFrame({"k": 2, "rate_rps": rates, "latency_s": 1.0 / (1 - rates * 0.25),
                         "t_start": 0.0, "n_requests": 10})
-    view = views.PlannerView(fits={}, problems={}, points=pts, days=7, window_s=60)
-    shown = views.planner_points_for_display(view, max_per_k=50)
+    view = planner_views.PlannerView(fits={}, problems={}, points=pts, days=7, window_s=60)
+    shown = planner_views.planner_points_for_display(view, max_per_k=50)
     assert len(shown) == 50 and shown["n"].sum() == 1000
     assert shown["rate_rps"].is_monotonic_increasing
-    few = views.PlannerView(fits={}, problems={}, points=pts.head(10), days=7, window_s=60)
-    assert len(views.planner_points_for_display(few, max_per_k=50)) == 10
+    few = planner_views.PlannerView(fits={}, problems={}, points=pts.head(10), days=7, window_s=60)
+    assert len(planner_views.planner_points_for_display(few, max_per_k=50)) == 10
 
 
 def test_live_page_shows_a_dual_hosts_routing(backend):
-    backend.router = {"mode": "auto", "p_speculative": 0.01, "resting": True,
+    backend.engines["gpu-a"].extra["router"] = {"mode": "auto", "p_speculative": 0.01, "resting": True,
                       "settings": {"probe_every_s": 20.0, "probe_s": 1.0, "p_probe": 0.1},
                       "probes": {"every_s": 80.0, "next_in_s": 31.2},
                       "tpot_ms": {"plain": 4.13, "speculative": 10.64}}
@@ -300,29 +263,164 @@ def test_live_page_shows_a_dual_hosts_routing(backend):
 
 
 def test_routing_summary_says_the_share_when_not_resting_and_nothing_for_one_engine():
-    assert views.routing_summary({}) is None
+    assert live_views.routing_summary({}) is None
     r = {"mode": "auto", "p_speculative": 0.62, "resting": False, "settings": {"probe_every_s": 20.0},
          "tpot_ms": {"plain": 6.0, "speculative": None}}
-    assert views.routing_summary(r) == "routing auto · 62% to the speculative engine · TPOT plain 6.0 ms"
-    assert views.routing_summary({"mode": "plain", "p_speculative": 0.62}) == "routing plain"
+    assert live_views.routing_summary(r) == "routing auto · 62% to the speculative engine · TPOT plain 6.0 ms"
+    assert live_views.routing_summary({"mode": "plain", "p_speculative": 0.62}) == "routing plain"
     probing = {"mode": "auto", "p_speculative": 0.01, "resting": True, "probes": {"every_s": 20.0, "next_in_s": 0.0},
                "settings": {"probe_every_s": 20.0, "probe_s": 1.0, "p_probe": 0.1}}
-    assert views.routing_summary(probing) == ("routing auto · speculative engine resting: probes of 1 s every "
+    assert live_views.routing_summary(probing) == ("routing auto · speculative engine resting: probes of 1 s every "
                                               "20 s at 10% (probing now)")
 
 
 def test_live_page_names_the_speculation_method_and_draft(backend):
-    orig = backend.engine_state
-
-    def with_draft(name, timeout_s=1.5):
-        state = orig(name, timeout_s)
-        state["limits"] = {**state["limits"], "speculative_method": "draft_model",
-                           "draft_model": "/h/models/SmolLM2-135M-Instruct-draft-L8"}
-        return state
-
-    backend.engine_state = with_draft
+    backend.engines["gpu-a"].extra_limits.update({"speculative_method": "draft_model",
+                                                  "draft_model": "/h/models/SmolLM2-135M-Instruct-draft-L8"})
     at = _app(VIEWER, "pages/live.py")
     assert not at.exception, at.exception
     assert "engine K_max 8, draft_model · draft SmolLM2-135M-Instruct-draft-L8" in _texts(at)
-    status = views.status_from_state("a", "http://a", {"limits": {"speculative_method": "ngram"}})
+    status = common.status_from_state("a", "http://a", {"limits": {"speculative_method": "ngram"}})
     assert status.speculation == "ngram"
+
+
+def _frame_with(at: AppTest, column: str) -> pd.DataFrame:
+    """The first table on the page with that column (AppTest does not expose table keys)."""
+    for d in at.dataframe:
+        v = d.value
+        data = v.data if hasattr(v, "data") else v
+        if column in data.columns:
+            return data
+    raise AssertionError(f"no table with a column {column!r}")
+
+
+def _click(at: AppTest, label: str) -> None:
+    at.button[[b.label for b in at.button].index(label)].click().run()
+
+
+def _apply_fixed_k(at: AppTest, k: int) -> None:
+    at.selectbox(key="f_mode").set_value("fixed")
+    at.number_input(key="f_k").set_value(k)
+    at.text_input(key="f_reason_spec").set_value("ticket 7: fixed K on an idle engine")
+    _click(at, "Preview change")
+    at.button(key="confirm_apply").click().run()
+
+
+def test_confirmation_shows_the_k_for_the_next_step_on_an_idle_engine(backend):
+    backend.engines["gpu-a"].extra_spec.update({"k_current": 0})  # idle: no step ran since the change
+    at = _app(OPERATOR, "pages/control.py")
+    _apply_fixed_k(at, 4)
+    assert not at.exception
+    text = _texts(at)
+    assert "K in force: 4." in text and "K in force: 0" not in text
+    # An engine that reports the next step's K is believed as it is.
+    backend.engines["gpu-a"].extra_spec.update({"k_next": 2})
+    at = _app(OPERATOR, "pages/control.py")
+    _apply_fixed_k(at, 5)
+    assert "K in force: 2." in _texts(at)
+
+
+def test_k_in_force_falls_back_by_mode_when_the_engine_does_not_report_it():
+    assert common.k_in_force({"mode": "fixed", "k": 3, "k_current": 0}) == 3
+    assert common.k_in_force({"mode": "off", "k": 3, "k_current": 0}) == 0
+    assert common.k_in_force({"mode": "adaptive", "k_current": 5}) == 5
+    assert common.k_in_force({"mode": "adaptive", "k_current": 5, "k_next": 6}) == 6
+    assert common.k_in_force({"k_current": 0}, {"speculation": {"mode": "fixed", "k": 7}}) == 7
+
+
+def test_a_removed_user_cannot_apply_from_an_open_tab(backend):
+    at = _app(OPERATOR, "pages/control.py")
+    auth.remove_user("olga")  # python -m dashboard users remove olga, while the tab stays open
+    _apply_fixed_k(at, 4)
+    assert not at.exception
+    assert "no longer exists" in _texts(at)
+    assert backend.puts == []
+    with pytest.raises(common.PermissionDenied, match="no longer exists"):
+        history_views.rollback(backend.store, "gpu-a", 1, OPERATOR, "a reason")
+
+
+def test_a_demoted_user_cannot_apply(backend):
+    auth.add_user("olga", "viewer", "operator-password", replace=True)
+    with pytest.raises(common.PermissionDenied, match="olga is a viewer"):
+        control_views.apply_change(backend.store, "gpu-a", {"speculation": {"k": 1}}, OPERATOR, "a reason")
+    assert backend.puts == []
+
+
+def test_history_lists_heartbeat_runs_with_skips(backend):
+    from control import store as store_mod
+    from control import warmup
+
+    h = store_mod.get_host(backend.store, "gpu-a")
+    now = time.time()
+    warmup.record_runs(backend.store, h.id, now - 100, [
+        {"id": 1, "kind": "heartbeat", "schedule": "nightly", "started_at": now - 60, "duration_s": 0.4,
+         "ttft_s": 0.05, "output_tokens": 8, "k": 2, "outcome": "ok"},
+        {"id": 2, "kind": "heartbeat", "schedule": "nightly", "started_at": now - 30, "outcome": "skipped",
+         "detail": "not idle for 30 s"}])
+    runs = history_views.heartbeat_runs(backend.store, "gpu-a")
+    assert list(runs["outcome"]) == ["skipped", "ok"] and runs.iloc[0]["detail"] == "not idle for 30 s"
+    at = _app(VIEWER, "pages/history.py")
+    assert not at.exception
+    table = _frame_with(at, "schedule")
+    assert {"ok", "skipped"} <= set(table["outcome"])
+
+
+def test_rollback_shows_the_diff_and_a_missing_tick_keeps_the_reason(backend):
+    at = _app(OPERATOR, "pages/history.py")
+    at.selectbox(key="hist_host").set_value("gpu-a").run()
+    versions = versions_mod.history(backend.store, "gpu-a")
+    assert len(versions) >= 2
+    target = versions[-1].version  # the oldest: a different K from the one in force
+    at.selectbox(key="hist_version").set_value(f"gpu-a|{target}").run()
+    diff = _frame_with(at, "after the rollback")
+    assert "speculation.k" in set(diff["setting"])
+    at.text_input(key="rb_reason").set_value("back to the old K after the incident")
+    _click(at, "Roll back")
+    assert not at.exception
+    assert "Tick the confirmation first." in _texts(at)
+    assert at.text_input(key="rb_reason").value == "back to the old K after the incident"
+    assert backend.puts == []
+
+
+def test_cost_review_says_when_no_price_is_set_and_takes_a_new_price_at_once(backend):
+    from control import store as store_mod
+
+    for name in ("gpu-a", "gpu-b"):
+        store_mod.add_host(backend.store, name, backend.engines[name].url, usd_per_hour=0.0,
+                           token_env="DASH_TOKEN_A" if name == "gpu-a" else "DASH_TOKEN_B", update=True)
+    at = _app(VIEWER, "pages/cost.py")
+    assert not at.exception
+    text = _texts(at)
+    assert "set a price with" in text.lower() and "No served time" not in text
+    store_mod.add_host(backend.store, "gpu-a", backend.engines["gpu-a"].url, usd_per_hour=4.0,
+                       token_env="DASH_TOKEN_A", update=True)
+    _click(at, "Refresh")
+    assert not at.exception
+    cost = next(m for m in at.metric if m.label == "Cost of the week").value
+    assert cost != "$0.00"
+    assert "gpu-a" not in next(w.value for w in at.warning if "No price" in w.value)
+
+
+def test_live_header_shows_the_control_planes_version_and_the_engines_as_a_detail(backend):
+    newest = versions_mod.history(backend.store, "gpu-a")[0].version
+    backend.engines["gpu-a"].version = 1  # a restarted engine counts from 1 again
+    at = _app(VIEWER, "pages/live.py")
+    assert not at.exception
+    text = _texts(at)
+    assert f"config **v{newest}**" in text
+    assert "engine's own counter says v1" in text
+
+
+def test_controller_prior_is_not_shown_as_a_measured_acceptance():
+    series = common.samples_frame([])
+    df = live_views.acceptance_table(series, {"acceptance_per_position": [0.5, 0.5, 0.5],
+                                              "acceptance_measured": [False, False, False]})
+    assert df["estimated"].isna().all()
+    df = live_views.acceptance_table(series, {"acceptance_per_position": [0.7, None, None]})
+    assert df["estimated"].iloc[0] == 0.7 and df["estimated"].iloc[1:].isna().all()
+
+
+def test_why_k_marks_the_best_k_within_the_range_the_controller_may_choose():
+    g = live_views.goodput_table({"predicted_goodput_tokens_per_s": {"0": 50, "2": 90, "4": 120, "6": 110}})
+    assert live_views.best_k(g) == 4
+    assert live_views.best_k(g, k_min=5, k_max=8) == 6

@@ -222,7 +222,8 @@ def test_metrics_keep_vllm_names_and_add_specpilot_series(engine_host):
     m = metric_values(engine_host.url)
     for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:generation_tokens_total",
                  "specpilot:speculation_k", "specpilot:max_num_seqs", "specpilot:max_num_batched_tokens",
-                 "specpilot:config_version", "specpilot:speculation_mode_info|mode=fixed"):
+                 "specpilot:config_version", "specpilot:speculation_mode_info|mode=fixed",
+                 "specpilot:user_time_to_first_token_seconds_count", "specpilot:user_inter_token_latency_seconds_bucket"):
         assert any(k == name or k.startswith(name + "|") for k in m), name
 
 
@@ -234,7 +235,7 @@ def test_samples_report_per_second_throughput_and_k(engine_host, control):
     assert samples, "no samples"
     assert all(s["t"] > t0 - 1 for s in samples)
     busy = [s for s in samples if s["output_tokens_per_s"] > 0]
-    assert busy and busy[0]["ttft_ms"]["p50"] is not None
+    assert busy and busy[0]["ttft_p50_ms"] is not None
     assert all("k" in s and "kv_cache_usage" in s and "acceptance_per_position" in s for s in samples)
 
 

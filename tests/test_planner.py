@@ -324,47 +324,68 @@ def test_what_if_values_are_checked():
 # --------------------------------------------------------------------------- the page
 
 
-class _PlannerBackend:
-    """The planner page's reads: one host, its stored samples, its live state."""
+def _store_with_bad_fit(url: str, engine_url: str, now: float) -> None:
+    """One host, ``gpu-a``, with 16 one-minute rows at K=2 whose mean latency does not grow
+    with the rate (the issue's case: C2 = 0, a large error)."""
+    from sqlalchemy import insert
+    from sqlalchemy.orm import Session
 
-    def __init__(self, samples, state):
-        self._samples, self._state = samples, state
+    from control import db
+    from control.models import Host, MetricSample
 
-    def list_hosts(self):
-        from control import views
+    rng = np.random.default_rng(0)
+    engine = db.open_engine(url)
+    with Session(engine) as s, s.begin():
+        h = Host(name="gpu-a", url=engine_url, token_env="PLAN_TOKEN", gpu_kind="cpu", created_at=now - 86400)
+        s.add(h)
+        s.flush()
+        rows = []
+        for w in range(16):
+            rate, e2e = 0.1 + 0.05 * (w % 8), float(rng.uniform(2.0, 14.0))
+            n = rate * 60
+            rows.append({"host_id": h.id, "resolution_s": 60, "t": int(now) // 60 * 60 - 60 * (16 - w),
+                         "covered_s": 60.0, "busy_s": 30.0, "output_tokens": 120 * n, "user_output_tokens": 120 * n,
+                         "prompt_tokens": 200 * n, "requests_finished": n, "ttft_p50_ms": 300.0, "waiting": 0.0,
+                         "running": 1.0, "k": 2.0, "mode": "fixed", "max_num_seqs": 8,
+                         "hist": {"e2e": {f"{0.99 * e2e!r}:{1.01 * e2e!r}": n}}})
+        s.execute(insert(MetricSample), rows)
+    engine.dispose()
 
-        return [views.HostInfo("gpu-a", "http://a:8000", "H100", 2.5)]
 
-    def alerts(self, **_kw):
-        return []
-
-    def stored_samples(self, name, since, until=None, resolution_s=None, columns=None):
-        return list(self._samples)
-
-    def engine_state(self, name, timeout_s=1.5):
-        if self._state is None:
-            raise ConnectionError("connection refused")
-        return self._state
-
-
-def _planner_page(samples, state):
+def _planner_page(tmp_path, monkeypatch, state):
+    """The Planner page (Streamlit's AppTest) on a real SQLite store and a stand-in engine
+    host answering ``state`` (None: the host is down)."""
+    import time
     from pathlib import Path
 
     import streamlit as st
     from streamlit.testing.v1 import AppTest
 
-    from control import views
     from control.auth import User
+    from control.testing import FakeEngineHost
 
+    fake = FakeEngineHost(token="plan-token")
+    if state is not None:
+        fake._state = lambda: state
+        fake.start()
+    url = f"sqlite:///{tmp_path / 'specpilot.db'}"
+    monkeypatch.setenv("SPECPILOT_HOME", str(tmp_path))
+    monkeypatch.setenv("SPECPILOT_DB_URL", url)
+    monkeypatch.delenv("SPECPILOT_DB", raising=False)
+    monkeypatch.setenv("PLAN_TOKEN", "plan-token")
+    _store_with_bad_fit(url, fake.url, time.time())
     st.cache_data.clear()
-    views.set_backend(_PlannerBackend(samples, state))
+    st.cache_resource.clear()
     try:
         page = Path(__file__).resolve().parent.parent / "dashboard" / "pages" / "planner.py"
         at = AppTest.from_file(str(page), default_timeout=60)
         at.session_state["user"] = User("vic", "viewer")
         at.run()
     finally:
-        views.set_backend(None)
+        if state is not None:
+            fake.stop()
+        st.cache_data.clear()
+        st.cache_resource.clear()
     assert not at.exception, at.exception
     return at
 
@@ -374,18 +395,18 @@ def _page_text(at) -> str:
     return "\n".join(str(p) for p in parts + [e.value for e in at.error])
 
 
-def test_planner_page_shows_not_enough_data_on_a_bad_fit_and_the_engine_answer():
-    at = _planner_page(_bad_fit_samples(), _state(mode="fixed", k=2, cap=8))
+def test_planner_page_shows_not_enough_data_on_a_bad_fit_and_the_engine_answer(tmp_path, monkeypatch):
+    at = _planner_page(tmp_path, monkeypatch, _state(mode="fixed", k=2, cap=8))
     text = _page_text(at)
-    assert "Fitted check K=2: not enough data" in text and "python -m bench run" in text
+    assert "Fitted check K=2: not enough data" in text and "python -m bench run" in text, text
     assert "the config in force (**K=2**)" in text
     assert "Infinity" not in text and "inf" not in text.split()
 
 
-def test_planner_page_with_the_host_down_says_not_enough_data():
-    at = _planner_page(_bad_fit_samples(), None)
+def test_planner_page_with_the_host_down_says_not_enough_data(tmp_path, monkeypatch):
+    at = _planner_page(tmp_path, monkeypatch, None)
     text = _page_text(at)
-    assert "Engine model: not enough data" in text and "did not answer" in text
+    assert "Engine model: not enough data" in text and "did not answer" in text, text
 
 
 # --------------------------------------------------------------------------- on the real engine

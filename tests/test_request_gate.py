@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from control import views
+from control.views import common
+from control.views import live as live_views
 from engine_host.request_gate import RequestDraftGate, draft_token_cost
 
 COST = draft_token_cost(t_plain_s=0.020, t_spec_s=0.026, k=4)  # 6 ms for 4 tokens -> 0.075 per token
@@ -72,13 +73,13 @@ def test_summary_reports_drafted_counts_and_acceptance_distribution_and_forgets_
 
 
 def test_live_page_line_says_how_many_requests_drafted():
-    st = views.HostStatus(name="h", url="u", up=True, k_max_engine=8,
+    st = common.HostStatus(name="h", url="u", up=True, k_max_engine=8,
                           per_request={"enabled": True, "requests_with_drafts": 5, "requests_verified": 2,
                                        "acceptance_bins": [0.0, 0.2, 0.4, 0.6, 0.8],
                                        "acceptance_hist": [3, 0, 0, 0, 2]})
-    line = views.per_request_line(st)
+    line = live_views.per_request_line(st)
     assert "2 of 5" in line and "3 at 0%-20%" in line and "2 at 80%-100%" in line
     st.per_request = {"enabled": False}
-    assert "off" in views.per_request_line(st)
+    assert "off" in live_views.per_request_line(st)
     st.k_max_engine = 0
-    assert views.per_request_line(st) is None
+    assert live_views.per_request_line(st) is None

@@ -203,26 +203,26 @@ def test_a_rollout_killed_while_changing_the_canary_is_rolled_back_on_restart(tm
         assert history(fleet.store, "a")[0].rollback_of == 1
 
 
-def test_the_dashboard_starts_a_rollout_for_operators_only_and_shows_its_status(tmp_path):
-    from control import rollout_views, views
-    from control.auth import User
+def test_the_dashboard_starts_a_rollout_for_operators_only_and_shows_its_status(tmp_path, monkeypatch):
+    from control.auth import User, add_user
+
+    monkeypatch.setenv("SPECPILOT_USERS_FILE", str(tmp_path / "users.toml"))
+    add_user("olga", "operator", "operator-password")
+    from control.views import common
+    from control.views import fleet as fleet_views
 
     with Fleet(tmp_path, bad=False) as fleet:
-        views.set_backend(views.StoreBackend(fleet.url))
-        try:
-            args = dict(hosts=["a", "b"], canary="a", patch=CHANGE, watch_s=3, guards=GUARDS,
-                        reason="from the dashboard")
-            with pytest.raises(views.PermissionDenied):
-                rollout_views.start_rollout(User("vera", "viewer"), **args)
-            with pytest.raises(views.ViewError, match="not a guard"):
-                rollout_views.start_rollout(User("olga", "operator"), **{**args, "guards": ["ttft_p99_ms ~ 3"]})
-            assert rollout_views.rollouts_frame().empty
-            rid = rollout_views.start_rollout(User("olga", "operator"), **args)
-            deadline = time.monotonic() + 60
-            while rollout.get(fleet.store, rid).status == rollout.RUNNING and time.monotonic() < deadline:
-                time.sleep(0.2)
-            df = rollout_views.rollouts_frame()
-            assert df.iloc[0]["id"] == rid and df.iloc[0]["status"] == "succeeded"
-            assert history(fleet.store, "b")[0].author == "olga"
-        finally:
-            views.set_backend(None)
+        args = dict(hosts=["a", "b"], canary="a", patch=CHANGE, watch_s=3, guards=GUARDS,
+                    reason="from the dashboard")
+        with pytest.raises(common.PermissionDenied):
+            fleet_views.start_rollout(fleet.store, User("vera", "viewer"), **args)
+        with pytest.raises(common.ViewError, match="not a guard"):
+            fleet_views.start_rollout(fleet.store, User("olga", "operator"), **{**args, "guards": ["ttft_p99_ms ~ 3"]})
+        assert fleet_views.rollouts_frame(fleet.store).empty
+        rid = fleet_views.start_rollout(fleet.store, User("olga", "operator"), **args)
+        deadline = time.monotonic() + 60
+        while rollout.get(fleet.store, rid).status == rollout.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.2)
+        df = fleet_views.rollouts_frame(fleet.store)
+        assert df.iloc[0]["id"] == rid and df.iloc[0]["status"] == "succeeded"
+        assert history(fleet.store, "b")[0].author == "olga"

@@ -6,8 +6,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_host.router import Backend, RouterState, merged_metrics, tpot_totals
-from engine_host.routing import PLAIN, SPECULATIVE, TpotWindow, TrafficSplit
+from engine_host.router.metrics import merged_metrics, tpot_totals
+from engine_host.router.settings import PLAIN, SPECULATIVE
+from engine_host.router.split import TpotWindow, TrafficSplit
+from engine_host.router.state import Backend, RouterState
 
 
 def test_tpot_window_is_the_mean_over_requests_finished_since_the_last_poll():
@@ -84,7 +86,8 @@ def test_tpot_totals_read_vllms_histogram():
 
 def test_merged_metrics_label_each_engine_and_add_router_series():
     state = RouterState(backends={PLAIN: Backend(PLAIN, "http://p", "t"), SPECULATIVE: Backend(SPECULATIVE, "http://s", "t")})
-    text = merged_metrics({PLAIN: _engine_text([0.01], 100), SPECULATIVE: _engine_text([0.02], 40)}, state).decode()
+    text = merged_metrics({PLAIN: _engine_text([0.01], 100), SPECULATIVE: _engine_text([0.02], 40)}, state.split,
+                          state.in_flight()).decode()
     gen = {}
     names = set()
     for fam in text_string_to_metric_families(text):
@@ -100,7 +103,7 @@ def test_down_engines_are_reported_not_crashed(monkeypatch):
     from fastapi.testclient import TestClient
 
     from engine_host.process import free_port
-    from engine_host.router import create_app
+    from engine_host.router.app import create_app
 
     monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", "tok")
     down = {e: Backend(e, f"http://127.0.0.1:{free_port()}", "tok") for e in (PLAIN, SPECULATIVE)}
@@ -125,8 +128,7 @@ def test_in_engine_front_serves_plain_requests_in_process_and_relays_the_rest(mo
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from engine_host.front import INTERNAL_HEADER, RouterFront
-    from engine_host.router import Backend
+    from engine_host.router.front import INTERNAL_HEADER, RouterFront
 
     monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", "tok")
     inner = FastAPI()  # stands in for vLLM's app (the plain engine's own routes)
@@ -184,7 +186,7 @@ def test_in_engine_front_serves_plain_requests_in_process_and_relays_the_rest(mo
 def test_local_tpot_reads_the_histogram_from_this_process_registry():
     from prometheus_client import REGISTRY, Histogram
 
-    from engine_host.router import TPOT_FAMILY, local_tpot_totals
+    from engine_host.router.metrics import TPOT_FAMILY, local_tpot_totals
 
     h = Histogram(TPOT_FAMILY, "test", labelnames=["model_name"])
     try:
@@ -199,7 +201,7 @@ def test_local_tpot_reads_the_histogram_from_this_process_registry():
 
 def test_cpu_engines_get_half_the_cores_unpinned_and_a_short_spin(monkeypatch):
     from engine_host import launcher
-    from engine_host.router import cpu_child_env
+    from engine_host.router.cli import cpu_child_env
 
     monkeypatch.setattr(launcher, "is_cpu_build", lambda: True)
     assert cpu_child_env({}, ncpu=2) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
@@ -242,7 +244,7 @@ def test_router_config_sets_split_settings_live_and_shares_them_through_the_mode
     from fastapi.testclient import TestClient
 
     from engine_host.process import free_port
-    from engine_host.router import create_app
+    from engine_host.router.app import create_app
 
     monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", "tok")
     mode_file = tmp_path / "router.routing"

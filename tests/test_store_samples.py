@@ -13,8 +13,8 @@ import time
 import pytest
 from sqlalchemy import func, select, text
 
-from control.collector import Collector, HostCollector
 from control.alerts import AlertEvaluator
+from control.collector import Collector, HostCollector
 from control.models import MetricSample
 from control.samples import (
     Retention,

@@ -6,7 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 import streamlit as st
 
-from control import views
+from control.views import alerts as views
+from control.views import common
 from dashboard import ui
 
 ui.require_user()
@@ -24,7 +25,7 @@ COLUMNS = {
     "host": st.column_config.TextColumn("host", width="small"),
     "severity": st.column_config.TextColumn("severity", width="small"),
     "rule": st.column_config.TextColumn("rule", width="medium"),
-    "message": st.column_config.TextColumn("what", width="medium"),
+    "message": st.column_config.TextColumn("what", width="large"),
     "value": st.column_config.NumberColumn("value", format="%.3g"),
     "started_at": st.column_config.DatetimeColumn("started (UTC)", format="YYYY-MM-DD HH:mm:ss"),
     "ended_at": st.column_config.DatetimeColumn("ended (UTC)", format="YYYY-MM-DD HH:mm:ss"),
@@ -36,10 +37,10 @@ COLUMNS = {
 def alerts_panel() -> None:
     """Open and past alerts (refresh every 5 s)."""
     try:
-        df = views.alerts(host=host, since=datetime.now(timezone.utc) - timedelta(days=days))
-        open_df = views.alerts(open_only=True, host=host)
+        df = views.alerts(ui.store(), host=host, since=datetime.now(timezone.utc) - timedelta(days=days))
+        open_df = views.alerts(ui.store(), open_only=True, host=host)
     except Exception as exc:
-        st.error(f"Alerts unavailable: {views.describe_error(exc)}")
+        st.error(f"Alerts unavailable: {common.describe_error(exc)}")
         return
     st.subheader(f"Open ({len(open_df)})")
     if open_df.empty:
@@ -54,7 +55,7 @@ def alerts_panel() -> None:
     if past.empty:
         st.caption("No alert ended in this span.")
     else:
-        st.dataframe(past.assign(duration_min=past["duration_s"] / 60.0)[
+        st.dataframe(past.assign(duration_min=past["duration_s"] / 60.0, message=past["message"].fillna("—"))[
             ["host", "severity", "rule", "message", "value", "started_at", "ended_at", "duration_min"]],
             hide_index=True, width="stretch", column_config=COLUMNS, key="past_alerts")
 

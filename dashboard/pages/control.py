@@ -13,7 +13,8 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from control import views
+from control.views import common
+from control.views import control as views
 from dashboard import ui
 from engine_host.config import SPECULATION_MODES, BatchConfig, HeartbeatSchedule, SpeculationConfig
 
@@ -28,8 +29,8 @@ OUTCOME = "ctl_outcome"
 
 
 @st.cache_data(ttl=2, show_spinner=False)
-def _status(name: str) -> views.HostStatus:
-    return views.host_status(name)
+def _status(name: str) -> common.HostStatus:
+    return common.host_status(ui.store(), name)
 
 
 def _help(model: Any, name: str) -> str | None:
@@ -72,12 +73,12 @@ def _int_input(label: str, value: int | None, key: str, help: str | None = None,
 
 
 def _submit(section: str, patch: dict[str, Any] | None, reason: str, parse_errors: dict[str, str],
-            status: views.HostStatus) -> None:
+            status: common.HostStatus) -> None:
     """Validate; on errors keep them for inline display, else keep the change for review."""
     errors = dict(parse_errors)
     try:
-        views.require_reason(reason)
-    except views.ViewError as exc:
+        common.require_reason(reason)
+    except common.ViewError as exc:
         errors["reason"] = str(exc)
     preview = None
     if patch is not None:
@@ -94,7 +95,7 @@ def _submit(section: str, patch: dict[str, Any] | None, reason: str, parse_error
     st.rerun()
 
 
-def _review(status: views.HostStatus) -> None:
+def _review(status: common.HostStatus) -> None:
     pending = st.session_state.get(PENDING)
     if not pending or pending["host"] != host:
         return
@@ -111,11 +112,11 @@ def _review(status: views.HostStatus) -> None:
                      disabled=status.config_version != pending["base_version"]):
             with st.spinner("Applying…"):
                 try:
-                    outcome = views.apply_change(host, pending["patch"], user, pending["reason"])
-                except views.ViewError as exc:
+                    outcome = views.apply_change(ui.store(), host, pending["patch"], user, pending["reason"])
+                except common.ViewError as exc:
                     outcome = views.ChangeOutcome(applied=False, version=None, message=str(exc))
                 except Exception as exc:
-                    outcome = views.ChangeOutcome(applied=False, version=None, message=views.describe_error(exc))
+                    outcome = views.ChangeOutcome(applied=False, version=None, message=common.describe_error(exc))
             st.session_state[OUTCOME] = {"host": host, "outcome": outcome}
             st.session_state.pop(PENDING, None)
             _status.clear()
@@ -131,7 +132,7 @@ def _outcome() -> None:
         return
     o: views.ChangeOutcome = last["outcome"]
     if o.applied:
-        k = f" K in force now: {o.k_current}." if o.k_current is not None else ""
+        k = f" K in force: {o.k_in_force}." if o.k_in_force is not None else ""
         st.success(f"Applied: version {o.version} is in force on {host}.{k} {o.message}".strip(),
                    icon=":material/check_circle:")
     else:
@@ -140,7 +141,7 @@ def _outcome() -> None:
                  icon=":material/cancel:")
 
 
-def _speculation_form(status: views.HostStatus) -> None:
+def _speculation_form(status: common.HostStatus) -> None:
     spec = status.config.get("speculation") or {}
     section = "speculation"
     shown = {"speculation.mode", "speculation.k", "speculation.k_min", "speculation.k_max", "speculation.table",
@@ -197,7 +198,7 @@ def _parse_table(text: str) -> list[list[int]]:
     return out
 
 
-def _batch_form(status: views.HostStatus) -> None:
+def _batch_form(status: common.HostStatus) -> None:
     batch = status.config.get("batch") or {}
     limits = status.limits
     section = "batch"
@@ -223,14 +224,14 @@ def _batch_form(status: views.HostStatus) -> None:
         _submit(section, {"batch": {"max_num_seqs": seqs, "max_num_batched_tokens": tokens}}, reason, {}, status)
 
 
-def _warmup_form(status: views.HostStatus) -> None:
+def _warmup_form(status: common.HostStatus) -> None:
     beats = list((status.config.get("warmup") or {}).get("heartbeats") or [])
     section = "warmup"
     if beats:
         st.dataframe(pd.DataFrame([{
             "name": b["name"], "every (s)": b.get("interval_s"), "cron (UTC)": b.get("cron"),
             "max tokens": b.get("max_tokens"), "only after idle (s)": b.get("idle_s"), "enabled": b.get("enabled"),
-        } for b in beats]), hide_index=True, width="stretch")
+        } for b in beats]).pipe(ui.no_none), hide_index=True, width="stretch")
     else:
         st.caption("No heartbeat schedule in force.")
     fields = ("name", "interval_s", "cron", "max_tokens", "idle_s", "prompts")
@@ -277,7 +278,7 @@ def _warmup_form(status: views.HostStatus) -> None:
         _submit(section, {"warmup": {"heartbeats": new}}, reason, errors, status)
 
 
-def _read_only(status: views.HostStatus) -> None:
+def _read_only(status: common.HostStatus) -> None:
     st.info(f"You are signed in as **{user.name}** ({user.role}): read only. Operators can change settings.",
             icon=":material/visibility:")
 
@@ -292,10 +293,13 @@ if not status.up:
 spec = status.config.get("speculation") or {}
 cols = st.columns(4)
 cols[0].metric("Mode", status.mode or "—")
-cols[1].metric("K now", ui.fmt(status.k_current), help="draft tokens per step in force")
+cols[1].metric("K in force", ui.fmt(status.k_next),
+               help=f"draft tokens the policy uses for the next step; the last step ran K={ui.fmt(status.k_current)}")
 cols[2].metric("Max running", f"{ui.fmt(status.max_num_seqs)}", help="cap in force (requests)")
-cols[3].metric("Engine config version", f"{status.config_version}",
-               help="the engine's own counter; the History page numbers versions per host")
+in_force = common.version_in_force(ui.store(), host)
+cols[3].metric("Config version", "—" if in_force is None else f"v{in_force}",
+               help=f"the control plane's version in force (History); the engine's own counter says "
+                    f"v{status.config_version} (it restarts at 1 with the engine)")
 
 if not user.can("apply"):
     _read_only(status)

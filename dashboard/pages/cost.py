@@ -9,7 +9,8 @@ from datetime import datetime, time as dtime, timedelta, timezone  # noqa: F401
 import pandas as pd
 import streamlit as st
 
-from control import views
+from control.views import common
+from control.views import cost as views
 from dashboard import ui
 
 ui.require_user()
@@ -23,7 +24,7 @@ if printable:
 else:
     ui.page_header("Cost review")
 
-c = st.columns([2, 2, 2, 1.4, 1.4], vertical_alignment="bottom")
+c = st.columns([2, 2, 2, 1.4, 1.4, 1], vertical_alignment="bottom")
 with c[0]:
     host = ui.host_picker("Host", key="cost_host", allow_all=True)
 with c[1]:
@@ -36,16 +37,20 @@ with c[2]:
                                   "version N was in force").strip()
 
 
-@st.cache_data(ttl=600, show_spinner="Computing the weekly report…")
+# Short-lived cache (the same figures as `python -m control report weekly`): a new price or
+# new samples show within 30 s, at once with Refresh.
+@st.cache_data(ttl=30, show_spinner="Computing the weekly report…")
 def _report(host: str | None, end: datetime, baseline: str) -> views.WeeklyReport:
-    return views.weekly_report(host=host, end=end, baseline=baseline)
+    return views.weekly_report(ui.store(), host=host, end=end, baseline=baseline)
 
 
+with c[5]:
+    if st.button("Refresh", icon=":material/refresh:", key="cost_refresh", help="recompute the report now"):
+        _report.clear()
 try:
-    # A week's report does not need to-the-minute freshness: the key moves every 10 minutes.
-    rep = _report(host, end.replace(minute=end.minute - end.minute % 10, second=0, microsecond=0), baseline)
+    rep = _report(host, end.replace(second=0, microsecond=0), baseline)
 except Exception as exc:
-    st.error(f"Report unavailable: {views.describe_error(exc)}")
+    st.error(f"Report unavailable: {common.describe_error(exc)}")
     st.stop()
 
 with c[3]:
@@ -59,6 +64,9 @@ if printable:
 st.markdown(f"**Week {rep.start:%Y-%m-%d %H:%M} – {rep.end:%Y-%m-%d %H:%M} (UTC)** · {host or 'all hosts'} · "
             f"saving measured against: {rep.baseline}")
 
+if rep.unpriced_hosts:
+    st.warning(f"No price is set for {', '.join(rep.unpriced_hosts)}: its cost reads $0. Set a price with "
+               f"`{views.SET_PRICE}`.", icon=":material/sell:")
 s = rep.summary
 if s.empty:
     st.info("No host served tokens in this week.")
@@ -90,10 +98,14 @@ st.dataframe(s, hide_index=True, width="stretch", key="cost_summary", column_con
     "acceptance_rate": st.column_config.NumberColumn("acceptance", format="percent"),
     "mean_k": st.column_config.NumberColumn("mean K", format="%.2f"),
     "uptime_h": st.column_config.NumberColumn("uptime (h)", format="%.1f"),
-    "baseline_note": st.column_config.TextColumn("baseline measured over"),
+    "baseline_note": st.column_config.TextColumn("baseline measured over", width="large"),
 })
 
 d = rep.daily
+if not d.empty and not d["usd"].fillna(0).any() and d["output_tokens"].fillna(0).any():
+    st.info(f"Tokens were served this week, but no price is set: set a price with `{views.SET_PRICE}`.",
+            icon=":material/sell:")
+    st.stop()
 if d.empty or not d["usd"].fillna(0).any():
     st.info("No served time in this week's roll-ups yet: the collector rolls its 1-second samples up into "
             "1-minute figures every minute, and the report reads those.", icon=":material/hourglass_empty:")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from control import rollout_views, views
+from control.views import common
+from control.views import fleet as views
 from dashboard import ui
 
 ui.require_user()
@@ -16,9 +17,9 @@ ui.page_header("Fleet", "All registered engine hosts. Pick one to open its live 
 def fleet_panel() -> None:
     """The host table (refreshes every 5 s)."""
     try:
-        df = views.fleet_overview()
+        df = views.fleet_overview(ui.store())
     except Exception as exc:
-        st.error(f"Fleet unavailable: {views.describe_error(exc)}")
+        st.error(f"Fleet unavailable: {common.describe_error(exc)}")
         return
     if df.empty:
         st.info("No engine host is registered yet: `python -m control hosts add NAME URL`.")
@@ -49,7 +50,7 @@ def fleet_panel() -> None:
             "open_alerts": st.column_config.NumberColumn("open alerts"),
             "gpu_kind": st.column_config.TextColumn("GPU"),
             "usd_per_hour": st.column_config.NumberColumn("USD/hour", format="$%.2f"),
-            "error": st.column_config.TextColumn("why down"),
+            "error": st.column_config.TextColumn("why down", width="large"),
         },
         key="fleet_table",
     )
@@ -88,21 +89,21 @@ with st.expander("Roll a change out: canary first, watched against the others, t
             if st.form_submit_button("Start rollout", type="primary"):
                 patch = {"speculation": {"mode": r_mode, **({"k": int(r_k)} if r_mode == "fixed" else {})}}
                 try:
-                    rid = rollout_views.start_rollout(ui.current_user(), hosts=r_hosts, canary=r_canary, patch=patch,
+                    rid = views.start_rollout(ui.store(), ui.current_user(), hosts=r_hosts, canary=r_canary, patch=patch,
                                                       watch_s=float(r_watch), guards=r_guards.splitlines(),
                                                       reason=r_reason)
                     st.success(f"Rollout {rid} started: canary {r_canary} first.")
-                except views.ViewError as exc:
-                    st.error(views.describe_error(exc))
+                except common.ViewError as exc:
+                    st.error(common.describe_error(exc))
 
 
 @st.fragment(run_every="5s")
 def rollouts_panel() -> None:
     """Recent rollouts and where they stand (refreshes every 5 s)."""
     try:
-        df = rollout_views.rollouts_frame()
+        df = views.rollouts_frame(ui.store())
     except Exception as exc:
-        st.error(f"Rollouts unavailable: {views.describe_error(exc)}")
+        st.error(f"Rollouts unavailable: {common.describe_error(exc)}")
         return
     if df.empty:
         st.caption("No rollout yet.")

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from datetime import datetime, time as dtime, timedelta, timezone
 
+import json
+
+import pandas as pd
 import streamlit as st
 
-from control import views
+from control.views import common
+from control.views import history as views
 from dashboard import ui
 
 user = ui.require_user()
@@ -35,13 +39,13 @@ elif span != "all time":
 
 @st.cache_data(ttl=3, show_spinner=False)
 def _history(host: str | None, since: datetime | None, until: datetime | None):
-    return views.history(host=host, since=since, until=until)
+    return views.history(ui.store(), host=host, since=since, until=until)
 
 
 try:
     df = _history(host, since, until)
 except Exception as exc:
-    st.error(f"History unavailable: {views.describe_error(exc)}")
+    st.error(f"History unavailable: {common.describe_error(exc)}")
     st.stop()
 
 last = st.session_state.pop("hist_outcome", None)
@@ -78,6 +82,33 @@ st.dataframe(
     key="history_table",
 )
 
+@st.cache_data(ttl=5, show_spinner=False)
+def _runs(host: str | None, since: datetime | None):
+    return views.heartbeat_runs(ui.store(), host=host, since=since)
+
+
+with st.expander("Warm-up and heartbeat runs (skips included)"):
+    try:
+        runs = _runs(host, since)
+    except Exception as exc:
+        st.error(f"Runs unavailable: {common.describe_error(exc)}")
+    else:
+        if runs.empty:
+            st.caption("No warm-up or heartbeat run in this span.")
+        else:
+            st.dataframe(ui.color_cells(runs, "outcome", good=["ok"], bad=["failed", "error"],
+                                        formats={"duration_s": "{:.2f}", "ttft_s": "{:.3f}",
+                                                 "output_tokens": "{:.0f}", "k": "{:.0f}"}),
+                         hide_index=True, width="stretch", key="runs_table", column_config={
+                             "started_at": st.column_config.DatetimeColumn("started (UTC)",
+                                                                           format="YYYY-MM-DD HH:mm:ss"),
+                             "schedule": st.column_config.TextColumn("heartbeat"),
+                             "duration_s": st.column_config.NumberColumn("took (s)"),
+                             "ttft_s": st.column_config.NumberColumn("TTFT (s)"),
+                             "output_tokens": st.column_config.NumberColumn("tokens"),
+                             "detail": st.column_config.TextColumn("detail", width="large"),
+                         })
+
 st.subheader("Version details")
 # Options are (host, version) keys, not row positions: a new version arriving between two
 # reruns must never shift the selection onto another version.
@@ -90,7 +121,8 @@ row = df[(df["host"] == sel_host) & (df["version"] == int(sel_version))].iloc[0]
 left, right = st.columns(2)
 with left:
     message = row["message"] if isinstance(row["message"], str) and row["message"] else None
-    st.markdown(f"**Reason:** {row['reason']}  \n**Author:** {row['author']}  \n**Kind:** {row['source']}  \n"
+    st.markdown(f"**Reason:** {row['reason'] or '—'}  \n**Author:** {row['author'] or '—'}  \n"
+                f"**Kind:** {row['source'] or '—'}  \n"
                 f"**Outcome:** {row['outcome']}" + (f"  \n**Engine's message:** {message}" if message else ""))
     st.code(row["diff_text"] or "(no change against the previous version)", language=None)
 with right:
@@ -101,8 +133,23 @@ if not user.can("rollback"):
     st.caption("Viewers cannot roll back.")
     st.stop()
 
-with st.form("rollback_form", clear_on_submit=True):
+try:
+    in_force, rb_diff = views.rollback_diff(ui.store(), row["host"], int(row["version"]))
+except Exception as exc:
+    in_force, rb_diff = None, None
+    st.warning(f"The config in force cannot be read: {common.describe_error(exc)}")
+# The reason survives a refused submit (a missing tick): the form does not clear itself.
+with st.form("rollback_form", clear_on_submit=False):
     st.markdown(f"**Roll {row['host']} back to v{row['version']}** (applied again as a new version)")
+    if rb_diff is not None:
+        against = "the config in force" if in_force is None else f"v{in_force}, the config in force"
+        if rb_diff:
+            st.caption(f"What changes against {against}:")
+            st.dataframe(pd.DataFrame([{"setting": d["field"], "now": json.dumps(d.get("old")),
+                                        "after the rollback": json.dumps(d.get("new"))} for d in rb_diff]),
+                         hide_index=True, width="stretch", key="rollback_diff")
+        else:
+            st.caption(f"Nothing changes: v{row['version']} has the same config as {against}.")
     reason = st.text_input("Reason (required)", key="rb_reason")
     confirm = st.checkbox(f"I confirm: put the config of v{row['version']} in force on {row['host']}",
                           key="rb_confirm")
@@ -112,12 +159,14 @@ if submitted:
         st.error("Tick the confirmation first.", icon=":material/error:")
     else:
         try:
-            outcome = views.rollback(row["host"], int(row["version"]), user, reason)
-        except views.ViewError as exc:
+            outcome = views.rollback(ui.store(), row["host"], int(row["version"]), user, reason)
+        except common.ViewError as exc:
             st.error(str(exc), icon=":material/error:")
         except Exception as exc:
-            st.error(f"Rollback failed: {views.describe_error(exc)}", icon=":material/error:")
+            st.error(f"Rollback failed: {common.describe_error(exc)}", icon=":material/error:")
         else:
             _history.clear()
             st.session_state["hist_outcome"] = (row["host"], int(row["version"]), outcome)
+            for k in ("rb_reason", "rb_confirm"):
+                st.session_state.pop(k, None)
             st.rerun()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from control import views
+from control.views import common
+from control.views import live as views
 from dashboard import ui
 
 ui.require_user()
@@ -32,11 +33,15 @@ def _status_line(view: views.LiveView) -> None:
         return
     k_range = f"{s.k_min}..{s.k_max}" if s.mode in ("adaptive", "heuristic") else ""
     badge = ":green-badge[UP]" if s.phase == "ready" else f":orange-badge[{s.label}]"
+    last_step = f", last step K={s.k_current}" if s.k_current is not None and s.k_current != s.k_next else ""
+    version = "—" if view.version_in_force is None else f"v{view.version_in_force}"
     st.markdown(
-        f"{badge} **{s.name}** · mode **{s.mode}** {k_range} · K now **{s.k_current}** "
-        f"(engine K_max {s.k_max_engine}{', ' + s.speculation if s.speculation else ''}) · config **v{s.config_version}** · "
+        f"{badge} **{s.name}** · mode **{s.mode}** {k_range} · K in force **{ui.fmt(s.k_next)}**{last_step} "
+        f"(engine K_max {s.k_max_engine}{', ' + s.speculation if s.speculation else ''}) · config **{version}** · "
         f"caps: {s.max_num_seqs} sequences, {s.max_num_batched_tokens} tokens/step"
     )
+    st.caption(f"Config version: the control plane's version in force (History). The engine's own counter says "
+               f"v{s.config_version}; it restarts at 1 with the engine.")
     routing = views.routing_summary(s.router)
     if routing:
         st.caption(routing)
@@ -44,21 +49,22 @@ def _status_line(view: views.LiveView) -> None:
 
 def _tiles(view: views.LiveView) -> None:
     s = view.status
-    cols = st.columns(7)
-    cols[0].metric("TTFT P99", ui.fmt(view.latest("ttft_p99_ms"), "ms"), help="time to first token, last 10 s window")
-    itl = view.latest("itl_p99_ms")
-    cols[1].metric("ITL P99", ui.fmt(itl, "ms", 1 if itl is not None and itl < 100 else 0),
-                   help="inter-token latency, last 10 s window")
-    cols[2].metric("Output", ui.fmt(view.window_mean("output_tokens_per_s"), "tok/s"),
+    ui.wrap_tiles()
+    row1, row2 = st.columns(4), st.columns(4)
+    row1[0].metric("TTFT P99", ui.fmt_ms(view.latest("ttft_p99_ms")), help="time to first token, last 10 s window")
+    row1[1].metric("ITL P99", ui.fmt_ms(view.latest("itl_p99_ms")), help="inter-token latency, last 10 s window")
+    row1[2].metric("Output", ui.fmt_rate(view.window_mean("output_tokens_per_s"), "tok/s"),
                    help="output tokens per second, mean over the window")
-    kv = view.latest("kv_cache_usage")
-    cols[3].metric("KV cache", ui.fmt(None if kv is None else 100 * kv, "%"), help="fraction of KV cache blocks in use")
-    running = s.running if s.up else view.latest("running")
-    cols[4].metric("Running", f"{ui.fmt(running)} / {ui.fmt(s.max_num_seqs)}", help="running requests / cap in force")
-    cols[5].metric("Waiting", ui.fmt(s.waiting if s.up else view.latest("waiting")), help="queued requests")
     acc = view.window_mean("acceptance_rate")
-    cols[6].metric("Acceptance", ui.fmt(None if acc is None else 100 * acc, "%"),
+    row1[3].metric("Acceptance", ui.fmt(None if acc is None else 100 * acc, "%"),
                    help="accepted / drafted tokens over the window")
+    kv = view.latest("kv_cache_usage")
+    row2[0].metric("KV cache", ui.fmt(None if kv is None else 100 * kv, "%"), help="fraction of KV cache blocks in use")
+    running = s.running if s.up else view.latest("running")
+    row2[1].metric("Running", f"{ui.fmt(running)} / {ui.fmt(s.max_num_seqs)}", help="running requests / cap in force")
+    row2[2].metric("Waiting", ui.fmt(s.waiting if s.up else view.latest("waiting")), help="queued requests")
+    row2[3].metric("K in force", ui.fmt(s.k_next if s.up else view.latest("k")),
+                   help="draft tokens the policy uses for the next step")
 
 
 def _time_fig(view: views.LiveView, title: str, y_title: str, series: list[tuple[str, str, str, str | None]],
@@ -97,12 +103,22 @@ def _charts(view: views.LiveView) -> None:
         fig = _time_fig(view, "Running and waiting requests", "requests",
                         [("running", "running", c["running"], None), ("waiting", "waiting", c["waiting"], None)],
                         shape="hv")
+        # Scaled to the requests, not to the cap: 0-4 running under a cap of 128 must stay readable.
+        data_max = max([float(view.series[col].max()) for col in ("running", "waiting")
+                        if not view.series.empty and view.series[col].notna().any()] or [0.0])
+        top = max(1.0, data_max) * 1.25
         caps = view.series["max_num_seqs"].dropna() if not view.series.empty else []
-        if len(caps) and caps.nunique() > 1:
+        cap = s.max_num_seqs
+        if len(caps) and caps.nunique() > 1 and float(caps.min()) <= top:
             ui.line(fig, view.series["t"], view.series["max_num_seqs"], "cap (max_num_seqs)", c["cap"],
                     dash="dash", width=1.5, shape="hv")
-        elif s.max_num_seqs:
-            ui.hline(fig, s.max_num_seqs, c["cap"], text=f"cap {s.max_num_seqs}")
+            top = max(top, float(caps.max()) * 1.05)
+        elif cap and cap <= top * 1.5:
+            ui.hline(fig, cap, c["cap"], text=f"cap {cap}")
+            top = max(top, cap * 1.1)
+        fig["layout"]["yaxis"]["range"] = [0, top]
+        if cap and cap > top:
+            fig["layout"]["title"]["text"] += f" (cap {cap}, above the scale)"
         ui.show(fig, key="running")
         fig = _time_fig(view, "Draft length K in force (controller's choice)", "K (draft tokens)",
                         [("k", "K", c["k"], None)], shape="hv")
@@ -128,12 +144,15 @@ def _charts(view: views.LiveView) -> None:
 def _acceptance_by_position(view: views.LiveView) -> None:
     df = view.acceptance_per_position
     fig = ui.new_fig()
+    no_estimate = not df.empty and df["estimated"].isna().all()
     if not df.empty:
         ui.bar(fig, df["position"], df["measured"].astype(float) * 100, "measured (window)", ui.COLORS["acceptance"])
         ui.bar(fig, df["position"], df["estimated"].astype(float) * 100,
                "controller estimate (all of 1..i accepted)", "#56B4E9")
     if df.empty:
         ui.note(fig, "no drafts measured in this window")
+    elif no_estimate:
+        ui.note(fig, "controller estimate: no data yet (no drafts measured since the engine started)")
     ui.base_layout(fig, "Acceptance per draft position", "accepted (%)", x_title="draft position", y_range=[0, 100])
     fig["layout"].update(hovermode="closest", barmode="group")
     fig["layout"]["xaxis"]["dtick"] = 1
@@ -147,7 +166,10 @@ def _controller_choice(view: views.LiveView) -> None:
     df = view.goodput_by_k
     if df.empty or df["predicted_goodput_tokens_per_s"].dropna().empty:
         return
-    k_now = view.status.k_current
+    s = view.status
+    k_now = s.k_next
+    adaptive = s.mode in ("adaptive", "heuristic")
+    best = views.best_k(df, s.k_min if adaptive else None, s.k_max if adaptive else None)
     colors = [ui.COLORS["good"] if k == k_now else "#BBBBBB" for k in df["k"]]
     fig = ui.new_fig()
     ui.bar(fig, df["k"], df["predicted_goodput_tokens_per_s"].astype(float), "predicted goodput", colors,
@@ -162,15 +184,23 @@ def _controller_choice(view: views.LiveView) -> None:
     fig["layout"].update(hovermode="closest", showlegend=False)
     fig["layout"]["xaxis"]["dtick"] = 1
     ui.show(fig, key="goodput")
+    if best is not None and k_now is not None and best != k_now:
+        if adaptive:
+            st.caption(f"K={k_now} is in force while the best predicted now is K={best}: the controller moves only "
+                       "when another K beats the one in force by its margin and hysteresis, and explores now and "
+                       "then; predictions are smoothed over recent steps.")
+        else:
+            st.caption(f"K={k_now} is set by the operator (mode {s.mode}); the controller would predict K={best} "
+                       "to be best.")
 
 
 @st.fragment(run_every="2s")
 def live_panel() -> None:
     """The refreshing part of the page (every 2 s, without reloading the page)."""
     try:
-        view = views.live_view(host, window_s=window_min * 60.0)
+        view = views.live_view(ui.store(), host, window_s=window_min * 60.0)
     except Exception as exc:
-        st.error(f"Live data unavailable: {views.describe_error(exc)}")
+        st.error(f"Live data unavailable: {common.describe_error(exc)}")
         return
     _status_line(view)
     _tiles(view)

@@ -6,12 +6,12 @@ comes from :func:`control.planner.plan`; this page only lays it out."""
 from __future__ import annotations
 
 import math
-import time
 
 import pandas as pd
 import streamlit as st
 
-from control import planner, views
+from control.views import common
+from control.views import planner as planner_views
 from dashboard import ui
 
 ui.require_user()
@@ -30,23 +30,15 @@ with c[2]:
 
 
 @st.cache_data(ttl=30, show_spinner="Reading samples and the engine's model…")
-def _inputs(host: str, days: int, window_s: int) -> tuple[list[dict], dict | None]:
-    # The host's stored samples and live state (None when it is down).
-    backend = views._backend()
-    samples = backend.stored_samples(host, since=time.time() - days * 86400.0,
-                                     resolution_s=1 if window_s < 60 else 60, columns=planner.SAMPLE_COLUMNS)
-    try:
-        state = backend.engine_state(host, timeout_s=views.STATE_TIMEOUT_S)
-    except Exception:  # down, refused, timeout: the engine model says so
-        state = None
-    return samples, state
+def _inputs(url: str | None, host: str, days: int, window_s: int) -> tuple[list[dict], dict | None, str | None]:
+    return planner_views.planner_inputs(ui.store(), host, days=days, window_s=window_s)
 
 
 try:
-    samples, state = _inputs(host, days, window_s)
-    measured = planner.workload_from_samples(samples, window_s=window_s)
+    samples, state, down = _inputs(common.db_url(), host, days, window_s)
+    measured = planner_views.workload_from_samples(samples, window_s=window_s)
 except Exception as exc:
-    st.error(f"Planner unavailable: {views.describe_error(exc)}")
+    st.error(f"Planner unavailable: {common.describe_error(exc)}")
     st.stop()
 
 st.subheader("What if")
@@ -60,9 +52,9 @@ n_out = c[2].number_input("Output tokens per request", min_value=1.0, value=floa
 prefill_ms = c[3].number_input("Prefill time (ms)", min_value=0.0, value=float(round(measured.prefill_s * 1000.0)),
                                step=10.0, key="whatif_prefill", help="default: median TTFT of samples with no queue")
 try:
-    rep = planner.plan(samples, state, window_s=window_s, rate_rps=rate, latency_slo_s=slo or None,
-                       output_tokens=n_out, prefill_s=prefill_ms / 1000.0)
-except planner.PlannerError as exc:
+    rep = planner_views.planner_report(samples, state, window_s=window_s, rate_rps=rate, latency_slo_s=slo or None,
+                                       output_tokens=n_out, prefill_s=prefill_ms / 1000.0)
+except planner_views.PlannerError as exc:
     st.error(str(exc))
     st.stop()
 st.caption("Workload: " + " · ".join(measured.notes) + (f" · highest measured rate {measured.max_rate_rps:.2f} "
@@ -71,7 +63,7 @@ st.caption("Workload: " + " · ".join(measured.notes) + (f" · highest measured 
 # -- the answer
 ans = rep.answer
 if rep.engine_problem:
-    st.warning(f"Engine model: not enough data. {rep.engine_problem}")
+    st.warning(f"Engine model: not enough data. {rep.engine_problem}" + (f" ({down})" if down else ""))
 elif ans is not None:
     extra = (" · **extrapolation**: beyond the measured rates or batch sizes" if ans.extrapolated else "")
     if math.isfinite(ans.latency_s):
@@ -112,7 +104,7 @@ for chk in rep.checks.values():
     ui.points(fig, [p.rate_rps for p in pts], [p.latency_s for p in pts], f"K={chk.k} measured", color, size=6,
               opacity=0.45, showlegend=True)
     if chk.ok and chk.fit is not None:
-        r, lat = planner.curve(chk.fit, 1.1 * max(chk.fit.max_rate_rps, 1e-6))
+        r, lat = planner_views.curve(chk.fit, 1.1 * max(chk.fit.max_rate_rps, 1e-6))
         ui.line(fig, r, lat, f"K={chk.k} fitted check", color, dash="dash", width=1.5)
 finite = [float(cv.latency_s.max()) for cv in rep.curves.values()] + [p.latency_s for p in rep.points]
 ymax = 1.15 * max(finite) if finite else None

@@ -1,0 +1,152 @@
+"""Every ``SPECPILOT_*`` environment variable, read in one place (after ``vllm/envs.py``).
+
+Each variable has a name constant (to set it for a child process) and a reader function
+(to read it); :data:`VARIABLES` lists them all with their meaning, for docs and
+``--help`` texts. Readers take an optional mapping (default ``os.environ``) and return the
+raw value, or the documented default, at the time of the call (nothing is cached: tests
+and launchers change the environment). The engine host owns this module so that
+``engine_host`` imports nothing from ``control``; ``control``, ``dashboard`` and ``bench``
+import it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Mapping
+
+HOME = "SPECPILOT_HOME"
+CONTROL_TOKEN = "SPECPILOT_CONTROL_TOKEN"
+CHANNEL = "SPECPILOT_CHANNEL"
+WARMUP = "SPECPILOT_WARMUP"
+SPECULATION = "SPECPILOT_SPECULATION"
+ROUTER_CONFIG = "SPECPILOT_ROUTER_CONFIG"
+ENDPOINT_EXTENSIONS = "SPECPILOT_ENDPOINT_EXTENSIONS"
+NGRAM_TRACE = "SPECPILOT_NGRAM_TRACE"
+DB_URL = "SPECPILOT_DB_URL"
+DB_URL_DEPRECATED = "SPECPILOT_DB"
+USERS_FILE = "SPECPILOT_USERS_FILE"
+USERS = "SPECPILOT_USERS"
+NEW_PASSWORD = "SPECPILOT_NEW_PASSWORD"
+METRICS_SOURCE = "SPECPILOT_METRICS_SOURCE"
+PROMETHEUS_URL = "SPECPILOT_PROMETHEUS_URL"
+CHROMIUM = "SPECPILOT_CHROMIUM"
+SESSION_SECRET = "SPECPILOT_SESSION_SECRET"
+
+#: name -> meaning, for every variable SpecPilot reads (``SPECPILOT_VENV`` is read by
+#: ``scripts/setup.sh`` only; tests read their own variables, e.g. the engine start-up timeout).
+VARIABLES: dict[str, str] = {
+    HOME: "data directory (store, control token, models, logs, run files); default ~/.specpilot",
+    CONTROL_TOKEN: "bearer token of the engine host's /control/* endpoints (else $SPECPILOT_HOME/control_token)",
+    CHANNEL: "path of the shared-memory file between the API process and the engine core (set by the launcher)",
+    WARMUP: "start-up warm-up of the engine host: full, quick or off (set by the launcher; default full)",
+    SPECULATION: "JSON of the speculation method and draft in use (set by the launcher for vLLM's processes)",
+    ROUTER_CONFIG: "JSON config of the dual engine host's router (set by python -m engine_host.router)",
+    ENDPOINT_EXTENSIONS: "module:factory items (comma-separated) the endpoint plugin also attaches (set by the router for the plain engine)",
+    NGRAM_TRACE: "file where each process writes the n-gram proposer's call counters (tests, profiling)",
+    DB_URL: "store URL (SQLAlchemy), default sqlite:///$SPECPILOT_HOME/specpilot.db",
+    DB_URL_DEPRECATED: f"deprecated alias of {DB_URL} (read with a warning when {DB_URL} is unset)",
+    USERS_FILE: "dashboard users file (TOML), default $SPECPILOT_HOME/users.toml",
+    USERS: "dashboard users as JSON (wins over the users file on equal names)",
+    NEW_PASSWORD: "password for `python -m dashboard users add` when there is no terminal to prompt on",
+    METRICS_SOURCE: "where views read windowed figures: embedded (the store, default) or prometheus",
+    PROMETHEUS_URL: "Prometheus server URL for the prometheus metric source",
+    SESSION_SECRET: "key that signs dashboard session cookies (else a random key in $SPECPILOT_HOME/dashboard-session.key)",
+    CHROMIUM: "Chromium executable for browser benchmarks and tests, default /usr/bin/chromium",
+}
+
+
+def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def home_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """``$SPECPILOT_HOME`` (default ``~/.specpilot``), user-expanded; not created here
+    (:func:`engine_host.home.home` creates it)."""
+    return Path(_env(environ).get(HOME) or Path.home() / ".specpilot").expanduser()
+
+
+def control_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_CONTROL_TOKEN``, None when unset or empty."""
+    return _env(environ).get(CONTROL_TOKEN) or None
+
+
+def channel_path(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_CHANNEL`` (a file path), None when unset or empty."""
+    return _env(environ).get(CHANNEL) or None
+
+
+def warmup(environ: Mapping[str, str] | None = None) -> str:
+    """``$SPECPILOT_WARMUP`` (``full``, ``quick`` or ``off``), default ``full``."""
+    return _env(environ).get(WARMUP, "full")
+
+
+def speculation(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_SPECULATION`` (JSON text), None when unset or empty."""
+    return _env(environ).get(SPECULATION) or None
+
+
+def router_config(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_ROUTER_CONFIG`` (JSON text), None when unset or empty."""
+    return _env(environ).get(ROUTER_CONFIG) or None
+
+
+def endpoint_extensions(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_ENDPOINT_EXTENSIONS`` (comma-separated ``module:factory``), None when unset or empty."""
+    return _env(environ).get(ENDPOINT_EXTENSIONS) or None
+
+
+def ngram_trace(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_NGRAM_TRACE`` (a file path), None when unset or empty."""
+    return _env(environ).get(NGRAM_TRACE) or None
+
+
+def db_url(environ: Mapping[str, str] | None = None) -> str | None:
+    """The store URL: ``$SPECPILOT_DB_URL``, else the deprecated ``$SPECPILOT_DB`` (with a
+    ``FutureWarning``), else None (the caller's default SQLite file)."""
+    env = _env(environ)
+    url = env.get(DB_URL)
+    if url:
+        return url
+    old = env.get(DB_URL_DEPRECATED)
+    if old:
+        warnings.warn(f"${DB_URL_DEPRECATED} is deprecated: set ${DB_URL} instead", FutureWarning, stacklevel=2)
+        return old
+    return None
+
+
+def users_file(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_USERS_FILE`` (a path), None when unset or empty."""
+    return _env(environ).get(USERS_FILE) or None
+
+
+def users(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_USERS`` (JSON text), None when unset or empty."""
+    return _env(environ).get(USERS) or None
+
+
+def new_password(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_NEW_PASSWORD``, None when unset (an empty value is returned as is)."""
+    return _env(environ).get(NEW_PASSWORD)
+
+
+def metrics_source(environ: Mapping[str, str] | None = None) -> str:
+    """``$SPECPILOT_METRICS_SOURCE`` stripped and lower-cased, default ``embedded``
+    (not validated here: :func:`control.promsource.metric_source` does)."""
+    return (_env(environ).get(METRICS_SOURCE) or "embedded").strip().lower()
+
+
+def prometheus_url(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_PROMETHEUS_URL``, None when unset or empty."""
+    return _env(environ).get(PROMETHEUS_URL) or None
+
+
+def chromium(environ: Mapping[str, str] | None = None) -> str:
+    """``$SPECPILOT_CHROMIUM``, default ``/usr/bin/chromium``."""
+    return _env(environ).get(CHROMIUM, "/usr/bin/chromium")
+
+
+def session_secret(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_SESSION_SECRET``, None when unset or empty (the dashboard then keeps a random key)."""
+    return _env(environ).get(SESSION_SECRET) or None
