@@ -1,7 +1,7 @@
 """``python -m control``: the control plane's command line.
 
-Every command takes ``--db URL`` (default ``$SPECPILOT_DB_URL``, else ``$SPECPILOT_DB``
-as the dashboard names it, else SQLite in ``$SPECPILOT_HOME``) and ``--help``. Errors are
+Every command takes ``--db URL`` (default ``$SPECPILOT_DB_URL``, else the deprecated
+``$SPECPILOT_DB``, else SQLite in ``$SPECPILOT_HOME``) and ``--help``. Errors are
 one line on stderr (no traceback): exit status 1 for an error or a failed apply, 2 for bad
 usage or a refused config.
 
@@ -559,7 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", default=argparse.SUPPRESS,
                         help="store URL, e.g. sqlite:////path/specpilot.db or postgresql+psycopg://user@host/db "
-                             "(default: $SPECPILOT_DB_URL, else $SPECPILOT_DB, else $SPECPILOT_HOME/specpilot.db)")
+                             "(default: $SPECPILOT_DB_URL, else the deprecated $SPECPILOT_DB, else "
+                             "$SPECPILOT_HOME/specpilot.db)")
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log more")
     from .cli_fleet import add_source_options
 
