@@ -353,7 +353,6 @@ def cmd_config_apply(args: argparse.Namespace) -> int:
 
 def cmd_config_rollback(args: argparse.Namespace) -> int:
     from .apply import rollback
-
     from .versions import get_version
 
     author = _author(args.author)
@@ -554,7 +553,6 @@ def _add_patch_options(c: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m control``."""
-    from engine_host.config import SPECULATION_MODES
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", default=argparse.SUPPRESS,

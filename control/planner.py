@@ -441,8 +441,16 @@ def what_if(
 # --------------------------------------------------------------------------- the engine model
 
 #: Sample fields :func:`plan` reads (for a store query restricted to columns).
-SAMPLE_COLUMNS = ("k", "e2e_p50_ms", "output_tokens", "user_output_tokens", "ttft_p50_ms", "waiting", "running",
-                  "max_num_seqs")
+SAMPLE_COLUMNS = (
+    "k",
+    "e2e_p50_ms",
+    "output_tokens",
+    "user_output_tokens",
+    "ttft_p50_ms",
+    "waiting",
+    "running",
+    "max_num_seqs",
+)
 #: Decode request-steps a draft position needs before its acceptance counts as measured.
 MIN_MEASURED_REQUEST_STEPS = 16
 #: A fit whose RMSE exceeds this fraction of the mean measured latency is not an answer.
@@ -522,8 +530,10 @@ def engine_model_from_state(state: Mapping[str, Any] | None) -> EngineModel:
     ctl = state.get("controller") or {}
     table = ctl.get("step_time_ms_by_batch")
     if not table:
-        raise PlannerError("this engine host does not report T(B, K) by batch size (older SpecPilot engine host); "
-                           "update it to get predictions from what it measures")
+        raise PlannerError(
+            "this engine host does not report T(B, K) by batch size (older SpecPilot engine host); "
+            "update it to get predictions from what it measures"
+        )
     measured_batch = ctl.get("step_time_measured_batch")
     if not measured_batch:
         raise PlannerError("the engine has not timed a decode step yet: serve some traffic (any K) and come back")
@@ -540,8 +550,10 @@ def engine_model_from_state(state: Mapping[str, Any] | None) -> EngineModel:
         missing = [i + 1 for i in range(k) if i >= len(counts) or counts[i] < MIN_MEASURED_REQUEST_STEPS]
         if missing:
             where = f"position {missing[0]}" if len(missing) == 1 else f"positions {missing[0]}-{missing[-1]}"
-            unmeasured[k] = (f"acceptance at draft {where} not measured yet: serve traffic at K={k} "
-                             f"(config apply --mode fixed --k {k}) or in adaptive mode, which explores")
+            unmeasured[k] = (
+                f"acceptance at draft {where} not measured yet: serve traffic at K={k} "
+                f"(config apply --mode fixed --k {k}) or in adaptive mode, which explores"
+            )
         else:
             measured.append(k)
     cfg = state.get("config") or {}
@@ -550,8 +562,10 @@ def engine_model_from_state(state: Mapping[str, Any] | None) -> EngineModel:
     batch = state.get("batch") or {}
     limits = state.get("limits") or {}
     cap = batch.get("max_num_seqs") or (cfg.get("batch") or {}).get("max_num_seqs") or limits.get("max_num_seqs")
-    bounds = ctl.get("k_bounds") or [spec.get("k_min") or 0, spec.get("k_max") if spec.get("k_max") is not None
-                                     else n_k - 1]
+    bounds = ctl.get("k_bounds") or [
+        spec.get("k_min") or 0,
+        spec.get("k_max") if spec.get("k_max") is not None else n_k - 1,
+    ]
     lo, hi = int(bounds[0] or 0), min(int(bounds[1] if bounds[1] is not None else n_k - 1), n_k - 1)
     return EngineModel(
         batch_grid=tuple(b for b, _ in rows),
@@ -585,8 +599,9 @@ class Workload:
     notes: tuple[str, ...] = ()
 
 
-def workload_from_samples(samples: Sequence[Any], window_s: float = 60.0, output_tokens: float | None = None,
-                          prefill_s: float | None = None) -> Workload:
+def workload_from_samples(
+    samples: Sequence[Any], window_s: float = 60.0, output_tokens: float | None = None, prefill_s: float | None = None
+) -> Workload:
     """Mean output tokens per request, prefill time and the highest measured request rate
     from stored samples (fields as :func:`points_from_samples`, plus ``output_tokens`` /
     ``user_output_tokens`` (tokens), ``ttft_p50_ms`` (ms) and ``waiting`` (requests)).
@@ -637,8 +652,9 @@ def workload_from_samples(samples: Sequence[Any], window_s: float = 60.0, output
         notes.append(f"prefill {prefill_s * 1000:g} ms: given")
     windows = points_from_samples(samples, window_s=window_s, min_requests=1, min_k_share=0.0)
     max_rate = max((p.rate_rps for p in windows), default=0.0)
-    return Workload(output_tokens=float(output_tokens), prefill_s=float(prefill_s), max_rate_rps=float(max_rate),
-                    notes=tuple(notes))
+    return Workload(
+        output_tokens=float(output_tokens), prefill_s=float(prefill_s), max_rate_rps=float(max_rate), notes=tuple(notes)
+    )
 
 
 @dataclass(frozen=True)
@@ -744,9 +760,17 @@ def engine_curve(model: EngineModel, workload: Workload, k: int | None) -> Curve
     lat0 = np.concatenate([[latency[0]], latency[idx]])
     b0 = np.concatenate([[0.0], b[idx]])
     k0 = np.concatenate([[k_used[0]], k_used[idx]])
-    return Curve(label="adaptive" if k is None else f"K={k}", k=k, batch=b0, rate_rps=rate0, latency_s=lat0,
-                 k_used=k0, saturation_rps=float(rate[top]), zero_load_latency_s=float(latency[0]),
-                 measured_batch_max=model.measured_batch[1])
+    return Curve(
+        label="adaptive" if k is None else f"K={k}",
+        k=k,
+        batch=b0,
+        rate_rps=rate0,
+        latency_s=lat0,
+        k_used=k0,
+        saturation_rps=float(rate[top]),
+        zero_load_latency_s=float(latency[0]),
+        measured_batch_max=model.measured_batch[1],
+    )
 
 
 # --------------------------------------------------------------------------- the fitted check
@@ -790,8 +814,12 @@ def _advice(k: int, curve: Curve | None, max_rate: float) -> str:
     return f"run `{BENCH_HINT.format(k=k)}` {where}"
 
 
-def check_fits(points: Sequence[MeasuredPoint], curves: Mapping[int, Curve] | None = None,
-               max_relative_rmse: float = MAX_RELATIVE_RMSE, **fit_kwargs: Any) -> dict[int, FitCheck]:
+def check_fits(
+    points: Sequence[MeasuredPoint],
+    curves: Mapping[int, Curve] | None = None,
+    max_relative_rmse: float = MAX_RELATIVE_RMSE,
+    **fit_kwargs: Any,
+) -> dict[int, FitCheck]:
     """Fit Kong's model per K and judge each fit.
 
     A fit is "not enough data" when it cannot be made (too few points, one load level),
@@ -827,20 +855,33 @@ def check_fits(points: Sequence[MeasuredPoint], curves: Mapping[int, Curve] | No
         try:
             fit = fit_latency_model([p.rate_rps for p in pts], lat, k=k, **fit_kwargs)
         except PlannerError as exc:
-            out[k] = FitCheck(k, False, None, reason=str(exc), advice=advice, engine_model_error=model_err,
-                              n_points=len(pts))
+            out[k] = FitCheck(
+                k, False, None, reason=str(exc), advice=advice, engine_model_error=model_err, n_points=len(pts)
+            )
             continue
         fit = LatencyFit(**{**fit.__dict__, "points": tuple(pts)})
         rel = fit.rmse_s / float(lat.mean())
         reason = ""
         if fit.c2_s <= 0:
-            reason = (f"K={k}: C2 = 0 (no queueing in the measured rates up to {fit.max_rate_rps:.2g} requests/s), "
-                      "so the saturation rate is unknown, not infinite")
+            reason = (
+                f"K={k}: C2 = 0 (no queueing in the measured rates up to {fit.max_rate_rps:.2g} requests/s), "
+                "so the saturation rate is unknown, not infinite"
+            )
         elif rel > max_relative_rmse:
-            reason = (f"K={k}: the fit's error (RMSE {fit.rmse_s:.2f} s, {rel:.0%} of the mean latency) is above "
-                      f"{max_relative_rmse:.0%}")
-        out[k] = FitCheck(k, not reason, fit, reason=reason, advice="" if not reason else advice,
-                          relative_rmse=rel, engine_model_error=model_err, n_points=len(pts))
+            reason = (
+                f"K={k}: the fit's error (RMSE {fit.rmse_s:.2f} s, {rel:.0%} of the mean latency) is above "
+                f"{max_relative_rmse:.0%}"
+            )
+        out[k] = FitCheck(
+            k,
+            not reason,
+            fit,
+            reason=reason,
+            advice="" if not reason else advice,
+            relative_rmse=rel,
+            engine_model_error=model_err,
+            n_points=len(pts),
+        )
     return out
 
 
@@ -918,9 +959,17 @@ class PlannerReport:
         return None
 
 
-def plan(samples: Iterable[Any], state: Mapping[str, Any] | None, *, window_s: float = 60.0,
-         rate_rps: float | None = None, latency_slo_s: float | None = None, output_tokens: float | None = None,
-         prefill_s: float | None = None, max_relative_rmse: float = MAX_RELATIVE_RMSE) -> PlannerReport:
+def plan(
+    samples: Iterable[Any],
+    state: Mapping[str, Any] | None,
+    *,
+    window_s: float = 60.0,
+    rate_rps: float | None = None,
+    latency_slo_s: float | None = None,
+    output_tokens: float | None = None,
+    prefill_s: float | None = None,
+    max_relative_rmse: float = MAX_RELATIVE_RMSE,
+) -> PlannerReport:
     """The planner's whole answer for one host.
 
     Args:
@@ -973,27 +1022,55 @@ def plan(samples: Iterable[Any], state: Mapping[str, Any] | None, *, window_s: f
     measured_rate = workload.max_rate_rps
     for label, c in curves.items():
         lat, b, k_used = c.at_rate(rate_rps)
-        rows.append(WhatIfRow(
-            label=label, source="engine model", k=c.k, latency_s=lat, effective_batch=b, k_used=k_used,
-            saturation_rps=c.saturation_rps,
-            extrapolated=rate_rps > measured_rate * 1.05 or b > c.measured_batch_max,
-            max_rate_at_slo_rps=c.max_rate_for_latency(latency_slo_s) if latency_slo_s else None,
-            meets_slo=(lat <= latency_slo_s) if latency_slo_s else None))
+        rows.append(
+            WhatIfRow(
+                label=label,
+                source="engine model",
+                k=c.k,
+                latency_s=lat,
+                effective_batch=b,
+                k_used=k_used,
+                saturation_rps=c.saturation_rps,
+                extrapolated=rate_rps > measured_rate * 1.05 or b > c.measured_batch_max,
+                max_rate_at_slo_rps=c.max_rate_for_latency(latency_slo_s) if latency_slo_s else None,
+                meets_slo=(lat <= latency_slo_s) if latency_slo_s else None,
+            )
+        )
     for k, chk in checks.items():
         if not chk.ok or chk.fit is None:
             continue
         f = chk.fit
         lat = float(f.latency_s(rate_rps))
-        rows.append(WhatIfRow(
-            label=f"K={k}", source="fitted check", k=k, latency_s=lat,
-            effective_batch=float(f.effective_batch(rate_rps)) if math.isfinite(lat) else math.inf, k_used=k,
-            saturation_rps=f.saturation_rps, extrapolated=rate_rps > f.max_rate_rps * 1.05,
-            max_rate_at_slo_rps=f.max_rate_for_latency(latency_slo_s) if latency_slo_s else None,
-            meets_slo=(lat <= latency_slo_s) if latency_slo_s else None))
+        rows.append(
+            WhatIfRow(
+                label=f"K={k}",
+                source="fitted check",
+                k=k,
+                latency_s=lat,
+                effective_batch=float(f.effective_batch(rate_rps)) if math.isfinite(lat) else math.inf,
+                k_used=k,
+                saturation_rps=f.saturation_rps,
+                extrapolated=rate_rps > f.max_rate_rps * 1.05,
+                max_rate_at_slo_rps=f.max_rate_for_latency(latency_slo_s) if latency_slo_s else None,
+                meets_slo=(lat <= latency_slo_s) if latency_slo_s else None,
+            )
+        )
     finite = [r.latency_s for r in rows if r.source == "engine model" and math.isfinite(r.latency_s)]
     best = min(finite) if finite else None
-    rows = [WhatIfRow(**{**r.__dict__, "best": r.source == "engine model" and best is not None
-                         and r.latency_s == best}) for r in rows]
-    return PlannerReport(engine_model=model, engine_problem=problem, workload=workload, curves=curves,
-                         default_label=default, unmeasured=dict(model.unmeasured) if model else {}, checks=checks,
-                         points=points, rate_rps=float(rate_rps), latency_slo_s=latency_slo_s, what_if=tuple(rows))
+    rows = [
+        WhatIfRow(**{**r.__dict__, "best": r.source == "engine model" and best is not None and r.latency_s == best})
+        for r in rows
+    ]
+    return PlannerReport(
+        engine_model=model,
+        engine_problem=problem,
+        workload=workload,
+        curves=curves,
+        default_label=default,
+        unmeasured=dict(model.unmeasured) if model else {},
+        checks=checks,
+        points=points,
+        rate_rps=float(rate_rps),
+        latency_slo_s=latency_slo_s,
+        what_if=tuple(rows),
+    )

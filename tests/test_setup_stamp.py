@@ -19,9 +19,19 @@ pytestmark = pytest.mark.skipif(BASH is None, reason="needs bash")
 
 
 def _covers(venv: Path, hash_: str, extras: str) -> bool:
-    r = subprocess.run([BASH, "-c", f'set -euo pipefail; source "{ROOT}/scripts/setup_stamp.sh"; '
-                                    f'stamp_covers "$0" "$1" "$2"', str(venv), hash_, extras],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [
+            BASH,
+            "-c",
+            f'set -euo pipefail; source "{ROOT}/scripts/setup_stamp.sh"; stamp_covers "$0" "$1" "$2"',
+            str(venv),
+            hash_,
+            extras,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode in (0, 1), r.stderr
     return r.returncode == 0
 
@@ -52,8 +62,9 @@ def test_runtime_setup_after_test_setup_installs_nothing(tmp_path):
     fake_bin.mkdir()
     (fake_bin / "nvidia-smi").write_text("#!/bin/sh\nexit 1\n")
     (fake_bin / "nvidia-smi").chmod(0o755)
-    digest = hashlib.sha256(b"".join((repo / f).read_bytes() for f in
-                                     ("pyproject.toml", "scripts/setup.sh", "scripts/setup_stamp.sh"))).hexdigest()
+    digest = hashlib.sha256(
+        b"".join((repo / f).read_bytes() for f in ("pyproject.toml", "scripts/setup.sh", "scripts/setup_stamp.sh"))
+    ).hexdigest()
     (repo / ".venv" / f".specpilot-setup-{digest[:16]}-{RUNTIME.replace(',', '_')}_test").touch()
     env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "SPECPILOT_VENV": ".venv"}
     r = subprocess.run([BASH, "scripts/setup.sh"], cwd=repo, env=env, capture_output=True, text=True, timeout=60)

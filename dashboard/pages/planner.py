@@ -85,7 +85,7 @@ for chk in bad:
 # -- the chart
 fig = ui.new_fig()
 labels = list(rep.curves)
-for i, label in enumerate(labels):
+for label in labels:
     cv = rep.curves[label]
     color = "#D55E00" if cv.k is None else ui.K_COLORS[cv.k % len(ui.K_COLORS)]
     lim = measured.max_rate_rps * 1.05
