@@ -853,7 +853,7 @@ def check_fits(
                 model_err = float(np.sqrt(np.mean(((pred[fin] - lat[fin]) / lat[fin]) ** 2)))
         advice = _advice(k, curve, max_rate)
         try:
-            fit = fit_latency_model([p.rate_rps for p in pts], lat, k=k, **fit_kwargs)
+            fit = fit_latency_model([p.rate_rps for p in pts], lat.tolist(), k=k, **fit_kwargs)
         except PlannerError as exc:
             out[k] = FitCheck(
                 k, False, None, reason=str(exc), advice=advice, engine_model_error=model_err, n_points=len(pts)
