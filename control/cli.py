@@ -1,15 +1,23 @@
 """``python -m control``: the control plane's command line.
 
-Every command takes ``--db URL`` (default ``$SPECPILOT_DB_URL``, else SQLite in
-``$SPECPILOT_HOME``) and ``--help``. Errors are one line on stderr (no traceback):
-exit status 1 for an error or a failed apply, 2 for bad usage or a refused config.
+Every command takes ``--db URL`` (default ``$SPECPILOT_DB_URL``, else the deprecated
+``$SPECPILOT_DB``, else SQLite in ``$SPECPILOT_HOME``) and ``--help``. Errors are
+one line on stderr (no traceback): exit status 1 for an error or a failed apply, 2 for bad
+usage or a refused config.
+
+As an on-call engineer uses it: ``--host`` may be left out when one host is registered;
+every change needs a reason (:mod:`control.reason`, the dashboard's rule); a change that
+changes nothing records nothing; the author of a change is the operating-system user who
+runs the command (``--author NAME`` records "USER on behalf of NAME", never NAME alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import logging
+import os
 import sys
 from datetime import datetime, timezone
 from typing import Any, Callable, Sequence
@@ -57,6 +65,138 @@ def _store(args: argparse.Namespace):
     from .store import Store
 
     return Store.open(args.db)
+
+
+def db_from_env() -> str | None:
+    """The store URL from the environment (:func:`engine_host.envs.db_url`:
+    ``$SPECPILOT_DB_URL``, else the deprecated ``$SPECPILOT_DB`` the dashboard used);
+    None when neither is set.
+
+    Raises:
+        ControlError: both are set to different URLs (the CLI and the dashboard would
+            use different stores).
+    """
+    from engine_host import envs
+
+    url, alias = os.environ.get(envs.DB_URL) or None, os.environ.get(envs.DB_URL_DEPRECATED) or None
+    if url and alias and url != alias:
+        raise ControlError(f"${envs.DB_URL} and ${envs.DB_URL_DEPRECATED} name different stores ({url} and {alias}): "
+                           "unset one, or give --db")
+    return envs.db_url()
+
+
+def _host_name(store: Any, given: str | None) -> str:
+    """``--host``, or the only registered host when it is left out.
+
+    Raises:
+        ControlError: left out while no host, or several hosts, are registered.
+    """
+    if given:
+        return given
+    from .store import list_hosts
+
+    names = sorted(h.name for h in list_hosts(store))
+    if len(names) == 1:
+        return names[0]
+    if not names:
+        raise ControlError("no engine host is registered: add one with 'python -m control hosts add NAME URL'")
+    raise ControlError(f"--host is required: {len(names)} hosts are registered ({', '.join(names)})")
+
+
+def os_user() -> str:
+    """The operating-system user running this process (effective user id), not ``$USER``,
+    which anyone can set."""
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (ImportError, KeyError):
+        return getpass.getuser()
+
+
+def _author(given: str | None) -> str:
+    """Who a change is recorded as: the OS user; with ``--author NAME`` for someone else,
+    ``"USER on behalf of NAME"``.
+
+    Raises:
+        ControlError: ``--author`` empty or longer than 64 characters.
+    """
+    real = os_user()
+    if given is None:
+        return real
+    name = given.strip()
+    if not name or len(name) > 64:
+        raise ControlError(f"--author must be a name of 1 to 64 characters, got {given!r}")
+    return real if name == real else f"{real} on behalf of {name}"
+
+
+def _reason_arg(text: str) -> str:
+    """``--reason``, checked with the rule every interface uses (:mod:`control.reason`)."""
+    from .reason import ReasonRefused, check_reason
+
+    try:
+        return check_reason(text)
+    except ReasonRefused as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def k_in_force(state: dict[str, Any]) -> int | None:
+    """The K (tokens) the engine uses for its next step, from ``/control/state``:
+    ``speculation.k_next``; from an engine host that does not report it, the configured K
+    in fixed mode, 0 when off, else the K of the last step."""
+    spec = state.get("speculation") or {}
+    if spec.get("k_next") is not None:
+        return spec["k_next"]
+    mode = spec.get("mode")
+    if mode == "off":
+        return 0
+    if mode == "fixed":
+        k = spec.get("k")
+        return k if k is not None else ((state.get("config") or {}).get("speculation") or {}).get("k")
+    return spec.get("k_current")
+
+
+def _unchanged(store: Any, host_name: str, patch: dict[str, Any]) -> Any:
+    """The last applied version when ``patch`` changes nothing on it and the engine runs
+    it (or cannot tell); None when the change is real, invalid (left to the apply to
+    refuse with its reason) or the engine's config differs (re-sending it is a change)."""
+    from engine_host.config import ConfigError, EngineLimits, LiveConfig, apply_patch
+
+    from .client import EngineClient, EngineError
+    from .store import get_host
+    from .versions import last_applied
+
+    host = get_host(store, host_name)
+    base = last_applied(store, host.id)
+    if base is None or not host.engine_limits:
+        return None
+    try:
+        new = apply_patch(LiveConfig.model_validate(base.config), patch, EngineLimits.model_validate(host.engine_limits))
+    except (ConfigError, ValueError):
+        return None
+    if new.model_dump(mode="json") != base.config:
+        return None
+    try:
+        with EngineClient.for_host(host) as c:
+            engine_config = c.state().get("config")
+    except (EngineError, ControlError):
+        engine_config = None
+    if engine_config is not None and engine_config != base.config:
+        return None
+    return base
+
+
+def _print_k_in_force(store: Any, host_name: str) -> None:
+    from .client import EngineClient, EngineError
+    from .store import get_host
+
+    try:
+        with EngineClient.for_host(get_host(store, host_name)) as c:
+            k = k_in_force(c.state())
+    except (EngineError, ControlError) as exc:
+        print(f"  K in force: unknown ({exc})")
+        return
+    print(f"  K in force: {_fmt(k)} (the K the engine uses for its next step)")
 
 
 def _opt_int(text: str) -> int | None:
@@ -124,7 +264,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     from .versions import last_applied
 
     with _store(args) as store:
-        host = get_host(store, args.host)
+        host = get_host(store, _host_name(store, args.host))
         applied = last_applied(store, host.id)
         state, error = None, None
         try:
@@ -149,7 +289,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     spec, batch, eng = state.get("speculation", {}), state.get("batch", {}), state.get("engine", {})
     print(f"engine: phase {eng.get('phase')}, pid {eng.get('pid')}, started {_ts(eng.get('started_at'))}, "
           f"engine config version {state.get('config_version')}")
-    print(f"speculation: mode {spec.get('mode')}, K now {spec.get('k_current')}, k {spec.get('k')}, "
+    print(f"speculation: mode {spec.get('mode')}, K in force {_fmt(k_in_force(state))} (last step "
+          f"{_fmt(spec.get('k_current'))}), k {spec.get('k')}, "
           f"k_min {spec.get('k_min')}, k_max {spec.get('k_max')} (engine K_max {spec.get('k_max_engine')})")
     print(f"batch: max_num_seqs {batch.get('max_num_seqs')}, max_num_batched_tokens "
           f"{batch.get('max_num_batched_tokens')}, running {batch.get('running')}, waiting {batch.get('waiting')}")
@@ -196,24 +337,44 @@ def cmd_config_apply(args: argparse.Namespace) -> int:
     from .apply import apply_change
 
     patch = _patch_from_args(args)
+    author = _author(args.author)
     with _store(args) as store:
-        res = apply_change(store, args.host, patch, reason=args.reason, author=args.author, interface="cli")
-    return _print_result(res)
+        name = _host_name(store, args.host)
+        same = _unchanged(store, name, patch)
+        if same is not None:
+            print(f"no change: version {same.version} in force on {name} already has this config; nothing recorded")
+            return EXIT_OK
+        res = apply_change(store, name, patch, reason=args.reason, author=author, interface="cli")
+        code = _print_result(res)
+        if res.ok:
+            _print_k_in_force(store, name)
+    return code
 
 
 def cmd_config_rollback(args: argparse.Namespace) -> int:
     from .apply import rollback
+    from .versions import get_version
 
+    author = _author(args.author)
     with _store(args) as store:
-        res = rollback(store, args.host, args.version, reason=args.reason, author=args.author, interface="cli")
-    return _print_result(res)
+        name = _host_name(store, args.host)
+        same = _unchanged(store, name, get_version(store, name, args.version).config)
+        if same is not None:
+            print(f"no change: version {same.version} in force on {name} already has the config of version "
+                  f"{args.version}; nothing recorded")
+            return EXIT_OK
+        res = rollback(store, name, args.version, reason=args.reason, author=author, interface="cli")
+        code = _print_result(res)
+        if res.ok:
+            _print_k_in_force(store, name)
+    return code
 
 
 def cmd_config_history(args: argparse.Namespace) -> int:
     from .versions import history
 
     with _store(args) as store:
-        versions = history(store, args.host, limit=args.limit)
+        versions = history(store, _host_name(store, args.host), limit=args.limit)
     rows = [{"version": v.version, "created": _ts(v.created_at), "author": v.author, "source": v.source
              + (f" of v{v.rollback_of}" if v.rollback_of else ""), "status": v.status,
              "engine_v": v.engine_version, "reason": v.reason, "change": _diff_text(v.diff),
@@ -230,7 +391,7 @@ def cmd_config_diff(args: argparse.Namespace) -> int:
     from .versions import diff_versions
 
     with _store(args) as store:
-        diff = diff_versions(store, args.host, args.a, args.b)
+        diff = diff_versions(store, _host_name(store, args.host), args.a, args.b)
     if args.json:
         _print_json(diff)
     elif not diff:
@@ -304,8 +465,13 @@ def cmd_report_weekly(args: argparse.Namespace) -> int:
         end = week_ending(args.end) if args.end else None
     except ValueError:
         raise ControlError(f"--end must be a date YYYY-MM-DD, got {args.end!r}") from None
+    if args.csv == "-" and args.json:
+        raise ControlError("--csv - and --json both write to standard output: choose one")
     with _store(args) as store:
         rep = weekly_report(store, end=end, host=args.host, baseline=args.baseline)
+    if args.csv == "-":  # the CSV alone on standard output, for a pipe
+        rep.to_csv(sys.stdout)
+        return EXIT_OK
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             rep.to_csv(f)
@@ -387,12 +553,12 @@ def _add_patch_options(c: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m control``."""
-    from engine_host.config import SPECULATION_MODES
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", default=argparse.SUPPRESS,
                         help="store URL, e.g. sqlite:////path/specpilot.db or postgresql+psycopg://user@host/db "
-                             "(default: $SPECPILOT_DB_URL, else $SPECPILOT_HOME/specpilot.db)")
+                             "(default: $SPECPILOT_DB_URL, else the deprecated $SPECPILOT_DB, else "
+                             "$SPECPILOT_HOME/specpilot.db)")
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log more")
     from .cli_fleet import add_source_options
 
@@ -400,8 +566,13 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentParser(add_help=False)
     fmt.add_argument("--json", action="store_true", help="print JSON instead of a table")
     author = argparse.ArgumentParser(add_help=False)
-    author.add_argument("--reason", required=True, help="why (required; shown in the history)")
-    author.add_argument("--author", default=None, help="who (default: $USER)")
+    from .reason import MIN_REASON_CHARS
+
+    author.add_argument("--reason", required=True, type=_reason_arg,
+                        help=f"why (required, at least {MIN_REASON_CHARS} characters; shown in the history)")
+    author.add_argument("--author", default=None,
+                        help="who asked for it, when not you: recorded as 'YOU on behalf of AUTHOR' "
+                             "(you = the operating-system user)")
 
     p = argparse.ArgumentParser(
         prog="python -m control", parents=[common],
@@ -436,21 +607,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = group("config", "show, change, compare and roll back engine configs")
     c = command(config, "show", "the config in force on a host and the last applied version", cmd_config_show, [fmt])
-    c.add_argument("--host", required=True)
+    c.add_argument("--host", default=None, help="engine host (default: the only registered host)")
     c = command(config, "apply", "change a host's config as a new version (validated first)", cmd_config_apply,
                 [author])
-    c.add_argument("--host", required=True)
+    c.add_argument("--host", default=None, help="engine host (default: the only registered host)")
     _add_patch_options(c)
     c = command(config, "history", "a host's config versions, newest first", cmd_config_history, [fmt])
-    c.add_argument("--host", required=True)
+    c.add_argument("--host", default=None, help="engine host (default: the only registered host)")
     c.add_argument("--limit", type=int, default=None)
     c = command(config, "diff", "field-by-field difference between two versions", cmd_config_diff, [fmt])
-    c.add_argument("--host", required=True)
+    c.add_argument("--host", default=None, help="engine host (default: the only registered host)")
     c.add_argument("a", type=int, help="from version")
     c.add_argument("b", type=int, help="to version")
     c = command(config, "rollback", "apply an earlier version again, as a new version", cmd_config_rollback,
                 [author])
-    c.add_argument("--host", required=True)
+    c.add_argument("--host", default=None, help="engine host (default: the only registered host)")
     c.add_argument("version", type=int, help="the version to restore")
     from .cli_fleet import add_fleet_commands, add_rollout_commands
 
@@ -488,7 +659,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = group("report", "cost reports")
     c = command(report, "weekly", "cost, tokens, utilisation and saving over 7 days", cmd_report_weekly, [fmt])
     c.add_argument("--host", default=None, help="one host (default: the fleet)")
-    c.add_argument("--csv", default=None, metavar="FILE", help="also write the report as CSV")
+    c.add_argument("--csv", default=None, metavar="FILE", help="also write the report as CSV ('-': the CSV alone "
+                   "on standard output)")
     c.add_argument("--end", default=None, metavar="YYYY-MM-DD", help="last UTC day of the week (default: now)")
     c.add_argument("--baseline", default="k0", help="'k0' (no speculation) or 'version:N' of the host")
 
@@ -531,6 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from .cli_fleet import apply_source_options
 
+        args.db = args.db or db_from_env()
         apply_source_options(args)
         return args.fn(args)
     except ConfigRefused as exc:

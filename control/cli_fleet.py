@@ -34,7 +34,7 @@ def _print_rollout(r: Any) -> None:
 
 def cmd_config_rollout(args: argparse.Namespace) -> int:
     from . import rollout
-    from .cli import _patch_from_args, _store
+    from .cli import _author, _patch_from_args, _store
 
     with _store(args) as store:
         if args.resume:
@@ -52,7 +52,7 @@ def cmd_config_rollout(args: argparse.Namespace) -> int:
                 raise ValueError("give --hosts, --canary, --watch, --guard and --reason (or --resume / --id N)")
             rid = rollout.create(store, hosts=args.hosts.split(","), canary=args.canary, patch=_patch_from_args(args),
                                  watch_s=args.watch, guards=args.guard or [], reason=args.reason,
-                                 author=args.author, baseline=args.baseline)
+                                 author=_author(args.author), baseline=args.baseline)
             print(f"rollout {rid}: applying to the canary {args.canary}, then watching it for {args.watch:g} s",
                   flush=True)
             r = rollout.run(store, rid)
@@ -111,8 +111,12 @@ def add_rollout_commands(config: argparse._SubParsersAction, command: Callable[.
     c.add_argument("--baseline", choices=["others", "self"], default=None,
                    help="compare with the other hosts over the watch (default with other hosts) or with the "
                         "canary's own window before the change")
-    c.add_argument("--reason", default=None, help="why (required for a new rollout)")
-    c.add_argument("--author", default=None, help="who (default: $USER)")
+    from .cli import _reason_arg
+
+    c.add_argument("--reason", default=None, type=_reason_arg,
+                   help="why (required for a new rollout, at least 4 characters)")
+    c.add_argument("--author", default=None, help="who asked for it, when not you: recorded as 'YOU on behalf of "
+                   "AUTHOR'")
     c.add_argument("--resume", action="store_true",
                    help="take over rollouts whose process died: resume them, or roll the canary back")
     c.add_argument("--id", type=int, default=None, help="run (take over) this recorded rollout")

@@ -61,6 +61,9 @@ class StepObservation:
         now: monotonic timestamp (s).
         k_proposed: depth K the drafter ran at in this step for the next one (tokens;
             None: same as ``k_drafted``); a draft model's passes follow it.
+        warmup: the step served the start-up warm-up (synthetic prompts at forced depths):
+            its step time is learned, its acceptance is not (it says nothing about the
+            traffic the engine will serve), nor does the policy react to it.
     """
 
     batch_size: int
@@ -73,6 +76,7 @@ class StepObservation:
     now: float = field(default_factory=time.monotonic)
     draft_hist: list[int] | None = None
     k_proposed: int | None = None
+    warmup: bool = False
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -677,6 +681,7 @@ class SpeculationController:
         self.drafted_total = 0
         self.accepted_total = 0
         self.policy: Policy = OffPolicy(spec, k_engine, self)
+        self._table_cache: tuple[float, dict[str, list[float]]] | None = None
         self.configure(spec)
 
     def configure(self, spec: SpeculationConfig) -> None:
@@ -693,23 +698,68 @@ class SpeculationController:
         return k
 
     def observe(self, obs: StepObservation) -> None:
-        """Fold in one step's measurements and let the policy react."""
+        """Fold in one step's measurements and let the policy react (a warm-up step
+        teaches the step-time model only: see :class:`StepObservation`)."""
         self.total_steps += 1
-        self.drafted_total += obs.num_draft_tokens
-        self.accepted_total += obs.num_accepted_tokens
-        self.acceptance.observe(obs.k_drafted, obs.batch_size, obs.accepted_hist, obs.draft_hist)
         if obs.pure_decode:
             self.step_time.observe(obs.batch_size, obs.batch_size + obs.num_draft_tokens, obs.step_time_s,
                                    obs.k_drafted, obs.k_proposed)
+        if obs.warmup:
+            return
+        self.drafted_total += obs.num_draft_tokens
+        self.accepted_total += obs.num_accepted_tokens
+        self.acceptance.observe(obs.k_drafted, obs.batch_size, obs.accepted_hist, obs.draft_hist)
         self.policy.observe(obs)
 
+    #: Batch sizes at which :meth:`snapshot` tabulates T(B, K) for the planner.
+    PLANNER_BATCH_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+    def step_time_table(self) -> dict[str, list[float]]:
+        """``T(B, K)`` in milliseconds for every B of :data:`PLANNER_BATCH_GRID` and K = 0..K_max:
+        ``{"<B>": [T(B, 0), T(B, 1), ...]}``, from the same model the policy uses
+        (:meth:`StepTimeModel.predict_curve` with the current draft-reach estimates)."""
+        acc, tm = self.acceptance, self.step_time
+        drafts = [acc.expected_draft(k) for k in range(0, self.k_engine + 1)]
+        return {str(b): [round(t * 1000.0, 4) for t in tm.predict_curve(b, drafts)] for b in self.PLANNER_BATCH_GRID}
+
+    def _step_time_table_cached(self, max_age_s: float = 1.0) -> dict[str, list[float]]:
+        """:meth:`step_time_table`, recomputed at most every ``max_age_s`` seconds: the state
+        is published several times a second from the engine core, the table moves slowly."""
+        now = time.monotonic()
+        cached = self._table_cache
+        if cached is None or now - cached[0] >= max_age_s:
+            cached = self._table_cache = (now, self.step_time_table())
+        return cached[1]
+
+    def measured_batch_sizes(self) -> list[int] | None:
+        """``[smallest, largest]`` decode batch size (requests) whose step times the model
+        has measured (the ends of the measured log2 buckets); None before any pure-decode step."""
+        seen = [b for b, cell in self.step_time.buckets.items() if cell[1] > 0]
+        if not seen:
+            return None
+        return [1 << min(seen), (1 << (max(seen) + 1)) - 1]
+
     def snapshot(self, batch_size: int | None = None) -> dict[str, Any]:
-        """JSON-able state: K, estimates per position, E(K), T(B, K), goodput per K."""
+        """JSON-able state: K, estimates per position, E(K), T(B, K), goodput per K.
+
+        Per-position estimates (``acceptance_per_position``, ``conditional_acceptance``,
+        ``draft_reach_per_position``) are None at positions never measured since the
+        engine started (``acceptance_measured_request_steps[i]`` = 0): the policy still
+        works from its prior there (see :class:`AcceptanceEstimator`), but a prior is not
+        an estimate and is not reported as one. ``step_time_ms_by_batch`` tabulates
+        T(B, K) (ms) over a grid of batch sizes and ``step_time_measured_batch`` says which
+        batch sizes were measured (the capacity planner, :mod:`control.planner`, reads both).
+        """
         b = batch_size or getattr(self.policy, "last_batch", 1) or 1
         r = self.acceptance.r()
         ks = range(0, self.k_engine + 1)
         acc, tm = self.acceptance, self.step_time
         times = tm.predict_curve(b, [acc.expected_draft(k) for k in ks])
+        counts = list(acc.observed_request_steps[: self.k_engine])
+
+        def measured(values: list[float]) -> list[float | None]:
+            return [round(v, 4) if i < len(counts) and counts[i] > 0 else None
+                    for i, v in enumerate(values[: self.k_engine])]
         e = {str(k): round(acc.expected_tokens(k), 4) for k in ks}
         t = {str(k): round(times[k] * 1000.0, 3) for k in ks}
         g = {str(k): round(b * acc.expected_tokens(k) / times[k], 2) for k in ks}
@@ -720,11 +770,14 @@ class SpeculationController:
             "k_bounds": [self.policy.k_lo, self.policy.k_hi],
             "batch_size": b,
             "acceptance_rate": (self.accepted_total / self.drafted_total) if self.drafted_total else None,
-            "acceptance_per_position": [round(v, 4) for v in r[: self.k_engine]],
-            "conditional_acceptance": [round(v, 4) for v in self.acceptance.conditional()[: self.k_engine]],
-            "draft_reach_per_position": [round(v, 4) for v in self.acceptance.q()[: self.k_engine]],
+            "acceptance_per_position": measured(r),
+            "conditional_acceptance": measured(self.acceptance.conditional()),
+            "draft_reach_per_position": measured(self.acceptance.q()),
+            "acceptance_measured_request_steps": counts,
             "expected_tokens_per_step": e,
             "step_time_ms": t,
+            "step_time_ms_by_batch": self._step_time_table_cached(),
+            "step_time_measured_batch": self.measured_batch_sizes(),
             "step_time_model": {"t0_ms": round(t0 * 1000, 4), "t1_ms_per_token": round(t1 * 1000, 5),
                                 "td_ms_per_draft_pass": round(td * 1000, 4),
                                 "draft_passes": self.step_time.draft_passes},

@@ -534,13 +534,15 @@ class SpecPilotCollector:
         yield gauge("controller_overhead_perc", "Scheduler-hook time / step time (fraction 0..1).", ov)
         acc = GaugeMetricFamily("specpilot:acceptance_per_position",
                                 "Estimated P(draft positions 1..i all accepted) per decode request-step.", labels=["position"])
-        for i, v in enumerate(ctl.get("acceptance_per_position", []), start=1):
-            acc.add_metric([str(i)], float(v))
+        for i, v in enumerate(ctl.get("acceptance_per_position") or [], start=1):
+            if v is not None:  # None: position not measured yet
+                acc.add_metric([str(i)], float(v))
         yield acc
         cond = GaugeMetricFamily("specpilot:conditional_acceptance",
                                  "Estimated conditional acceptance a_j at draft position j.", labels=["position"])
-        for i, v in enumerate(ctl.get("conditional_acceptance", []), start=1):
-            cond.add_metric([str(i)], float(v))
+        for i, v in enumerate(ctl.get("conditional_acceptance") or [], start=1):
+            if v is not None:  # None: position not measured yet
+                cond.add_metric([str(i)], float(v))
         yield cond
         for key, name, doc, scale in (
             ("expected_tokens_per_step", "expected_tokens_per_step", "E(K): tokens per request per step.", 1.0),

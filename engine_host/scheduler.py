@@ -355,6 +355,7 @@ class _SpecPilotHook:
                     step_time_s=step_time,
                     pure_decode=(n_dec == total),
                     now=time.monotonic(),
+                    warmup=self._warmup_k is not None,
                 )
             )
         if self._drafted or n_dec:

@@ -24,10 +24,12 @@ fi
 
 EXTRAS="$BUILD,model,dashboard,postgres,prometheus"
 [[ $WITH_TEST == 1 ]] && EXTRAS="$EXTRAS,test"
-HASH=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
-STAMP="$VENV/.specpilot-setup-$HASH-${EXTRAS//,/_}"
+# shellcheck source=scripts/setup_stamp.sh
+source scripts/setup_stamp.sh
+HASH=$(cat pyproject.toml scripts/setup.sh scripts/setup_stamp.sh | sha256sum | cut -c1-16)
+STAMP="$VENV/$(stamp_name "$HASH" "$EXTRAS")"
 
-if [[ ! -f "$STAMP" ]]; then
+if ! stamp_covers "$VENV" "$HASH" "$EXTRAS"; then
   echo "==> Setting up $VENV ($BUILD build of vLLM, extras: $EXTRAS)"
   [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip wheel

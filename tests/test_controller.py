@@ -293,3 +293,65 @@ def test_no_acceptance_stays_off_even_when_a_deeper_k_was_timed_faster():
     assert min(times) == times[0], times
     g = ctl.snapshot(b)["predicted_goodput_tokens_per_s"]
     assert all(v <= g["0"] + 0.01 for v in g.values()), g
+
+
+def test_unmeasured_positions_are_no_data_not_the_prior():
+    # a restart: nothing measured yet, the policy runs on its prior, the state says "no data"
+    ctl = adaptive()
+    snap = ctl.snapshot()
+    assert snap["acceptance_per_position"] == [None] * 8
+    assert snap["conditional_acceptance"] == [None] * 8
+    assert snap["draft_reach_per_position"] == [None] * 8
+    assert snap["acceptance_measured_request_steps"] == [0] * 8
+    assert snap["step_time_measured_batch"] is None
+
+
+def test_estimate_converges_fast_after_a_restart_and_deeper_positions_stay_no_data():
+    # real traffic at K = 2 with a per-token acceptance of 0.2 (r_1 = 0.2, r_2 = 0.04)
+    ctl = SpeculationController(8, SpeculationConfig(mode="fixed", k=2))
+    rng = random.Random(3)
+    batch = 4
+    for step in range(12):  # 48 request-steps, half the estimator's memory
+        hist = [0] * 8
+        for _ in range(batch):
+            n = 0
+            while n < 2 and rng.random() < 0.2:
+                n += 1
+            for i in range(n):
+                hist[i] += 1
+        ctl.observe(StepObservation(batch, 2, 2 * batch, sum(hist), hist, 0.03, True, float(step)))
+    snap = ctl.snapshot()
+    acc = snap["acceptance_per_position"]
+    assert acc[0] is not None and abs(acc[0] - 0.2) < 0.12, acc  # the 0.5 prior is gone within a few steps
+    assert acc[1] is not None and acc[1] < 0.15, acc
+    assert acc[2:] == [None] * 6
+    assert snap["acceptance_measured_request_steps"][:3] == [48, 48, 0]
+    # the control law still has a full curve (E(K) from its prior beyond position 2)
+    assert set(snap["expected_tokens_per_step"]) == {str(k) for k in range(9)}
+
+
+def test_snapshot_tabulates_step_time_over_batch_sizes_for_the_planner():
+    sim = Sim(adaptive(), seed=4)
+    sim.run(300, batch=4, accept=0.7, t0=0.02, t1=0.001)
+    snap = sim.ctl.snapshot()
+    table = snap["step_time_ms_by_batch"]
+    assert list(table) == [str(b) for b in SpeculationController.PLANNER_BATCH_GRID]
+    assert all(len(row) == 9 for row in table.values())
+    t_k0 = [row[0] for row in table.values()]
+    assert t_k0 == sorted(t_k0)  # larger batches take longer steps
+    assert table["4"][0] == pytest.approx(20 + 1 * 4, rel=0.15)  # t0 + t1 * B at K = 0, in ms
+    assert snap["step_time_measured_batch"] == [4, 7]
+
+
+def test_warmup_steps_teach_step_time_but_not_acceptance():
+    # the start-up warm-up runs synthetic prompts at every depth: after a restart the
+    # acceptance shown (and used) must come from served traffic, not from those prompts
+    ctl = adaptive()
+    for step in range(50):
+        hist = [4, 4, 4, 4, 4, 4, 4, 4]  # warm-up prompts: everything accepted
+        ctl.observe(StepObservation(4, 8, 32, 32, hist, 0.05, True, float(step), warmup=True))
+    snap = ctl.snapshot()
+    assert snap["acceptance_per_position"] == [None] * 8 and snap["acceptance_rate"] is None
+    assert snap["step_time_measured_batch"] == [4, 7]  # T(B, K) did learn
+    ctl.observe(StepObservation(4, 2, 8, 0, [0] * 8, 0.03, True, 51.0))
+    assert ctl.snapshot()["acceptance_per_position"][:3] == [pytest.approx(0.0, abs=0.1)] * 2 + [None]

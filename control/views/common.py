@@ -146,15 +146,18 @@ def require(user: User | None, action: str) -> User:
 
 
 def require_reason(reason: str | None) -> str:
-    """The reason for a change, stripped.
+    """The reason for a change, stripped, by the rule the CLI uses too
+    (:func:`control.reason.check_reason`).
 
     Raises:
-        ViewError: empty or shorter than 4 characters.
+        ViewError: empty or shorter than :data:`control.reason.MIN_REASON_CHARS` characters.
     """
-    r = (reason or "").strip()
-    if len(r) < 4:
-        raise ViewError("a reason is required (at least 4 characters): say why, for the history")
-    return r
+    from ..reason import ReasonRefused, check_reason
+
+    try:
+        return check_reason(reason)
+    except ReasonRefused as exc:
+        raise ViewError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- hosts

@@ -1,5 +1,7 @@
-"""The Planner page's data: Kong et al.'s latency model (arXiv 2605.15051) fitted per K
-from a host's stored samples (:mod:`control.planner` holds the model)."""
+"""The Planner page's data: :func:`planner_report` reads a host's stored samples and live
+state and hands them to :func:`control.planner.plan` (the engine model, Kong et al.'s
+fitted check; :mod:`control.planner` holds both). The older fit-only view
+(:func:`planner_view`) stays for its callers."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ from dataclasses import dataclass
 import pandas as pd
 
 from .. import planner
-from ..planner import what_if  # noqa: F401  (the page's what-if table)
+from ..planner import PlannerError, curve, what_if, workload_from_samples  # noqa: F401  (the page's)
 from ..store import Store
-from .common import open_store, stored_samples
+from .common import describe_error, engine_client, get_host, open_store, stored_samples
 
 
 @dataclass
@@ -85,4 +87,35 @@ def planner_curves(view: PlannerView, rate_max_rps: float | None = None, n: int 
     return pd.concat(frames, ignore_index=True)
 
 
-__all__ = ["PlannerView", "planner_curves", "planner_points_for_display", "planner_view", "what_if"]
+def planner_inputs(store: Store, name: str, days: float = 7.0,
+                   window_s: float = 60.0) -> tuple[list[dict], dict | None, str | None]:
+    """What the planner reads for one host: its stored samples of the last ``days`` days
+    (1 s rows for points under a minute, else 60 s rows) and its live ``/control/state``.
+
+    Returns:
+        ``(samples, state, down)``: ``state`` is None when the host is down, ``down`` says why.
+    Raises:
+        ViewError: no host of that name.
+    """
+    get_host(store, name)
+    samples = stored_samples(store, name, since=time.time() - days * 86400.0,
+                             resolution_s=1 if window_s < 60 else 60)
+    try:
+        return samples, engine_client(store, name).state(), None
+    except Exception as exc:  # down, refused, timeout: the engine model says "not enough data"
+        return samples, None, describe_error(exc)
+
+
+def planner_report(samples: list[dict], state: dict | None, window_s: float = 60.0,
+                   **what_if_inputs: float | None) -> planner.PlannerReport:
+    """:func:`control.planner.plan` on what :func:`planner_inputs` read; ``what_if_inputs``:
+    ``rate_rps``, ``latency_slo_s``, ``output_tokens``, ``prefill_s``.
+
+    Raises:
+        control.planner.PlannerError: a what-if value is invalid.
+    """
+    return planner.plan(samples, state, window_s=window_s, **what_if_inputs)
+
+
+__all__ = ["PlannerError", "PlannerView", "curve", "workload_from_samples", "planner_curves", "planner_inputs", "planner_points_for_display", "planner_report",
+           "planner_view", "what_if"]
