@@ -61,6 +61,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "profile-step": ("profile_step", "where a decode step's time goes: n-gram engine at K = 0 against plain"),
     "host-overhead": ("host_overhead", "engines side by side on one GPU: engine host against bare vllm serve"),
     "qwen-models": ("qwen_models", "fetch and check the opt-in Qwen2.5-Coder benchmark pair"),
+    "planner-check": ("planner_check", "the planner's predicted mean latency against measured, rate by rate"),
 }
 
 

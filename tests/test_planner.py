@@ -366,7 +366,8 @@ def _planner_page(tmp_path, monkeypatch, state):
 
     fake = FakeEngineHost(token="plan-token")
     if state is not None:
-        fake._state = lambda: state
+        full = _merged(fake._state(), state)  # a whole /control/state body: the client checks the contract
+        fake._state = lambda: full
         fake.start()
     url = f"sqlite:///{tmp_path / 'specpilot.db'}"
     monkeypatch.setenv("SPECPILOT_HOME", str(tmp_path))
@@ -388,6 +389,14 @@ def _planner_page(tmp_path, monkeypatch, state):
         st.cache_resource.clear()
     assert not at.exception, at.exception
     return at
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """``base`` with ``over``'s keys laid over it, nested dicts merged key by key."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def _page_text(at) -> str:
