@@ -44,8 +44,16 @@ DEFAULT_LOADS = {"low": "c1", "medium": "c4", "high": "c12"}
 DEFAULT_MODES = "fixed:0,fixed:2,fixed:4,fixed:8,adaptive,threshold,heuristic,batch_table"
 # Prefix caching off: cells of one workload send the same prompts in the same order, so a
 # cached engine would give every cell after the first free prefills.
-DEFAULT_ENGINE_ARGS = ["--enforce-eager", "--k-max", "8", "--max-num-seqs", "16", "--max-model-len", "2048",
-                       "--no-prefix-caching"]
+DEFAULT_ENGINE_ARGS = [
+    "--enforce-eager",
+    "--k-max",
+    "8",
+    "--max-num-seqs",
+    "16",
+    "--max-model-len",
+    "2048",
+    "--no-prefix-caching",
+]
 ENV_TOKEN = envs.CONTROL_TOKEN
 
 
@@ -111,23 +119,45 @@ def default_out(command: str) -> Path:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="output cap per request (tokens)")
     p.add_argument("--seed", type=int, default=0, help="prompt order, chat sampling seeds, Poisson arrivals")
-    p.add_argument("--shift-period", type=float, default=10.0, help="shift workload: seconds per phase (code, docs, chat)")
+    p.add_argument(
+        "--shift-period", type=float, default=10.0, help="shift workload: seconds per phase (code, docs, chat)"
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=SLO.ttft_ms, help="goodput SLO: highest TTFT (ms)")
-    p.add_argument("--slo-tpot-ms", type=float, default=SLO.tpot_ms, help="goodput SLO: highest time per output token (ms)")
+    p.add_argument(
+        "--slo-tpot-ms", type=float, default=SLO.tpot_ms, help="goodput SLO: highest time per output token (ms)"
+    )
     p.add_argument("--settle", type=float, default=1.0, help="pause after each mode switch (s)")
-    p.add_argument("--ramp", type=float, default=5.0,
-                   help="load runs this long before each measured window opens (s); figures cover the window only")
-    p.add_argument("--requests-per-client", default=None, metavar="R|LOAD=R,...",
-                   help="fixed work instead of a time window: each cell sends R requests per client "
-                        "(closed loop) or R x rate x 10 requests (Poisson), the same prompts for every mode, "
-                        "and lasts until all finish; tokens/s = output tokens / makespan. One R for all loads "
-                        "or one per load name (e.g. low=8,medium=4,high=3). --duration and --ramp are then unused")
-    p.add_argument("--shift-period-requests", type=int, default=None,
-                   help="with --requests-per-client: requests per phase of the shift workload "
-                        "(default: a sixth of the cell's requests, so that each cell cycles code, docs, chat twice)")
-    p.add_argument("--warmup", type=float, default=5.0,
-                   help="untimed load before the first measured cell on each engine (s; 0: none)")
-    p.add_argument("--api-key-env", default=None, help="environment variable holding the OpenAI API key, if the engine needs one")
+    p.add_argument(
+        "--ramp",
+        type=float,
+        default=5.0,
+        help="load runs this long before each measured window opens (s); figures cover the window only",
+    )
+    p.add_argument(
+        "--requests-per-client",
+        default=None,
+        metavar="R|LOAD=R,...",
+        help="fixed work instead of a time window: each cell sends R requests per client "
+        "(closed loop) or R x rate x 10 requests (Poisson), the same prompts for every mode, "
+        "and lasts until all finish; tokens/s = output tokens / makespan. One R for all loads "
+        "or one per load name (e.g. low=8,medium=4,high=3). --duration and --ramp are then unused",
+    )
+    p.add_argument(
+        "--shift-period-requests",
+        type=int,
+        default=None,
+        help="with --requests-per-client: requests per phase of the shift workload "
+        "(default: a sixth of the cell's requests, so that each cell cycles code, docs, chat twice)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=5.0,
+        help="untimed load before the first measured cell on each engine (s; 0: none)",
+    )
+    p.add_argument(
+        "--api-key-env", default=None, help="environment variable holding the OpenAI API key, if the engine needs one"
+    )
     p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>-<command>)")
     p.add_argument("--no-png", action="store_true", help="HTML charts only (no Kaleido PNG export)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -135,15 +165,21 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI of ``python -m bench`` (the :data:`TOOLS` commands are listed, parsed by their modules)."""
-    p = argparse.ArgumentParser(prog="python -m bench", description="SpecPilot benchmark harness: real-text workloads against an engine host, speculation modes side by side.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Modes: off, fixed:K, adaptive[:LO-HI], batch_table[:1-2=6,3-8=4,...], threshold, "
-                                       "heuristic[:LO-HI], plain (engine started with --k-max 0). Loads: cN = N concurrent "
-                                       "clients, rX = Poisson arrivals at X requests/s. See docs/benchmarks.md.")
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="SpecPilot benchmark harness: real-text workloads against an engine host, speculation modes side by side.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Modes: off, fixed:K, adaptive[:LO-HI], batch_table[:1-2=6,3-8=4,...], threshold, "
+        "heuristic[:LO-HI], plain (engine started with --k-max 0). Loads: cN = N concurrent "
+        "clients, rX = Poisson arrivals at X requests/s. See docs/benchmarks.md.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("run", help="one workload and load, one or more modes, on a running engine host",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r = sub.add_parser(
+        "run",
+        help="one workload and load, one or more modes, on a running engine host",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     r.add_argument("--url", required=True, help="engine host base URL, e.g. http://127.0.0.1:8000")
     r.add_argument("--token-env", default=ENV_TOKEN, help="environment variable holding the control token")
     r.add_argument("--workload", choices=WORKLOADS, required=True)
@@ -154,26 +190,46 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--duration", type=float, default=30.0, help="measurement window per mode (s)")
     _common(r)
 
-    m = sub.add_parser("matrix", help="workloads x loads x modes side by side, summary table with ratios",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = sub.add_parser(
+        "matrix",
+        help="workloads x loads x modes side by side, summary table with ratios",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     m.add_argument("--url", default=None, help="engine host base URL (or --start-engine)")
     m.add_argument("--token-env", default=ENV_TOKEN, help="environment variable holding the control token")
-    m.add_argument("--start-engine", action="store_true",
-                   help="start the engine host here (python -m engine_host ... --k-max 8) and stop it afterwards")
-    m.add_argument("--plain-baseline", action="store_true",
-                   help="add a 'plain' column: an engine without speculative config (--k-max 0), started here "
-                        "(with --start-engine) or at --plain-url")
+    m.add_argument(
+        "--start-engine",
+        action="store_true",
+        help="start the engine host here (python -m engine_host ... --k-max 8) and stop it afterwards",
+    )
+    m.add_argument(
+        "--plain-baseline",
+        action="store_true",
+        help="add a 'plain' column: an engine without speculative config (--k-max 0), started here "
+        "(with --start-engine) or at --plain-url",
+    )
     m.add_argument("--plain-url", default=None, help="base URL of a running plain engine host (--k-max 0)")
     m.add_argument("--plain-token-env", default=ENV_TOKEN, help="environment variable holding the plain engine's token")
-    m.add_argument("--model", default=None, help="--model for engines started here (default: the engine host's default)")
-    m.add_argument("--engine-args", default=" ".join(DEFAULT_ENGINE_ARGS),
-                   help="further python -m engine_host arguments for engines started here (--k-max is replaced by 0 "
-                        "for the plain engine)")
+    m.add_argument(
+        "--model", default=None, help="--model for engines started here (default: the engine host's default)"
+    )
+    m.add_argument(
+        "--engine-args",
+        default=" ".join(DEFAULT_ENGINE_ARGS),
+        help="further python -m engine_host arguments for engines started here (--k-max is replaced by 0 "
+        "for the plain engine)",
+    )
     m.add_argument("--workloads", default="code,docs,chat,shift", help="comma-separated workloads")
     m.add_argument("--loads", default="low,medium,high", help="comma-separated load names (see --load-def)")
-    m.add_argument("--load-def", action="append", default=[], metavar="NAME=LOAD",
-                   help="define or override a load, e.g. high=c8 or medium=r1.5 (defaults: "
-                        + ", ".join(f"{k}={v}" for k, v in DEFAULT_LOADS.items()) + ")")
+    m.add_argument(
+        "--load-def",
+        action="append",
+        default=[],
+        metavar="NAME=LOAD",
+        help="define or override a load, e.g. high=c8 or medium=r1.5 (defaults: "
+        + ", ".join(f"{k}={v}" for k, v in DEFAULT_LOADS.items())
+        + ")",
+    )
     m.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated modes, run in this order in each cell group")
     m.add_argument("--duration", type=float, default=25.0, help="measurement window per cell (s)")
     m.add_argument("--resume", action="store_true", help="skip cells whose JSON already exists in --out")
@@ -189,15 +245,23 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     from .bench_fleet import add_arguments as fleet_arguments
 
-    fl = sub.add_parser("fleet", help="fleet scale: embedded collector against Prometheus with N stand-in hosts, "
-                        "page render times with 7 days of data")
+    fl = sub.add_parser(
+        "fleet",
+        help="fleet scale: embedded collector against Prometheus with N stand-in hosts, "
+        "page render times with 7 days of data",
+    )
     fleet_arguments(fl)
     for name, (_, help_text) in TOOLS.items():
         sub.add_parser(name, help=help_text, add_help=False)  # parsed by the tool itself (run_tool)
     from .faults import add_arguments as faults_arguments
 
-    faults_arguments(sub.add_parser("faults", help="fault injection into control up: kill -9 / SIGTERM / SIGSTOP of "
-                                    "each process; orphans, recovery time, versions, store integrity"))
+    faults_arguments(
+        sub.add_parser(
+            "faults",
+            help="fault injection into control up: kill -9 / SIGTERM / SIGSTOP of "
+            "each process; orphans, recovery time, versions, store integrity",
+        )
+    )
     return p
 
 
@@ -209,8 +273,15 @@ def _bar(spec: CellSpec, quiet: bool, position: int = 0):
     if quiet:
         return None, None
     fixed_work = spec.num_requests is not None
-    bar = tqdm(total=spec.num_requests if fixed_work else round(spec.ramp_s + spec.duration_s), desc=spec.label[:48],
-               unit="req" if fixed_work else "s", leave=False, position=position, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(
+        total=spec.num_requests if fixed_work else round(spec.ramp_s + spec.duration_s),
+        desc=spec.label[:48],
+        unit="req" if fixed_work else "s",
+        leave=False,
+        position=position,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
 
     def progress(elapsed: float, records: list) -> None:
         toks = sum(n for r in records for _, n in r.chunks)
@@ -228,12 +299,29 @@ async def _warm_up(control: EngineControl, model: str, spec: CellSpec, seconds: 
     from .loadgen import run_load
     from .workloads import Workload
 
-    await run_load(control.url, model, Workload(spec.workload, seed=spec.seed + 1000, period_s=spec.shift_period_s),
-                   spec.load, seconds, spec.max_tokens, seed=spec.seed + 1000, api_key=api_key)
+    await run_load(
+        control.url,
+        model,
+        Workload(spec.workload, seed=spec.seed + 1000, period_s=spec.shift_period_s),
+        spec.load,
+        seconds,
+        spec.max_tokens,
+        seed=spec.seed + 1000,
+        api_key=api_key,
+    )
 
 
-async def _run_cells(url: str, token: str | None, specs: Sequence[CellSpec], out: Path, api_key: str | None,
-                     quiet: bool, outer=None, resume: bool = False, warmup_s: float = 0.0) -> list[dict[str, Any]]:
+async def _run_cells(
+    url: str,
+    token: str | None,
+    specs: Sequence[CellSpec],
+    out: Path,
+    api_key: str | None,
+    quiet: bool,
+    outer=None,
+    resume: bool = False,
+    warmup_s: float = 0.0,
+) -> list[dict[str, Any]]:
     from .report import cell_figure, save_figure
 
     control = EngineControl(url, token)
@@ -259,9 +347,11 @@ async def _run_cells(url: str, token: str | None, specs: Sequence[CellSpec], out
             save_figure(cell_figure(res), out / "charts" / f"{spec.label}.html", png=False)
             results.append(res)
             c = res["client"]
-            line = (f"{spec.label}: {c['output_tokens_per_s']:.1f} tok/s, goodput {c['goodput_tokens_per_s']:.1f}, "
-                    f"TTFT p50 {c['ttft_ms']['p50']} ms, ITL mean {c['itl_ms']['mean']} ms, "
-                    f"acceptance {res['acceptance']['acceptance_rate']}, mean K {res['k']['mean_k_steps']}")
+            line = (
+                f"{spec.label}: {c['output_tokens_per_s']:.1f} tok/s, goodput {c['goodput_tokens_per_s']:.1f}, "
+                f"TTFT p50 {c['ttft_ms']['p50']} ms, ITL mean {c['itl_ms']['mean']} ms, "
+                f"acceptance {res['acceptance']['acceptance_rate']}, mean K {res['k']['mean_k_steps']}"
+            )
             if c["requests"]["failed"]:
                 line += f"; {c['requests']['failed']} requests failed, e.g. {c['errors'][0]['error']}"
             (outer.write if outer is not None else (lambda s: print(s, file=sys.stderr)))(line)
@@ -324,13 +414,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     load = Load(rate=args.rate) if args.rate is not None else Load(concurrency=args.concurrency)
     out = args.out or default_out("run")
     out.mkdir(parents=True, exist_ok=True)
-    specs = [CellSpec(workload=args.workload, mode=m, load=load, duration_s=args.duration, max_tokens=args.max_tokens,
-                      seed=args.seed, shift_period_s=args.shift_period, slo=_slo(args), settle_s=args.settle, ramp_s=args.ramp,
-                      num_requests=_num_requests(args, load), shift_period_requests=_shift_period(args, _num_requests(args, load)))
-             for m in modes]
+    specs = [
+        CellSpec(
+            workload=args.workload,
+            mode=m,
+            load=load,
+            duration_s=args.duration,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            shift_period_s=args.shift_period,
+            slo=_slo(args),
+            settle_s=args.settle,
+            ramp_s=args.ramp,
+            num_requests=_num_requests(args, load),
+            shift_period_requests=_shift_period(args, _num_requests(args, load)),
+        )
+        for m in modes
+    ]
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
-    results = asyncio.run(_run_cells(args.url, resolve_token(args.token_env), specs, out, api_key, args.quiet,
-                                     warmup_s=args.warmup))
+    results = asyncio.run(
+        _run_cells(args.url, resolve_token(args.token_env), specs, out, api_key, args.quiet, warmup_s=args.warmup)
+    )
     meta = {"command": "python -m bench " + shlex.join(sys.argv[1:]), "finished_at_unix": time.time()}
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
     paths = _finish(results, out, not args.no_png, meta)
@@ -356,8 +460,9 @@ def _start_engine(args: argparse.Namespace, out: Path, plain: bool):
     home = out / ("engine-home-plain" if plain else "engine-home")
     home.mkdir(parents=True, exist_ok=True)
     env = {envs.HOME: os.environ.get(envs.HOME, str(home))}
-    eh = EngineHostProcess(model=args.model, extra_args=extra, env=env,
-                           log_path=out / ("engine-plain.log" if plain else "engine.log"))
+    eh = EngineHostProcess(
+        model=args.model, extra_args=extra, env=env, log_path=out / ("engine-plain.log" if plain else "engine.log")
+    )
     print(f"starting {'plain ' if plain else ''}engine host: {shlex.join(eh.command())}", file=sys.stderr)
     eh.start()
     try:
@@ -396,17 +501,36 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
 
     def specs_for(mode_list: list[str]) -> list[CellSpec]:
-        return [CellSpec(workload=w, mode=m, load=ld, duration_s=args.duration, max_tokens=args.max_tokens,
-                         seed=args.seed, shift_period_s=args.shift_period, slo=_slo(args), settle_s=args.settle, ramp_s=args.ramp,
-                         num_requests=_num_requests(args, ld, lname),
-                         shift_period_requests=_shift_period(args, _num_requests(args, ld, lname)),
-                         load_label=lname)
-                for w in workloads for lname, ld in loads.items() for m in mode_list]
+        return [
+            CellSpec(
+                workload=w,
+                mode=m,
+                load=ld,
+                duration_s=args.duration,
+                max_tokens=args.max_tokens,
+                seed=args.seed,
+                shift_period_s=args.shift_period,
+                slo=_slo(args),
+                settle_s=args.settle,
+                ramp_s=args.ramp,
+                num_requests=_num_requests(args, ld, lname),
+                shift_period_requests=_shift_period(args, _num_requests(args, ld, lname)),
+                load_label=lname,
+            )
+            for w in workloads
+            for lname, ld in loads.items()
+            for m in mode_list
+        ]
 
     spec_cells = specs_for(modes)
     plain_cells = specs_for(["plain"]) if args.plain_baseline else []
-    outer = None if args.quiet else tqdm(total=len(spec_cells) + len(plain_cells), desc="cells", position=0,
-                                         file=sys.stderr, dynamic_ncols=True)
+    outer = (
+        None
+        if args.quiet
+        else tqdm(
+            total=len(spec_cells) + len(plain_cells), desc="cells", position=0, file=sys.stderr, dynamic_ncols=True
+        )
+    )
     results: list[dict[str, Any]] = []
     try:
         for plain, cells in ((False, spec_cells), (True, plain_cells)):
@@ -420,8 +544,9 @@ def cmd_matrix(args: argparse.Namespace) -> int:
                 url = args.plain_url if plain else args.url
                 token = resolve_token(args.plain_token_env if plain else args.token_env)
             try:
-                results += asyncio.run(_run_cells(url, token, cells, out, api_key, args.quiet, outer, args.resume,
-                                                  warmup_s=args.warmup))
+                results += asyncio.run(
+                    _run_cells(url, token, cells, out, api_key, args.quiet, outer, args.resume, warmup_s=args.warmup)
+                )
             finally:
                 if eh is not None:
                     eh.stop()
@@ -431,8 +556,13 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     # rows in workload/load order with the plain column beside the same-engine modes
     order = {(w, ld): i for i, (w, ld) in enumerate((w, ld) for w in workloads for ld in loads)}
     results.sort(key=lambda r: order.get((r["spec"]["workload"], r["spec"]["load"]["label"]), 0))
-    meta = {"command": "python -m bench " + shlex.join(sys.argv[1:]), "finished_at_unix": time.time(),
-            "loads": {k: loads_def[k] for k in loads}, "modes": modes, "duration_s": args.duration}
+    meta = {
+        "command": "python -m bench " + shlex.join(sys.argv[1:]),
+        "finished_at_unix": time.time(),
+        "loads": {k: loads_def[k] for k in loads},
+        "modes": modes,
+        "duration_s": args.duration,
+    }
     paths = _finish(results, out, not args.no_png, meta)
     print(paths["md"].read_text())
     print(f"results: {out}")
@@ -455,8 +585,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     order = {}
     for r in results:  # keep groups together: workload, then load, then mode order of first appearance
         order.setdefault((r["spec"]["workload"], r["spec"]["load"]["label"]), len(order))
-    results.sort(key=lambda r: (r["spec"]["workload"], order[(r["spec"]["workload"], r["spec"]["load"]["label"])],
-                                r["started_at_unix"]))
+    results.sort(
+        key=lambda r: (
+            r["spec"]["workload"],
+            order[(r["spec"]["workload"], r["spec"]["load"]["label"])],
+            r["started_at_unix"],
+        )
+    )
     paths = _finish(results, args.folder, not args.no_png, meta)
     print(paths["md"].read_text())
     return 0
@@ -491,7 +626,9 @@ def main(argv: list[str] | None = None) -> int:
             from .faults import main as faults_main
 
             return faults_main(args)
-        return {"run": cmd_run, "matrix": cmd_matrix, "report": cmd_report, "workloads": cmd_workloads}[args.command](args)
+        return {"run": cmd_run, "matrix": cmd_matrix, "report": cmd_report, "workloads": cmd_workloads}[args.command](
+            args
+        )
     except (BenchError, SourceMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ from control.metrics_parse import parse_metrics
 PROMPTS = [
     "Copy this list exactly, then copy it again: red apple, green pear, yellow banana, purple plum, orange mango,",
     "Write a short paragraph about the sea and the people who live by it.",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "List the planets of the solar system in order, one per line, with one fact each.",
 ]
 
@@ -50,8 +50,16 @@ def load_loop(url: str, model: str, stop: threading.Event, i: int, max_tokens: i
         n = i
         while not stop.is_set():
             try:
-                c.post("/v1/completions", json={"model": model, "prompt": PROMPTS[n % len(PROMPTS)],
-                                                "max_tokens": max_tokens, "temperature": 0.7, "ignore_eos": True})
+                c.post(
+                    "/v1/completions",
+                    json={
+                        "model": model,
+                        "prompt": PROMPTS[n % len(PROMPTS)],
+                        "max_tokens": max_tokens,
+                        "temperature": 0.7,
+                        "ignore_eos": True,
+                    },
+                )
             except httpx.HTTPError:
                 if stop.is_set():
                     return
@@ -103,10 +111,25 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="specpilot-bench-collector-"))
     model = args.model or str(prepare_default_model(quiet=True))
-    eh = EngineHostProcess(model=model, env={"SPECPILOT_HOME": str(tmp / "home")}, log_path=tmp / "engine.log",
-                           extra_args=["--enforce-eager", "--k-max", "4", "--max-num-seqs", "8",
-                                       "--max-model-len", "1024", "--speculation-mode", "fixed", "--k", "2",
-                                       *args.engine_arg])
+    eh = EngineHostProcess(
+        model=model,
+        env={"SPECPILOT_HOME": str(tmp / "home")},
+        log_path=tmp / "engine.log",
+        extra_args=[
+            "--enforce-eager",
+            "--k-max",
+            "4",
+            "--max-num-seqs",
+            "8",
+            "--max-model-len",
+            "1024",
+            "--speculation-mode",
+            "fixed",
+            "--k",
+            "2",
+            *args.engine_arg,
+        ],
+    )
     db = f"sqlite:///{tmp / 'collector.db'}"
     env = {**os.environ, "SPECPILOT_CONTROL_TOKEN": eh.token, "SPECPILOT_HOME": str(tmp / "home")}
     stop = threading.Event()
@@ -118,22 +141,31 @@ def main(argv: list[str] | None = None) -> int:
         eh.start()
         print(f"engine host starting ({eh.url}) ...", flush=True)
         print(f"ready in {eh.wait_ready(900):.0f} s", flush=True)
-        subprocess.run([sys.executable, "-m", "control", "--db", db, "hosts", "add", "local", eh.url],
-                       env=env, check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "control", "--db", db, "hosts", "add", "local", eh.url],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         served = httpx.get(eh.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         per_scrape_ms = scrape_cpu_ms(eh.url, eh.proc.pid)
         print(f"engine API server: {per_scrape_ms:.1f} ms CPU per /metrics scrape", flush=True)
-        threads = [threading.Thread(target=load_loop, args=(eh.url, served, stop, i, args.max_tokens), daemon=True)
-                   for i in range(args.concurrency)]
+        threads = [
+            threading.Thread(target=load_loop, args=(eh.url, served, stop, i, args.max_tokens), daemon=True)
+            for i in range(args.concurrency)
+        ]
         for t in threads:
             t.start()
         time.sleep(10)  # settle
         for pair in range(args.pairs):
             for side in ("without", "with"):
                 if side == "with":
-                    collector = subprocess.Popen([sys.executable, "-m", "control", "--db", db, "collect",
-                                                  "--interval", "1"], env=env, stdout=subprocess.DEVNULL,
-                                                 stderr=subprocess.DEVNULL)
+                    collector = subprocess.Popen(
+                        [sys.executable, "-m", "control", "--db", db, "collect", "--interval", "1"],
+                        env=env,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
                     time.sleep(5)  # the daemon's start-up is not part of its steady cost
                 cpu0, t0 = (cpu_seconds(collector.pid), time.monotonic()) if collector else (0.0, 0.0)
                 tps = window(eh.url, args.window)
@@ -155,15 +187,20 @@ def main(argv: list[str] | None = None) -> int:
         con = sqlite3.connect(str(tmp / "collector.db"))
         stored = con.execute("SELECT count(*) FROM metric_samples WHERE resolution_s = 1").fetchone()[0]
         con.close()
-        figures = {"window_s": args.window, "pairs": args.pairs, "concurrency": args.concurrency,
-                   "tokens_per_s_without": [round(x, 1) for x in results["without"]],
-                   "tokens_per_s_with": [round(x, 1) for x in results["with"]],
-                   "median_without": round(without_med, 1), "median_with": round(with_med, 1),
-                   "ratio": round(with_med / without_med, 4),
-                   "ratio_per_pair": [round(w / wo, 4) for w, wo in zip(results["with"], results["without"])],
-                   "collector_cpu_share_of_one_core": round(statistics.median(collector_cpu), 4),
-                   "engine_api_cpu_ms_per_scrape": round(per_scrape_ms, 2),
-                   "samples_stored": stored}
+        figures = {
+            "window_s": args.window,
+            "pairs": args.pairs,
+            "concurrency": args.concurrency,
+            "tokens_per_s_without": [round(x, 1) for x in results["without"]],
+            "tokens_per_s_with": [round(x, 1) for x in results["with"]],
+            "median_without": round(without_med, 1),
+            "median_with": round(with_med, 1),
+            "ratio": round(with_med / without_med, 4),
+            "ratio_per_pair": [round(w / wo, 4) for w, wo in zip(results["with"], results["without"])],
+            "collector_cpu_share_of_one_core": round(statistics.median(collector_cpu), 4),
+            "engine_api_cpu_ms_per_scrape": round(per_scrape_ms, 2),
+            "samples_stored": stored,
+        }
         print(json.dumps(figures, indent=2))
         print(f"ratio with/without collector: {figures['ratio']:.3f} (target >= 0.99)")
         if args.json:

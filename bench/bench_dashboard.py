@@ -32,8 +32,15 @@ from pathlib import Path
 
 from engine_host import envs
 
-PAGES = ["pages/live.py", "pages/control.py", "pages/history.py", "pages/fleet.py", "pages/alerts.py",
-         "pages/cost.py", "pages/planner.py"]
+PAGES = [
+    "pages/live.py",
+    "pages/control.py",
+    "pages/history.py",
+    "pages/fleet.py",
+    "pages/alerts.py",
+    "pages/cost.py",
+    "pages/planner.py",
+]
 TARGET_S = 1.5
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 
@@ -55,19 +62,43 @@ def _sample(host_id: int, host_i: int, t: int, res: int, k: int, version: int) -
     n = lam * res
     acc = 0.62 + random.gauss(0, 0.04) if k else None
     return {
-        "host_id": host_id, "resolution_s": res, "t": t, "covered_s": float(res), "busy_s": res * min(1.0, lam * c2),
-        "output_tokens": 180 * n, "user_output_tokens": 180 * n, "prompt_tokens": 300 * n,
-        "output_tokens_per_s": 180 * lam, "ttft_p50_ms": 60 + 40 * lam, "ttft_p95_ms": 120 + 90 * lam,
-        "ttft_p99_ms": 180 + 160 * lam, "itl_p50_ms": 14 + 3 * lam, "itl_p95_ms": 22 + 6 * lam,
-        "itl_p99_ms": 30 + 10 * lam, "e2e_p50_ms": 1000 * e2e, "e2e_p95_ms": 1600 * e2e, "e2e_p99_ms": 2000 * e2e,
-        "queue_p50_ms": 5 * lam, "queue_p95_ms": 20 * lam, "queue_p99_ms": 40 * lam,
-        "kv_cache_usage": min(0.97, 0.15 * lam + 0.1), "kv_cache_usage_max": min(0.99, 0.2 * lam + 0.1),
-        "running": min(8.0, lam * e2e), "running_max": min(8.0, lam * e2e * 1.5), "waiting": max(0.0, lam * e2e - 8),
-        "waiting_max": max(0.0, lam * e2e * 1.5 - 8), "num_drafts": 50 * n if k else 0.0,
-        "draft_tokens": 50 * n * k, "accepted_tokens": 50 * n * k * (acc or 0), "acceptance_rate": acc,
+        "host_id": host_id,
+        "resolution_s": res,
+        "t": t,
+        "covered_s": float(res),
+        "busy_s": res * min(1.0, lam * c2),
+        "output_tokens": 180 * n,
+        "user_output_tokens": 180 * n,
+        "prompt_tokens": 300 * n,
+        "output_tokens_per_s": 180 * lam,
+        "ttft_p50_ms": 60 + 40 * lam,
+        "ttft_p95_ms": 120 + 90 * lam,
+        "ttft_p99_ms": 180 + 160 * lam,
+        "itl_p50_ms": 14 + 3 * lam,
+        "itl_p95_ms": 22 + 6 * lam,
+        "itl_p99_ms": 30 + 10 * lam,
+        "e2e_p50_ms": 1000 * e2e,
+        "e2e_p95_ms": 1600 * e2e,
+        "e2e_p99_ms": 2000 * e2e,
+        "queue_p50_ms": 5 * lam,
+        "queue_p95_ms": 20 * lam,
+        "queue_p99_ms": 40 * lam,
+        "kv_cache_usage": min(0.97, 0.15 * lam + 0.1),
+        "kv_cache_usage_max": min(0.99, 0.2 * lam + 0.1),
+        "running": min(8.0, lam * e2e),
+        "running_max": min(8.0, lam * e2e * 1.5),
+        "waiting": max(0.0, lam * e2e - 8),
+        "waiting_max": max(0.0, lam * e2e * 1.5 - 8),
+        "num_drafts": 50 * n if k else 0.0,
+        "draft_tokens": 50 * n * k,
+        "accepted_tokens": 50 * n * k * (acc or 0),
+        "acceptance_rate": acc,
         "accepted_per_pos": None,
-        "acceptance_per_position": [round(0.8 * 0.8 ** i, 3) for i in range(k)] if k else None,
-        "k": float(k), "mode": "fixed", "config_version": version, "max_num_seqs": 8,
+        "acceptance_per_position": [round(0.8 * 0.8**i, 3) for i in range(k)] if k else None,
+        "k": float(k),
+        "mode": "fixed",
+        "config_version": version,
+        "max_num_seqs": 8,
         "hist": {"e2e": {f"{0.9 * e2e!r}:{1.1 * e2e!r}": n}},
     }
 
@@ -90,8 +121,9 @@ def seed_store(url: str, hosts: list[tuple[str, str, str]], days: float = 7.0, n
     with Session(engine) as s, s.begin():
         rules = {r.name: r.id for r in s.scalars(select(AlertRule))}
         for i, (name, hurl, token_env) in enumerate(hosts):
-            h = Host(name=name, url=hurl, token_env=token_env, gpu_kind="H100", usd_per_hour=2.5 + 0.5 * i,
-                     created_at=start)
+            h = Host(
+                name=name, url=hurl, token_env=token_env, gpu_kind="H100", usd_per_hour=2.5 + 0.5 * i, created_at=start
+            )
             s.add(h)
             s.flush()
             # Config versions: K switches every 6 hours among 0, 2, 4.
@@ -103,10 +135,24 @@ def seed_store(url: str, hosts: list[tuple[str, str, str]], days: float = 7.0, n
                 v += 1
                 k = [0, 2, 4][v % 3]
                 cfg = LiveConfig.model_validate({"speculation": {"mode": "fixed", "k": k}}).model_dump(mode="json")
-                s.add(ConfigVersion(host_id=h.id, version=v, created_at=t, author=random.choice(["alice", "bob"]),
-                                    reason=f"capacity test: K={k}", source="apply", base_version=v - 1 or None,
-                                    config=cfg, diff=diff_configs(prev, cfg), status="applied", finished_at=t + 0.05,
-                                    engine_version=v, engine_message=None, apply_latency_ms=4.0))
+                s.add(
+                    ConfigVersion(
+                        host_id=h.id,
+                        version=v,
+                        created_at=t,
+                        author=random.choice(["alice", "bob"]),
+                        reason=f"capacity test: K={k}",
+                        source="apply",
+                        base_version=v - 1 or None,
+                        config=cfg,
+                        diff=diff_configs(prev, cfg),
+                        status="applied",
+                        finished_at=t + 0.05,
+                        engine_version=v,
+                        engine_message=None,
+                        apply_latency_ms=4.0,
+                    )
+                )
                 schedule.append((t, k, v))
                 prev = cfg
                 t += 6 * 3600
@@ -126,24 +172,48 @@ def seed_store(url: str, hosts: list[tuple[str, str, str]], days: float = 7.0, n
                     k, vv = k_at(t)
                     rows.append(_sample(h.id, i, t, res, k, vv))
             for j in range(0, len(rows), 5000):
-                s.execute(insert(MetricSample), rows[j:j + 5000])
+                s.execute(insert(MetricSample), rows[j : j + 5000])
             counts["samples"] += len(rows)
             for j in range(6):
                 st = now - (j + 1) * 86400 * days / 7 + 3600 * i
-                s.add(AlertEvent(rule_id=list(rules.values())[j % len(rules)], host_id=h.id, started_at=st,
-                                 ended_at=st + 900, value=0.93, peak=0.95, message="KV cache usage 93% > 90%"))
+                s.add(
+                    AlertEvent(
+                        rule_id=list(rules.values())[j % len(rules)],
+                        host_id=h.id,
+                        started_at=st,
+                        ended_at=st + 900,
+                        value=0.93,
+                        peak=0.95,
+                        message="KV cache usage 93% > 90%",
+                    )
+                )
                 counts["alerts"] += 1
             if i == 1:
-                s.add(AlertEvent(rule_id=list(rules.values())[0], host_id=h.id, started_at=now - 600, ended_at=None,
-                                 value=0.45, peak=0.41, message="acceptance rate 45% < 50% for 5 min"))
+                s.add(
+                    AlertEvent(
+                        rule_id=list(rules.values())[0],
+                        host_id=h.id,
+                        started_at=now - 600,
+                        ended_at=None,
+                        value=0.45,
+                        peak=0.41,
+                        message="acceptance rate 45% < 50% for 5 min",
+                    )
+                )
                 counts["alerts"] += 1
     engine.dispose()
     return counts
 
 
-TITLES = {"pages/live.py": "Live", "pages/control.py": "Control", "pages/history.py": "History",
-          "pages/fleet.py": "Fleet", "pages/alerts.py": "Alerts", "pages/cost.py": "Cost review",
-          "pages/planner.py": "Planner"}
+TITLES = {
+    "pages/live.py": "Live",
+    "pages/control.py": "Control",
+    "pages/history.py": "History",
+    "pages/fleet.py": "Fleet",
+    "pages/alerts.py": "Alerts",
+    "pages/cost.py": "Cost review",
+    "pages/planner.py": "Planner",
+}
 COUNT_JS = """() => [document.querySelectorAll('.js-plotly-plot .main-svg').length,
                      document.querySelectorAll('[data-testid="stDataFrame"], [data-testid="stTable"]').length,
                      document.querySelectorAll('[data-testid="stMetric"]').length]"""
@@ -155,8 +225,15 @@ def browser_times(url: str, repeats: int, user: tuple[str, str], screenshots: Pa
     ``screenshots``, a full-page PNG of each settled page is saved there."""
     from playwright.sync_api import sync_playwright
 
-    args = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
-            "--no-first-run", "--disable-component-update", "--disable-sync"]
+    args = [
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-component-update",
+        "--disable-sync",
+    ]
     out = {}
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=envs.chromium(), args=args)
@@ -183,8 +260,9 @@ def browser_times(url: str, repeats: int, user: tuple[str, str], screenshots: Pa
             want = [min(c) for c in zip(*seen)]
             if screenshots is not None:
                 screenshots.mkdir(parents=True, exist_ok=True)
-                pg.screenshot(path=str(screenshots / f"bench-{page.split('/')[-1].removesuffix('.py')}.png"),
-                              full_page=True)
+                pg.screenshot(
+                    path=str(screenshots / f"bench-{page.split('/')[-1].removesuffix('.py')}.png"), full_page=True
+                )
             times = []
             for _ in range(repeats):
                 nav.get_by_role("link", name=other).click()
@@ -199,10 +277,16 @@ def browser_times(url: str, repeats: int, user: tuple[str, str], screenshots: Pa
                         break
                     time.sleep(0.02)
                 times.append(time.perf_counter() - t)
-            out[page] = {"median_s": round(statistics.median(times), 3), "max_s": round(max(times), 3),
-                         "charts_tables_tiles": want}
-            print(f"browser {page:22s} median {statistics.median(times):6.3f} s   max {max(times):6.3f} s   "
-                  f"(charts, tables, tiles: {want})", flush=True)
+            out[page] = {
+                "median_s": round(statistics.median(times), 3),
+                "max_s": round(max(times), 3),
+                "charts_tables_tiles": want,
+            }
+            print(
+                f"browser {page:22s} median {statistics.median(times):6.3f} s   max {max(times):6.3f} s   "
+                f"(charts, tables, tiles: {want})",
+                flush=True,
+            )
         b.close()
     return out
 
@@ -243,10 +327,16 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
                 if at.exception:
                     raise RuntimeError(f"{page}: {at.exception[0].message}")
             warm = times[1:]
-            results[page] = {"first_s": round(times[0], 3), "median_s": round(statistics.median(warm), 3),
-                             "max_s": round(max(warm), 3)}
-            print(f"{page:22s} first {times[0]:6.3f} s   median {statistics.median(warm):6.3f} s   "
-                  f"max {max(warm):6.3f} s   {'OK' if max(times) < TARGET_S else 'OVER TARGET'}", flush=True)
+            results[page] = {
+                "first_s": round(times[0], 3),
+                "median_s": round(statistics.median(warm), 3),
+                "max_s": round(max(warm), 3),
+            }
+            print(
+                f"{page:22s} first {times[0]:6.3f} s   median {statistics.median(warm):6.3f} s   "
+                f"max {max(warm):6.3f} s   {'OK' if max(times) < TARGET_S else 'OVER TARGET'}",
+                flush=True,
+            )
         browser_results = None
         if browser:
             import subprocess
@@ -257,8 +347,12 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
 
             add_user("bench", "operator", "bench-password", path=home / "users.toml", replace=True)
             port = 8700 + os.getpid() % 200
-            proc = subprocess.Popen([sys.executable, "-m", "dashboard", "--port", str(port), "--db", url],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dashboard", "--port", str(port), "--db", url],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             try:
                 for _ in range(120):
                     try:
@@ -266,8 +360,9 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
                             break
                     except httpx.HTTPError:
                         time.sleep(0.5)
-                browser_results = browser_times(f"http://127.0.0.1:{port}", max(3, repeats), ("bench", "bench-password"),
-                                                screenshots)
+                browser_results = browser_times(
+                    f"http://127.0.0.1:{port}", max(3, repeats), ("bench", "bench-password"), screenshots
+                )
             finally:
                 proc.terminate()
                 proc.wait(15)
@@ -275,8 +370,17 @@ def run(days: float, n_hosts: int, repeats: int, browser: bool = False, screensh
         for f in fakes:
             f.stop()
     db_mb = (home / "specpilot.db").stat().st_size / 1e6
-    return {"days": days, "hosts": n_hosts, "repeats": repeats, "rows": counts, "seed_s": round(seed_s, 1),
-            "db_mb": round(db_mb, 1), "pages": results, "browser": browser_results, "target_s": TARGET_S}
+    return {
+        "days": days,
+        "hosts": n_hosts,
+        "repeats": repeats,
+        "rows": counts,
+        "seed_s": round(seed_s, 1),
+        "db_mb": round(db_mb, 1),
+        "pages": results,
+        "browser": browser_results,
+        "target_s": TARGET_S,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,10 +390,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, default=4, help="engine hosts (default 4)")
     p.add_argument("--repeats", type=int, default=5, help="timed renders per page after the first (default 5)")
     p.add_argument("--json", type=Path, help="write the figures as JSON here")
-    p.add_argument("--browser", action="store_true",
-                   help="also time each page in headless Chromium (python -m dashboard on the same store)")
-    p.add_argument("--screenshots", type=Path, default=None, metavar="DIR",
-                   help="with --browser: save a full-page PNG of every page here")
+    p.add_argument(
+        "--browser",
+        action="store_true",
+        help="also time each page in headless Chromium (python -m dashboard on the same store)",
+    )
+    p.add_argument(
+        "--screenshots",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with --browser: save a full-page PNG of every page here",
+    )
     a = p.parse_args(argv)
     out = run(a.days, a.hosts, a.repeats, browser=a.browser, screenshots=a.screenshots)
     print(json.dumps({k: v for k, v in out.items() if k not in ("pages", "browser")}))

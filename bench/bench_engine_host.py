@@ -32,7 +32,7 @@ from engine_host.process import EngineHostProcess, free_port
 PROMPTS = [
     "Copy this list exactly, then copy it again: red apple, green pear, yellow banana, purple plum, "
     "orange mango, red apple, green pear, yellow banana, purple plum, orange mango,",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Write a short poem about the ocean at night.",
     "Explain in simple words why the sky is blue.",
 ]
@@ -47,11 +47,32 @@ class PlainVllm(EngineHostProcess):
         self.extra = extra
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "engine_host.serve", "serve", self.model, "--served-model-name",
-               Path(self.model).name, "--host", self.host, "--port", str(self.port), "--no-async-scheduling"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "engine_host.serve",
+            "serve",
+            self.model,
+            "--served-model-name",
+            Path(self.model).name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--no-async-scheduling",
+        ]
         if self.k > 0:
-            cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": self.k,
-                                                        "prompt_lookup_min": 2, "prompt_lookup_max": 4})]
+            cmd += [
+                "--speculative-config",
+                json.dumps(
+                    {
+                        "method": "ngram",
+                        "num_speculative_tokens": self.k,
+                        "prompt_lookup_min": 2,
+                        "prompt_lookup_max": 4,
+                    }
+                ),
+            ]
         return cmd + self.extra
 
     def start(self):
@@ -82,9 +103,16 @@ async def load(url: str, model: str, concurrency: int, duration_s: float, max_to
         nonlocal tokens, requests
         j = i
         while time.monotonic() < t_end:
-            r = await client.post("/v1/completions", json={
-                "model": model, "prompt": PROMPTS[j % len(PROMPTS)], "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True})
+            r = await client.post(
+                "/v1/completions",
+                json={
+                    "model": model,
+                    "prompt": PROMPTS[j % len(PROMPTS)],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
             r.raise_for_status()
             tokens += r.json()["usage"]["completion_tokens"]
             requests += 1
@@ -110,7 +138,9 @@ async def config_latency(eh: EngineHostProcess, model: str, n: int = 20) -> dict
         bg = asyncio.create_task(load(eh.url, model, 4, 4.0 + n * 0.4))
         await asyncio.sleep(2.0)
         for i in range(n):
-            r = await c.put("/control/config", headers=hdr, json={"speculation": {"mode": "fixed", "k": 2 + 2 * (i % 2)}})
+            r = await c.put(
+                "/control/config", headers=hdr, json={"speculation": {"mode": "fixed", "k": 2 + 2 * (i % 2)}}
+            )
             body = r.json()
             lat.append(body["apply_latency_ms"])
             await asyncio.sleep(0.3)
@@ -132,8 +162,9 @@ async def config_latency(eh: EngineHostProcess, model: str, n: int = 20) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench engine-host", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench engine-host", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rounds", type=int, default=2, help="A/B rounds (engine starts = 2 x rounds)")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of load per engine (s)")
     ap.add_argument("--concurrency", type=int, default=8)
@@ -153,12 +184,28 @@ def main(argv: list[str] | None = None) -> int:
         row = {}
         for kind in ("specpilot", "plain"):
             if kind == "specpilot":
-                eh = EngineHostProcess(model=model, port=free_port(), env={"SPECPILOT_HOME": str(home)},
-                                       extra_args=common + ["--k-max", str(args.k), "--speculation-mode", "fixed", "--k", str(args.k)])
+                eh = EngineHostProcess(
+                    model=model,
+                    port=free_port(),
+                    env={"SPECPILOT_HOME": str(home)},
+                    extra_args=common + ["--k-max", str(args.k), "--speculation-mode", "fixed", "--k", str(args.k)],
+                )
             else:
-                eh = PlainVllm(model, args.k, ["--max-num-seqs", "16", "--max-model-len", "2048", "--enforce-eager",
-                                               "--gpu-memory-utilization", "0.3"], port=free_port(),
-                               env={"SPECPILOT_HOME": str(home)})
+                eh = PlainVllm(
+                    model,
+                    args.k,
+                    [
+                        "--max-num-seqs",
+                        "16",
+                        "--max-model-len",
+                        "2048",
+                        "--enforce-eager",
+                        "--gpu-memory-utilization",
+                        "0.3",
+                    ],
+                    port=free_port(),
+                    env={"SPECPILOT_HOME": str(home)},
+                )
             with eh:
                 t = eh.wait_ready()
                 if kind == "specpilot":
@@ -174,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         row["ratio"] = round(row["specpilot"] / row["plain"], 4)
         results["rounds"].append(row)
     if not args.skip_compiled:
-        eh = EngineHostProcess(model=model, port=free_port(), env={"SPECPILOT_HOME": str(home)},
-                               extra_args=["--max-num-seqs", "16", "--max-model-len", "2048", "--k-max", "8"])
+        eh = EngineHostProcess(
+            model=model,
+            port=free_port(),
+            env={"SPECPILOT_HOME": str(home)},
+            extra_args=["--max-num-seqs", "16", "--max-model-len", "2048", "--k-max", "8"],
+        )
         with eh:
             startup["compiled"].append(round(eh.wait_ready(timeout_s=600), 1))
     sp = [r["specpilot"] for r in results["rounds"]]

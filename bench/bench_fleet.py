@@ -73,8 +73,9 @@ class StandIns:
     def _feed(self) -> None:
         while not self._stop.wait(1.0):
             for f in self.fakes:
-                f.metrics.serve(requests=1, output_tokens=60, drafts=20, draft_tokens=40, accepted=25,
-                                accepted_per_pos=[15, 10])
+                f.metrics.serve(
+                    requests=1, output_tokens=60, drafts=20, draft_tokens=40, accepted=25, accepted_per_pos=[15, 10]
+                )
 
     def stop(self) -> None:
         self._stop.set()
@@ -92,10 +93,20 @@ def embedded(standins: StandIns, seconds: float, warm_s: float = 6.0) -> dict[st
     with Store.open(url) as store:
         for i, f in enumerate(standins.fakes):
             add_host(store, f"host-{i:03d}", f.url)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECPILOT_CONTROL_TOKEN": "bench-fleet-token",
-           "SPECPILOT_HOME": str(home)}
-    proc = subprocess.Popen([sys.executable, "-m", "control", "--db", url, "collect"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "SPECPILOT_CONTROL_TOKEN": "bench-fleet-token",
+        "SPECPILOT_HOME": str(home),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "control", "--db", url, "collect"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
     def rows() -> int:
         with sqlite3.connect(db) as c:
@@ -104,8 +115,9 @@ def embedded(standins: StandIns, seconds: float, warm_s: float = 6.0) -> dict[st
     def size() -> int:  # pages in use after a checkpoint (the WAL folded in), in bytes
         with sqlite3.connect(db) as c:
             c.execute("pragma wal_checkpoint(truncate)")
-            pages, free, page = (c.execute(f"pragma {p}").fetchone()[0] for p in
-                                 ("page_count", "freelist_count", "page_size"))
+            pages, free, page = (
+                c.execute(f"pragma {p}").fetchone()[0] for p in ("page_count", "freelist_count", "page_size")
+            )
         return (pages - free) * page
 
     try:
@@ -126,7 +138,8 @@ def embedded(standins: StandIns, seconds: float, warm_s: float = 6.0) -> dict[st
     bytes_per_row = (s1 - s0) / written if written else None
     return {
         "cpu_pct_of_one_core": round(100 * (c1 - c0) / span, 1),
-        "samples_per_s": round(written / span, 1), "kept_up_frac": round(written / (n * span), 3),
+        "samples_per_s": round(written / span, 1),
+        "kept_up_frac": round(written / (n * span), 3),
         "bytes_per_sample_row": None if bytes_per_row is None else round(bytes_per_row),
         "store_mb_per_host_day": None if bytes_per_row is None else round(bytes_per_row * (1440 + 24) / 1e6, 3),
         "raw_hour_mb_per_host": None if bytes_per_row is None else round(bytes_per_row * 3600 / 1e6, 2),
@@ -148,8 +161,7 @@ def prometheus(standins: StandIns, seconds: float, warm_s: float = 6.0) -> dict[
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(f"{prom.url}/metrics", timeout=10).text
-        return sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
-                   if smp.name == name)
+        return sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples if smp.name == name)
 
     def appended() -> float:
         return own("prometheus_tsdb_head_samples_appended_total")
@@ -168,7 +180,8 @@ def prometheus(standins: StandIns, seconds: float, warm_s: float = 6.0) -> dict[
     span = t1 - t0
     return {
         "cpu_pct_of_one_core": round(100 * (c1 - c0) / span, 1),
-        "samples_per_s": round((a1 - a0) / span), "head_series": int(series),
+        "samples_per_s": round((a1 - a0) / span),
+        "head_series": int(series),
         "wal_mb_per_host_day": round((w1 - w0) / span * 86400 / n / 1e6, 1),
     }
 
@@ -187,10 +200,14 @@ def pages(n: int, repeats: int, days: float = 7.0, prometheus: bool = False, pro
     standins = StandIns(n)
     try:
         t = time.perf_counter()
-        seed_store(url, [(f"host-{i:03d}", f.url, "BENCH_FLEET_TOKEN") for i, f in enumerate(standins.fakes)],
-                   days=days)
+        seed_store(
+            url, [(f"host-{i:03d}", f.url, "BENCH_FLEET_TOKEN") for i, f in enumerate(standins.fakes)], days=days
+        )
         seed_s = time.perf_counter() - t
-        out: dict[str, Any] = {"seed_s": round(seed_s, 1), "db_mb": round((home / "specpilot.db").stat().st_size / 1e6, 1)}
+        out: dict[str, Any] = {
+            "seed_s": round(seed_s, 1),
+            "db_mb": round((home / "specpilot.db").stat().st_size / 1e6, 1),
+        }
         out.update(_render(repeats))
         if prometheus:
             out["prometheus"] = prometheus_pages(standins.fakes, repeats, days=days, step_s=prom_step_s)
@@ -203,8 +220,15 @@ def pages(n: int, repeats: int, days: float = 7.0, prometheus: bool = False, pro
 BLOCK_S = 7200  # Prometheus' block length: one OpenMetrics file per block keeps promtool to one pass each
 
 
-def backfill_blocks(template: str, instances: list[str], start: float, end: float, out: Path, step_s: int = 60,
-                    job: str = "specpilot_engine") -> dict[str, Any]:
+def backfill_blocks(
+    template: str,
+    instances: list[str],
+    start: float,
+    end: float,
+    out: Path,
+    step_s: int = 60,
+    job: str = "specpilot_engine",
+) -> dict[str, Any]:
     """Write ``[start, end)`` (unix s) of samples for every ``instance`` as Prometheus TSDB
     blocks into ``out``, one sample every ``step_s`` s, through ``promtool tsdb
     create-blocks-from openmetrics`` (one OpenMetrics file per 2 h block).
@@ -240,8 +264,9 @@ def backfill_blocks(template: str, instances: list[str], start: float, end: floa
     values: list[dict[str, list[np.ndarray]]] = []
     for i in range(len(instances)):
         day = (ts % 86400) / 86400
-        lam = np.maximum(0.05, 1.6 + 1.3 * np.sin(2 * np.pi * (day - 0.3)) + 0.2 * (i % 5)
-                         + rng.normal(0, 0.15, len(ts)))
+        lam = np.maximum(
+            0.05, 1.6 + 1.3 * np.sin(2 * np.pi * (day - 0.3)) + 0.2 * (i % 5) + rng.normal(0, 0.15, len(ts))
+        )
         n = lam * step_s
         lat = {"ttft": 0.06 + 0.04 * lam, "itl": 0.014 + 0.003 * lam, "e2e": 1.0 + 0.3 * lam, "queue": 0.005 * lam}
         per_name: dict[str, list[np.ndarray]] = {}
@@ -258,10 +283,14 @@ def backfill_blocks(template: str, instances: list[str], start: float, end: floa
                 elif kind and name.endswith("_sum"):
                     arrays.append(np.cumsum(n * lat[kind]))
                 elif name.endswith("_total"):
-                    per_request = {"vllm:generation_tokens_total": 180.0, "specpilot:user_generation_tokens_total": 180.0,
-                                   "vllm:prompt_tokens_total": 300.0, "vllm:spec_decode_num_drafts_total": 50.0,
-                                   "vllm:spec_decode_num_draft_tokens_total": 100.0,
-                                   "vllm:spec_decode_num_accepted_tokens_total": 62.0}.get(name, 1.0)
+                    per_request = {
+                        "vllm:generation_tokens_total": 180.0,
+                        "specpilot:user_generation_tokens_total": 180.0,
+                        "vllm:prompt_tokens_total": 300.0,
+                        "vllm:spec_decode_num_drafts_total": 50.0,
+                        "vllm:spec_decode_num_draft_tokens_total": 100.0,
+                        "vllm:spec_decode_num_accepted_tokens_total": 62.0,
+                    }.get(name, 1.0)
                     if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
                         per_request = 40.0 * 0.6 ** int(labels.get("position", 0))
                     arrays.append(np.cumsum(n * per_request))
@@ -300,18 +329,26 @@ def backfill_blocks(template: str, instances: list[str], start: float, end: floa
                         f.write("\n")
                         samples += int(hi - lo)
             f.write("# EOF\n")
-        r = subprocess.run([promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(path), str(out)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(path), str(out)],
+            capture_output=True,
+            text=True,
+        )
         path.unlink()
         if r.returncode != 0:
             raise RuntimeError(f"promtool refused {path.name}: {(r.stderr or r.stdout)[-1000:]}")
         blocks += 1
-    return {"samples": samples, "series": sum(len(v) for v in series.values()) * len(instances), "blocks": blocks,
-            "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "samples": samples,
+        "series": sum(len(v) for v in series.values()) * len(instances),
+        "blocks": blocks,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
-def prometheus_pages(fakes: list[Any], repeats: int, days: float = 7.0, step_s: int = 60,
-                     live_s: float = 75.0) -> dict[str, Any]:
+def prometheus_pages(
+    fakes: list[Any], repeats: int, days: float = 7.0, step_s: int = 60, live_s: float = 75.0
+) -> dict[str, Any]:
     """Fleet and Live page render time (s) in Prometheus mode: a real Prometheus holding
     ``days`` of backfilled samples (one every ``step_s`` s) for every stand-in, then
     scraping them every second for ``live_s`` s, so the Fleet page's minute is live data.
@@ -370,13 +407,21 @@ def _render(repeats: int) -> dict[str, Any]:
             times.append(time.perf_counter() - t)
             if at.exception:
                 raise RuntimeError(f"{page}: {at.exception[0].message}")
-        out[page.split("/")[1][:-3]] = {"first_s": round(times[0], 3),
-                                        "median_s": round(statistics.median(times[1:]), 3)}
+        out[page.split("/")[1][:-3]] = {
+            "first_s": round(times[0], 3),
+            "median_s": round(statistics.median(times[1:]), 3),
+        }
     return out
 
 
-def run(hosts: list[int], seconds: float, page_hosts: list[int], repeats: int, prometheus_pages_: bool = False,
-        prom_step_s: int = 60) -> dict[str, Any]:
+def run(
+    hosts: list[int],
+    seconds: float,
+    page_hosts: list[int],
+    repeats: int,
+    prometheus_pages_: bool = False,
+    prom_step_s: int = 60,
+) -> dict[str, Any]:
     """Every N: embedded and Prometheus side by side, then the pages."""
     results: dict[str, Any] = {"seconds": seconds, "collect": {}, "pages": {}}
     for n in hosts:
@@ -400,8 +445,11 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--seconds", type=float, default=20.0, help="measured seconds per N and mode")
     p.add_argument("--pages", default="1,10,50", help="numbers of hosts for the page render times ('' for none)")
     p.add_argument("--repeats", type=int, default=3, help="timed renders per page after the first")
-    p.add_argument("--prometheus-pages", action="store_true",
-                   help="also time the pages in Prometheus mode (7 days backfilled with promtool, then live scrapes)")
+    p.add_argument(
+        "--prometheus-pages",
+        action="store_true",
+        help="also time the pages in Prometheus mode (7 days backfilled with promtool, then live scrapes)",
+    )
     p.add_argument("--prom-step", type=int, default=60, help="seconds between backfilled samples")
     p.add_argument("--json", type=Path, default=None, help="write the figures as JSON here")
 

@@ -33,8 +33,16 @@ from control.samples import downsample, insert_samples, series
 from control.store import Store, add_host
 from tests.support import synthetic_sample
 
-CHART = ["output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "kv_cache_usage", "running",
-         "acceptance_rate", "k"]
+CHART = [
+    "output_tokens_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p99_ms",
+    "kv_cache_usage",
+    "running",
+    "acceptance_rate",
+    "k",
+]
 
 
 def simulate_hour(rng: random.Random, start: int, host_index: int) -> list[dict]:
@@ -45,12 +53,22 @@ def simulate_hour(rng: random.Random, start: int, host_index: int) -> list[dict]
         day_phase = math.sin(2 * math.pi * ((t % 86400) / 86400.0))
         busy = rng.random() < 0.55 + 0.4 * day_phase
         k = float(rng.choice((0, 2, 4, 4, 6)))
-        rows.append(synthetic_sample(
-            t, busy=busy, tokens_per_s=max(5.0, 120 + 80 * day_phase + rng.gauss(0, 15) + 10 * host_index), k=k,
-            kv_cache_usage=min(1.0, max(0.0, 0.35 + 0.3 * day_phase + rng.gauss(0, 0.05))),
-            ttft_s=max(0.005, rng.lognormvariate(-3.0, 0.6)), itl_s=max(0.002, rng.lognormvariate(-4.0, 0.3)),
-            queue_s=max(0.0, rng.lognormvariate(-6.0, 1.0)), acceptance=min(0.95, max(0.05, rng.gauss(0.6, 0.1))),
-            requests=float(rng.randint(1, 4)), running=float(rng.randint(1, 8)), waiting=float(rng.randint(0, 2))))
+        rows.append(
+            synthetic_sample(
+                t,
+                busy=busy,
+                tokens_per_s=max(5.0, 120 + 80 * day_phase + rng.gauss(0, 15) + 10 * host_index),
+                k=k,
+                kv_cache_usage=min(1.0, max(0.0, 0.35 + 0.3 * day_phase + rng.gauss(0, 0.05))),
+                ttft_s=max(0.005, rng.lognormvariate(-3.0, 0.6)),
+                itl_s=max(0.002, rng.lognormvariate(-4.0, 0.3)),
+                queue_s=max(0.0, rng.lognormvariate(-6.0, 1.0)),
+                acceptance=min(0.95, max(0.05, rng.gauss(0.6, 0.1))),
+                requests=float(rng.randint(1, 4)),
+                running=float(rng.randint(1, 8)),
+                waiting=float(rng.randint(0, 2)),
+            )
+        )
     return rows
 
 
@@ -107,27 +125,39 @@ def main(argv: list[str] | None = None) -> int:
         if h % 24 == 23:
             print(f"  simulated {(h + 1) / 24:.0f} day(s) ({time.perf_counter() - t_all:.0f} s)", flush=True)
     with store.reader() as s:
-        counts = dict(s.execute(select(MetricSample.resolution_s, func.count()).group_by(MetricSample.resolution_s)).all())
+        counts = dict(
+            s.execute(select(MetricSample.resolution_s, func.count()).group_by(MetricSample.resolution_s)).all()
+        )
     size = store_size(store, url)
     end = now
     week_ms, week = timed(lambda: series(store, "gpu0", CHART, end - 7 * 86400, end))
     hour_ms, hour = timed(lambda: series(store, "gpu0", CHART, end - 3600, end, resolution_s=1))
-    fleet_ms, fleet = timed(lambda: fleet_series(store, ["output_tokens_per_s", "ttft_p99_ms"], end - 7 * 86400, end),
-                            repeat=3)
+    fleet_ms, fleet = timed(
+        lambda: fleet_series(store, ["output_tokens_per_s", "ttft_p99_ms"], end - 7 * 86400, end), repeat=3
+    )
     figures = {
-        "backend": store.dialect, "days": args.days, "hosts": args.hosts,
+        "backend": store.dialect,
+        "days": args.days,
+        "hosts": args.hosts,
         "samples_simulated": hours * 3600 * args.hosts,
         "rows": {f"{r}s": n for r, n in sorted(counts.items())},
-        "store_bytes": size, "store_mib": round(size / 2**20, 1),
-        "write_s": round(write_s, 1), "downsample_s": round(down_s, 1),
-        "series_7d_one_host_ms": round(week_ms, 1), "series_7d_points": len(week["t"]),
+        "store_bytes": size,
+        "store_mib": round(size / 2**20, 1),
+        "write_s": round(write_s, 1),
+        "downsample_s": round(down_s, 1),
+        "series_7d_one_host_ms": round(week_ms, 1),
+        "series_7d_points": len(week["t"]),
         "series_7d_resolution_s": week["resolution_s"],
-        "series_1h_one_host_ms": round(hour_ms, 1), "series_1h_points": len(hour["t"]),
-        "series_7d_fleet_ms": round(fleet_ms, 1), "series_7d_fleet_points": len(fleet["t"]),
+        "series_1h_one_host_ms": round(hour_ms, 1),
+        "series_1h_points": len(hour["t"]),
+        "series_7d_fleet_ms": round(fleet_ms, 1),
+        "series_7d_fleet_points": len(fleet["t"]),
     }
     print(json.dumps(figures, indent=2))
-    print(f"7-day chart series: {week_ms:.1f} ms for {len(week['t'])} points at {week['resolution_s']} s "
-          f"(target < 200 ms: {'met' if week_ms < 200 else 'NOT met'}); store {figures['store_mib']} MiB")
+    print(
+        f"7-day chart series: {week_ms:.1f} ms for {len(week['t'])} points at {week['resolution_s']} s "
+        f"(target < 200 ms: {'met' if week_ms < 200 else 'NOT met'}); store {figures['store_mib']} MiB"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     store.close()

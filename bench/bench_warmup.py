@@ -46,8 +46,9 @@ def ttft_ms(url: str, model: str, prompt: str = PROMPT, max_tokens: int = 16) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench warmup", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench warmup", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--idle", type=float, default=600.0, help="idle period before the second cold request (s)")
     ap.add_argument("--steady", type=int, default=20, help="requests for the steady-state median")
     ap.add_argument("--heartbeat-interval", type=float, default=60.0, help="A's heartbeat interval (s)")
@@ -56,8 +57,17 @@ def main(argv: list[str] | None = None) -> int:
 
     model = str(prepare_default_model(quiet=True))
     name = Path(model).name
-    common = ["--enforce-eager", "--k-max", "8", "--max-num-seqs", "16", "--max-model-len", "2048",
-              "--speculation-mode", "adaptive"]
+    common = [
+        "--enforce-eager",
+        "--k-max",
+        "8",
+        "--max-num-seqs",
+        "16",
+        "--max-model-len",
+        "2048",
+        "--speculation-mode",
+        "adaptive",
+    ]
     # 1 GiB of KV cache each: three engines share this machine's memory
     common += ["--kv-cache-space-gib", "1"]
     engines = {
@@ -72,11 +82,24 @@ def main(argv: list[str] | None = None) -> int:
             ready_s = eh.wait_ready(timeout_s=600)
             first = ttft_ms(eh.url, name)
             steady = [ttft_ms(eh.url, name) for _ in range(args.steady)]
-            out["engines"][label] = {"ready_s": round(ready_s, 1), "first_after_ready_ms": round(first, 1),
-                                     "steady_median_ms": round(statistics.median(steady), 1)}
+            out["engines"][label] = {
+                "ready_s": round(ready_s, 1),
+                "first_after_ready_ms": round(first, 1),
+                "steady_median_ms": round(statistics.median(steady), 1),
+            }
             print(label, out["engines"][label], flush=True)
-        hb = {"warmup": {"heartbeats": [{"name": "keepwarm", "interval_s": args.heartbeat_interval,
-                                         "idle_s": min(30.0, args.heartbeat_interval / 2), "max_tokens": 8}]}}
+        hb = {
+            "warmup": {
+                "heartbeats": [
+                    {
+                        "name": "keepwarm",
+                        "interval_s": args.heartbeat_interval,
+                        "idle_s": min(30.0, args.heartbeat_interval / 2),
+                        "max_tokens": 8,
+                    }
+                ]
+            }
+        }
         a = engines["warm-up + heartbeats"]
         httpx.put(a.url + "/control/config", headers=a.control_headers, json=hb, timeout=30).raise_for_status()
         print(f"idle for {args.idle:.0f} s ...", flush=True)
@@ -88,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             row["x_steady_after_idle"] = round(row["first_after_idle_ms"] / row["steady_median_ms"], 2)
         runs = httpx.get(a.url + "/control/warmup/runs", headers=a.control_headers).json()["runs"]
         out["engines"]["warm-up + heartbeats"]["heartbeats_run"] = sum(
-            1 for r in runs if r["kind"] == "heartbeat" and r["outcome"] == "ok")
+            1 for r in runs if r["kind"] == "heartbeat" and r["outcome"] == "ok"
+        )
     finally:
         for eh in engines.values():
             eh.stop()

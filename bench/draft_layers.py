@@ -65,12 +65,34 @@ def measure(layers: int | None, k: int, workloads: list[str], n: int, max_tokens
         args = ["--speculative-method", "ngram"]
         label = "ngram"
     else:
-        args = ["--speculative-method", "draft_model", "--draft-model", str(prepare_truncated_draft(layers, quiet=True))]
+        args = [
+            "--speculative-method",
+            "draft_model",
+            "--draft-model",
+            str(prepare_truncated_draft(layers, quiet=True)),
+        ]
         label = f"L{layers}"
-    eh = EngineHostProcess(model=target, log_path=log_dir / f"draft-layers-{label}.log",
-                           extra_args=["--enforce-eager", "--k-max", str(k), "--speculation-mode", "fixed",
-                                       "--k", str(k), "--max-num-seqs", "4", "--max-model-len", "2048",
-                                       "--warmup", "quick", "--no-prefix-caching", *args])
+    eh = EngineHostProcess(
+        model=target,
+        log_path=log_dir / f"draft-layers-{label}.log",
+        extra_args=[
+            "--enforce-eager",
+            "--k-max",
+            str(k),
+            "--speculation-mode",
+            "fixed",
+            "--k",
+            str(k),
+            "--max-num-seqs",
+            "4",
+            "--max-model-len",
+            "2048",
+            "--warmup",
+            "quick",
+            "--no-prefix-caching",
+            *args,
+        ],
+    )
     eh.start()
     out: dict = {"draft": label, "k": k, "workloads": {}}
     try:
@@ -82,9 +104,13 @@ def measure(layers: int | None, k: int, workloads: list[str], n: int, max_tokens
             d1, a1 = spec_counters(eh.url)
             drafts = d1 - d0
             acc = [(a1[j] - (a0[j] if j < len(a0) else 0.0)) / drafts if drafts else None for j in range(len(a1))]
-            out["workloads"][w] = {"drafts": drafts, "acceptance_per_position": acc,
-                                   "mean_accepted": sum(a for a in acc if a) if drafts else None,
-                                   "output_tokens_per_s": round(tokens / secs, 1), "tokens": tokens}
+            out["workloads"][w] = {
+                "drafts": drafts,
+                "acceptance_per_position": acc,
+                "mean_accepted": sum(a for a in acc if a) if drafts else None,
+                "output_tokens_per_s": round(tokens / secs, 1),
+                "tokens": tokens,
+            }
             print(json.dumps({label: {w: out["workloads"][w]}}), flush=True)
     finally:
         eh.stop()
@@ -94,7 +120,9 @@ def measure(layers: int | None, k: int, workloads: list[str], n: int, max_tokens
 def table(results: list[dict]) -> str:
     """Markdown table: one row per draft and workload."""
     k = max(r["k"] for r in results)
-    head = "| draft | workload | " + " | ".join(f"pos {j + 1}" for j in range(k)) + " | accepted/step | tok/s (1 client) |"
+    head = (
+        "| draft | workload | " + " | ".join(f"pos {j + 1}" for j in range(k)) + " | accepted/step | tok/s (1 client) |"
+    )
     rows = [head, "|" + "---|" * (k + 4)]
     for r in results:
         for w, v in r["workloads"].items():

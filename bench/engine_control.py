@@ -197,13 +197,17 @@ class EngineControl:
         if not st:  # a bare vLLM server: nothing to switch
             if mode.strip() == "plain":
                 return {}
-            raise BenchError(f"mode {mode!r} needs an engine host (this server has no /control/state); "
-                             "a bare vLLM server runs mode 'plain' only")
+            raise BenchError(
+                f"mode {mode!r} needs an engine host (this server has no /control/state); "
+                "a bare vLLM server runs mode 'plain' only"
+            )
         if "router" in st:  # the dual engine host: route as the mode says
             patch = router_patch(mode)
         elif mode == "plain" and (st.get("speculation") or {}).get("k_max_engine"):
-            raise BenchError("mode 'plain' needs an engine started without speculation (--k-max 0) or the "
-                             f"dual engine host; this one has K_max={st['speculation']['k_max_engine']}")
+            raise BenchError(
+                "mode 'plain' needs an engine started without speculation (--k-max 0) or the "
+                f"dual engine host; this one has K_max={st['speculation']['k_max_engine']}"
+            )
         r = await self.http.put("/control/config", json=patch)
         if r.status_code == 401:
             raise BenchError("the control token was refused (401): pass the engine host's token with --token-env")
@@ -271,8 +275,11 @@ class StateSampler:
                     self.first = st
                 self.last = st
                 spec, batch = st.get("speculation") or {}, st.get("batch") or {}
-                self.points.append(StatePoint(round(t, 3), spec.get("k_current"), spec.get("mode"),
-                                              batch.get("running"), batch.get("waiting")))
+                self.points.append(
+                    StatePoint(
+                        round(t, 3), spec.get("k_current"), spec.get("mode"), batch.get("running"), batch.get("waiting")
+                    )
+                )
             await asyncio.sleep(self.interval_s)
 
 

@@ -66,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # --------------------------------------------------------------------------- processes
 
+
 def _ps() -> dict[int, tuple[int, str, bool]]:
     """All processes: {pid: (ppid, command line, carries this run's mark)}."""
     out = {}
@@ -125,13 +126,34 @@ class Run:
     # -------------------------------------------------------------- lifecycle
 
     def start_up(self) -> None:
-        cmd = [sys.executable, "-m", "control", "--db", self.db, "up", "--port", str(self.port),
-               "--dashboard-port", str(self.dport), "--model", self.model, "--engine-arg=--warmup=quick",
-               "--engine-arg=--max-model-len=512", "--engine-arg=--k-max=4", "--engine-arg=--max-num-seqs=4"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "control",
+            "--db",
+            self.db,
+            "up",
+            "--port",
+            str(self.port),
+            "--dashboard-port",
+            str(self.dport),
+            "--model",
+            self.model,
+            "--engine-arg=--warmup=quick",
+            "--engine-arg=--max-model-len=512",
+            "--engine-arg=--k-max=4",
+            "--engine-arg=--max-num-seqs=4",
+        ]
         from control.up import die_with_parent
 
-        self.up = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                   start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
+        self.up = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=die_with_parent(os.getpid()),
+        )
 
     def token(self) -> str:
         return (self.home / "control_token").read_text().strip()
@@ -172,13 +194,17 @@ class Run:
                 return False
             if httpx.get(f"http://127.0.0.1:{self.dport}/_stcore/health", timeout=2).status_code != 200:
                 return False
-            state = httpx.get(self.url + "/control/state", timeout=5,
-                              headers={"Authorization": f"Bearer {self.token()}"}).json()
+            state = httpx.get(
+                self.url + "/control/state", timeout=5, headers={"Authorization": f"Bearer {self.token()}"}
+            ).json()
             v = version_in_force(self.open_store(), "local")
             if v is None or state.get("config") != v.config:
                 return False
-            r = httpx.post(self.url + "/v1/completions", timeout=30,
-                           json={"model": self._served_model(), "prompt": "Hello", "max_tokens": 2})
+            r = httpx.post(
+                self.url + "/v1/completions",
+                timeout=30,
+                json={"model": self._served_model(), "prompt": "Hello", "max_tokens": 2},
+            )
             return r.status_code == 200
         except (httpx.HTTPError, OSError, ValueError):
             return False
@@ -200,8 +226,13 @@ class Run:
 
         self.k = self.k % 4 + 1
         with EngineClient(self.url, token=self.token(), timeout_s=30) as c:
-            res = apply_change(self.open_store(), "local", {"speculation": {"mode": "fixed", "k": self.k}},
-                               reason="fault-injection run: a config to recover", client=c)
+            res = apply_change(
+                self.open_store(),
+                "local",
+                {"speculation": {"mode": "fixed", "k": self.k}},
+                reason="fault-injection run: a config to recover",
+                client=c,
+            )
         self.ledger[res.version] = {"config": res.config, "status": res.status}
         return res
 
@@ -211,14 +242,20 @@ class Run:
 
         store = self.open_store()
         rows = {v.version: v for v in history(store, "local")}
-        lost = sum(1 for n, v in self.ledger.items() if n not in rows or rows[n].config != v["config"]
-                   or (v["status"] == "applied" and rows[n].status != "applied"))
+        lost = sum(
+            1
+            for n, v in self.ledger.items()
+            if n not in rows
+            or rows[n].config != v["config"]
+            or (v["status"] == "applied" and rows[n].status != "applied")
+        )
         mis = sum(1 for v in rows.values() if v.status == PENDING)
         numbers = sorted(rows)
         mis += sum(1 for a, b in zip(numbers, numbers[1:]) if b != a + 1)  # a hole in the numbering
         try:
-            state = httpx.get(self.url + "/control/state", timeout=5,
-                              headers={"Authorization": f"Bearer {self.token()}"}).json()
+            state = httpx.get(
+                self.url + "/control/state", timeout=5, headers={"Authorization": f"Bearer {self.token()}"}
+            ).json()
             if state.get("config") != version_in_force(store, "local").config:
                 mis += 1
         except (httpx.HTTPError, ValueError):
@@ -243,8 +280,11 @@ class Run:
     def orphans(self) -> list[str]:
         ps = _ps()
         tree = _descendants(self.up.pid, ps) | {self.up.pid} if self.up and self.up.poll() is None else set()
-        return [f"{pid} {cmd[:80]}" for pid, (_, cmd, marked) in ps.items()
-                if marked and pid not in tree and pid != os.getpid()]
+        return [
+            f"{pid} {cmd[:80]}"
+            for pid, (_, cmd, marked) in ps.items()
+            if marked and pid not in tree and pid != os.getpid()
+        ]
 
     # -------------------------------------------------------------- targets
 
@@ -254,18 +294,24 @@ class Run:
             return self.up.pid
         tree = _descendants(self.up.pid, ps)
         if process == "engine-host":
-            found = [p for p in tree if ps[p][0] == self.up.pid
-                     and {"engine_host", "engine_host.serve"} & set(ps[p][1].split())]
+            found = [
+                p
+                for p in tree
+                if ps[p][0] == self.up.pid and {"engine_host", "engine_host.serve"} & set(ps[p][1].split())
+            ]
         elif process == "engine-core":
             found = [p for p in tree if ps[p][1].startswith("VLLM::EngineCore")]
         elif process == "dashboard":
-            found = [p for p in tree if ps[p][0] == self.up.pid and ("streamlit" in ps[p][1] or "dashboard" in ps[p][1])]
+            found = [
+                p for p in tree if ps[p][0] == self.up.pid and ("streamlit" in ps[p][1] or "dashboard" in ps[p][1])
+            ]
         else:
             raise ValueError(process)
         return found[0] if found else None
 
 
 # --------------------------------------------------------------------------- cases
+
 
 def run_case(run: Run, process: str, sig: str, rnd: random.Random) -> dict[str, Any]:
     """Inject one fault and measure what it left."""
@@ -275,10 +321,28 @@ def run_case(run: Run, process: str, sig: str, rnd: random.Random) -> dict[str, 
     signum = getattr(signal, f"SIG{sig}")
     if process == "cli-apply":
         k = run.k % 4 + 1
-        cli = subprocess.Popen([sys.executable, "-m", "control", "--db", run.db, "config", "apply", "--host", "local",
-                                "--k", str(k), "--mode", "fixed", "--reason", "fault-injection: killed apply"],
-                               env={**run.env, "SPECPILOT_CONTROL_TOKEN": run.token()}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+        cli = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "control",
+                "--db",
+                run.db,
+                "config",
+                "apply",
+                "--host",
+                "local",
+                "--k",
+                str(k),
+                "--mode",
+                "fixed",
+                "--reason",
+                "fault-injection: killed apply",
+            ],
+            env={**run.env, "SPECPILOT_CONTROL_TOKEN": run.token()},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         case["hit_mid_apply"] = run.wait_for_lease_of(cli)  # between taking the lease and giving it back
         time.sleep(rnd.uniform(0.0, 0.03))  # state read, validation, recording, the PUT, the outcome
         t0 = time.monotonic()
@@ -322,8 +386,10 @@ def run_case(run: Run, process: str, sig: str, rnd: random.Random) -> dict[str, 
 
 
 def summarise(cases: list[dict[str, Any]], startup_s: float) -> str:
-    lines = [f"start-up to serving: {startup_s:.1f} s; target recovery <= {startup_s + 5:.1f} s",
-             "process      signal  n  orphans  lost  misrec  integrity  recovery s (median / max)  over target"]
+    lines = [
+        f"start-up to serving: {startup_s:.1f} s; target recovery <= {startup_s + 5:.1f} s",
+        "process      signal  n  orphans  lost  misrec  integrity  recovery s (median / max)  over target",
+    ]
     keys = sorted({(c["process"], c["signal"]) for c in cases}, key=lambda k: (PROCESSES.index(k[0]), k[1]))
     for p, s in keys:
         cs = [c for c in cases if (c["process"], c["signal"]) == (p, s)]
@@ -332,9 +398,11 @@ def summarise(cases: list[dict[str, Any]], startup_s: float) -> str:
         med = rec[len(rec) // 2] if rec else None
         over = sum(1 for r in rec if r > startup_s + 5) + failed
         integ = "ok" if all(c.get("integrity") == "ok" for c in cs) else "FAILED"
-        lines.append(f"{p:<12} {s:<6} {len(cs):>2}  {sum(len(c.get('orphans', [])) for c in cs):>7}  "
-                     f"{sum(c.get('lost', 0) for c in cs):>4}  {sum(c.get('misrecorded', 0) for c in cs):>6}  "
-                     f"{integ:>9}  {(f'{med:.1f} / {rec[-1]:.1f}' if rec else '-'):>26}  {over:>11}")
+        lines.append(
+            f"{p:<12} {s:<6} {len(cs):>2}  {sum(len(c.get('orphans', [])) for c in cs):>7}  "
+            f"{sum(c.get('lost', 0) for c in cs):>4}  {sum(c.get('misrecorded', 0) for c in cs):>6}  "
+            f"{integ:>9}  {(f'{med:.1f} / {rec[-1]:.1f}' if rec else '-'):>26}  {over:>11}"
+        )
     return "\n".join(lines)
 
 
@@ -386,8 +454,15 @@ def main(args: argparse.Namespace) -> int:
         run.stop()
 
 
-def _rounds(run: Run, args: argparse.Namespace, processes: list[str], signals_: list[str], rnd: random.Random,
-            cases: list[dict[str, Any]], out: Path) -> None:
+def _rounds(
+    run: Run,
+    args: argparse.Namespace,
+    processes: list[str],
+    signals_: list[str],
+    rnd: random.Random,
+    cases: list[dict[str, Any]],
+    out: Path,
+) -> None:
     with open(out / "cases.jsonl", "a") as f:
         for i in range(args.repeat):
             for p in processes:
@@ -397,7 +472,10 @@ def _rounds(run: Run, args: argparse.Namespace, processes: list[str], signals_: 
                     cases.append(c)
                     f.write(json.dumps(c) + "\n")
                     f.flush()
-                    print(f"round {i} {p:<12} {s:<4} recovery {c.get('recovery_s')} s, orphans "
-                          f"{len(c.get('orphans', []))}, lost {c.get('lost')}, misrecorded "
-                          f"{c.get('misrecorded')}, integrity {c.get('integrity')}"
-                          + (f" ({c['error']})" if c.get("error") else ""), flush=True)
+                    print(
+                        f"round {i} {p:<12} {s:<4} recovery {c.get('recovery_s')} s, orphans "
+                        f"{len(c.get('orphans', []))}, lost {c.get('lost')}, misrecorded "
+                        f"{c.get('misrecorded')}, integrity {c.get('integrity')}"
+                        + (f" ({c['error']})" if c.get("error") else ""),
+                        flush=True,
+                    )

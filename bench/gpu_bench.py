@@ -58,8 +58,20 @@ class PlainServe(EngineHostProcess):
         self.extra = extra
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "engine_host.serve", "serve", str(self.model), "--served-model-name",
-                Path(str(self.model)).name, "--host", self.host, "--port", str(self.port), *self.extra]
+        return [
+            sys.executable,
+            "-m",
+            "engine_host.serve",
+            "serve",
+            str(self.model),
+            "--served-model-name",
+            Path(str(self.model)).name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *self.extra,
+        ]
 
     def start(self):
         self.env.setdefault("VLLM_PLUGINS", "")  # no plugin of any kind unless the spec names some
@@ -126,8 +138,9 @@ async def wait_url(eh: EngineHostProcess, path: str, timeout_s: float) -> float:
 
 async def gen_tokens(c: httpx.AsyncClient) -> float:
     text = (await c.get("/metrics")).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")
+    )
 
 
 def chat_body(model: str, wl: Workload, max_tokens: int, stream: bool = False) -> tuple[str, dict]:
@@ -158,8 +171,9 @@ async def ttft(url: str, model: str, wl: Workload) -> float:
     return float("nan")
 
 
-async def closed_loop(url: str, model: str, concurrency: int, duration: float, max_tokens: int, seed: int,
-                      workload: str = "chat") -> dict:
+async def closed_loop(
+    url: str, model: str, concurrency: int, duration: float, max_tokens: int, seed: int, workload: str = "chat"
+) -> dict:
     """``concurrency`` clients, each sending the next prompt of ``workload`` as soon as its
     last request finished, for ``duration`` seconds. Returns ``{"tokens_per_s"}`` (vLLM's
     ``vllm:generation_tokens_total`` over the window from 1 s after the start, tokens/s) and
@@ -170,6 +184,7 @@ async def closed_loop(url: str, model: str, concurrency: int, duration: float, m
     failed = 0
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
+
         async def worker() -> None:
             nonlocal done_tokens, failed
             while time.monotonic() < t_end:
@@ -193,8 +208,12 @@ async def closed_loop(url: str, model: str, concurrency: int, duration: float, m
         res = await asyncio.gather(window(), *(worker() for _ in range(concurrency)))
         wall = time.monotonic() - t0
     toks, secs = res[0]
-    return {"tokens_per_s": round(toks / secs, 1), "window_s": round(secs, 2),
-            "client_tokens_per_s_incl_drain": round(done_tokens / wall, 1), "failed": failed}
+    return {
+        "tokens_per_s": round(toks / secs, 1),
+        "window_s": round(secs, 2),
+        "client_tokens_per_s_incl_drain": round(done_tokens / wall, 1),
+        "failed": failed,
+    }
 
 
 def log_lines(path: Path, limit: int = 80) -> list[str]:
@@ -222,11 +241,16 @@ async def measure(eh: EngineHostProcess, model: str, is_host: bool, args: argpar
         await closed_loop(eh.url, name, max(args.loads), args.warm, args.max_tokens, args.seed + 99)  # warm-up
     loads = {}
     for conc in args.loads:
-        runs = [await closed_loop(eh.url, name, conc, args.duration, args.max_tokens, args.seed + i)
-                for i in range(args.reps)]
+        runs = [
+            await closed_loop(eh.url, name, conc, args.duration, args.max_tokens, args.seed + i)
+            for i in range(args.reps)
+        ]
         tps = [r["tokens_per_s"] for r in runs]
-        loads[f"c{conc}"] = {"median_tokens_per_s": statistics.median(tps), "runs": runs,
-                             "spread_pct": round(100 * (max(tps) - min(tps)) / statistics.median(tps), 1)}
+        loads[f"c{conc}"] = {
+            "median_tokens_per_s": statistics.median(tps),
+            "runs": runs,
+            "spread_pct": round(100 * (max(tps) - min(tps)) / statistics.median(tps), 1),
+        }
         print(f"  {rec['name']} c{conc}: {tps} tok/s", flush=True)
     rec["loads"] = loads
     rec["ttft_steady_ms"] = sorted([await ttft(eh.url, name, wl) for _ in range(5)])[2]
@@ -254,10 +278,31 @@ def run_harness(eh: EngineHostProcess, args: argparse.Namespace, out: Path, rec:
     for (label, url, modes), wl_conc in ((t, w) for w in args.harness for t in targets):
         wl, _, conc = wl_conc.partition("@")
         dest = out / "harness" / f"{label}-{wl}-c{conc}"
-        cmd = [sys.executable, "-m", "bench", "run", "--url", url, "--workload", wl, "--mode", modes,
-               "--concurrency", conc, "--duration", str(args.harness_duration), "--warmup", "3",
-               "--max-tokens", str(args.max_tokens), "--no-png", "--quiet", "--out", str(dest),
-               *shlex.split(args.harness_args)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench",
+            "run",
+            "--url",
+            url,
+            "--workload",
+            wl,
+            "--mode",
+            modes,
+            "--concurrency",
+            conc,
+            "--duration",
+            str(args.harness_duration),
+            "--warmup",
+            "3",
+            "--max-tokens",
+            str(args.max_tokens),
+            "--no-png",
+            "--quiet",
+            "--out",
+            str(dest),
+            *shlex.split(args.harness_args),
+        ]
         t0 = time.monotonic()
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         print(p.stdout[-3000:], p.stderr[-1500:], flush=True)
@@ -268,37 +313,61 @@ def run_harness(eh: EngineHostProcess, args: argparse.Namespace, out: Path, rec:
             for r in json.loads((dest / "results.json").read_text())["runs"]:
                 runs.append([r["spec"]["mode"], r["client"]["output_tokens_per_s"]])
         print(f"  {key}: " + ", ".join(f"{m} {v:.1f}" for m, v in runs), flush=True)
-        rec["harness"][key] = {"command": "python -m bench " + shlex.join(cmd[3:]), "rc": p.returncode,
-                               "seconds": round(time.monotonic() - t0, 1), "runs": runs,
-                               "summary_md": summary.read_text() if summary.is_file() else p.stderr[-2000:]}
+        rec["harness"][key] = {
+            "command": "python -m bench " + shlex.join(cmd[3:]),
+            "rc": p.returncode,
+            "seconds": round(time.monotonic() - t0, 1),
+            "runs": runs,
+            "summary_md": summary.read_text() if summary.is_file() else p.stderr[-2000:],
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu_bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", action="append", required=True,
-                    help="'plain', 'serve:NAME:ARGS' (vllm serve ARGS, no SpecPilot part), 'host:NAME:ARGS' "
-                         "(python -m engine_host ARGS) or 'dual:NAME:ARGS' (python -m engine_host.router ARGS); "
-                         "ARGS may start with NAME=value environment settings (e.g. VLLM_PLUGINS=specpilot_stats); "
-                         "repeatable, run in order")
-    ap.add_argument("--loads", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 64],
-                    help="concurrencies (closed loop)")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.gpu_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--engine",
+        action="append",
+        required=True,
+        help="'plain', 'serve:NAME:ARGS' (vllm serve ARGS, no SpecPilot part), 'host:NAME:ARGS' "
+        "(python -m engine_host ARGS) or 'dual:NAME:ARGS' (python -m engine_host.router ARGS); "
+        "ARGS may start with NAME=value environment settings (e.g. VLLM_PLUGINS=specpilot_stats); "
+        "repeatable, run in order",
+    )
+    ap.add_argument(
+        "--loads",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[8, 64],
+        help="concurrencies (closed loop)",
+    )
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per run")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warm", type=float, default=4.0, help="seconds of untimed load first")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=None, help="PUT fixed K before the loads (engine hosts)")
     ap.add_argument("--no-loads", action="store_true", help="start-up and TTFT only")
-    ap.add_argument("--harness", action="append", default=[], metavar="WORKLOAD@CONC",
-                    help="after the loads, python -m bench run on this workload and concurrency (bare vLLM "
-                         "servers: mode plain only, as often as --modes names it)")
+    ap.add_argument(
+        "--harness",
+        action="append",
+        default=[],
+        metavar="WORKLOAD@CONC",
+        help="after the loads, python -m bench run on this workload and concurrency (bare vLLM "
+        "servers: mode plain only, as often as --modes names it)",
+    )
     ap.add_argument("--modes", default="fixed:0,fixed:2,fixed:4,fixed:8,adaptive")
     ap.add_argument("--harness-duration", type=float, default=10.0)
-    ap.add_argument("--harness-args", default="",
-                    help="further 'python -m bench run' arguments, e.g. '--requests-per-client 6 --ramp 3'")
-    ap.add_argument("--model", default="default",
-                    help="'default' (the default model, prepared on first use) or a model folder, e.g. "
-                         "$SPECPILOT_HOME/models/Qwen2.5-Coder-1.5B-Instruct")
+    ap.add_argument(
+        "--harness-args",
+        default="",
+        help="further 'python -m bench run' arguments, e.g. '--requests-per-client 6 --ramp 3'",
+    )
+    ap.add_argument(
+        "--model",
+        default="default",
+        help="'default' (the default model, prepared on first use) or a model folder, e.g. "
+        "$SPECPILOT_HOME/models/Qwen2.5-Coder-1.5B-Instruct",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-results")))
     args = ap.parse_args(argv)
@@ -329,8 +398,12 @@ def main(argv: list[str] | None = None) -> int:
         rec["vllm_log"] = log_lines(eh.log_path)
         results["engines"].append(rec)
         res_path.write_text(json.dumps(results, indent=1))
-        print(json.dumps({k: rec.get(k) for k in ("name", "health_s", "ready_s", "ttft_first_ms", "ttft_steady_ms",
-                                                  "error")}), flush=True)
+        print(
+            json.dumps(
+                {k: rec.get(k) for k in ("name", "health_s", "ready_s", "ttft_first_ms", "ttft_steady_ms", "error")}
+            ),
+            flush=True,
+        )
         for k, v in rec.get("loads", {}).items():
             print(f"  {name} {k}: median {v['median_tokens_per_s']} tok/s, spread {v['spread_pct']}%", flush=True)
     return 0

@@ -79,9 +79,11 @@ def summarize(res: dict, baseline: str | None = None) -> str:
     by_name = {r["name"]: r for r in rows}
     base = by_name[baseline] if baseline else rows[0]
     cells = list(dict.fromkeys(k for r in rows for k in r.get("loads", {})))
-    lines = [f"| row | cell | tok/s median (windows) | x {base['name']} (medians) | "
-             f"x {base['name']} per round: median [min, max] (n) | TTFT p50 ms |",
-             "|---|---|---|---:|---|---:|"]
+    lines = [
+        f"| row | cell | tok/s median (windows) | x {base['name']} (medians) | "
+        f"x {base['name']} per round: median [min, max] (n) | TTFT p50 ms |",
+        "|---|---|---|---:|---|---:|",
+    ]
     for r in rows:
         tt = r.get("ttft_ms", [])
         tt_s = f"{statistics.median(tt):.2f}" if tt else "-"
@@ -93,24 +95,36 @@ def summarize(res: dict, baseline: str | None = None) -> str:
             med = statistics.median(runs)
             ratio = med / statistics.median(b) if b and statistics.median(b) > 0 else None
             paired = paired_ratios(r, base, k)
-            p_s = (f"{statistics.median(paired):.3f} [{min(paired):.3f}, {max(paired):.3f}] ({len(paired)})"
-                   if paired and r is not base else "-")
-            lines.append(f"| {r['name']} | {k} | {med:.0f} ({', '.join(f'{x:.0f}' for x in runs)}) | "
-                         f"{_fmt_ratio(ratio)} | {p_s} | {tt_s} |")
+            p_s = (
+                f"{statistics.median(paired):.3f} [{min(paired):.3f}, {max(paired):.3f}] ({len(paired)})"
+                if paired and r is not base
+                else "-"
+            )
+            lines.append(
+                f"| {r['name']} | {k} | {med:.0f} ({', '.join(f'{x:.0f}' for x in runs)}) | "
+                f"{_fmt_ratio(ratio)} | {p_s} | {tt_s} |"
+            )
     split_lines = []
     for r in rows:
         for k, seen in (r.get("router") or {}).items():
             ps = [x["p_speculative"] for x in seen if x.get("p_speculative") is not None]
             sent = [x["spec_requests"] for x in seen if x.get("spec_requests") is not None]
-            sent_s = (f"{sum(1 for n in sent if n > 0)} of {len(sent)} ({', '.join(str(n) for n in sent)})"
-                      if sent else "-")
+            sent_s = (
+                f"{sum(1 for n in sent if n > 0)} of {len(sent)} ({', '.join(str(n) for n in sent)})" if sent else "-"
+            )
             if ps:
-                split_lines.append(f"| {r['name']} | {k} | {statistics.median(ps):.3f} "
-                                   f"[{min(ps):.3f}, {max(ps):.3f}] ({len(ps)}) | {sent_s} |")
+                split_lines.append(
+                    f"| {r['name']} | {k} | {statistics.median(ps):.3f} "
+                    f"[{min(ps):.3f}, {max(ps):.3f}] ({len(ps)}) | {sent_s} |"
+                )
     if split_lines:
-        lines += ["", "| row | cell | share sent to the speculative engine at window ends: median [min, max] (n) "
-                  "| windows with requests to the speculative engine (requests per window) |",
-                  "|---|---|---|---|", *split_lines]
+        lines += [
+            "",
+            "| row | cell | share sent to the speculative engine at window ends: median [min, max] (n) "
+            "| windows with requests to the speculative engine (requests per window) |",
+            "|---|---|---|---|",
+            *split_lines,
+        ]
     return "\n".join(lines)
 
 
@@ -276,16 +290,24 @@ async def run(args: argparse.Namespace) -> dict:
                 continue
             print(f"  up in {rec.get('ready_s', rec['health_s'])} s", flush=True)
             engines[name] = (rec, eh, kind)
-            live.append({"name": name, "kind": kind, "url": eh.url, "token": eh.token,
-                         "pid": eh.proc.pid, "log_path": str(eh.log_path)})
-            for mode in (args.modes if kind == "dual" else [None]):
+            live.append(
+                {
+                    "name": name,
+                    "kind": kind,
+                    "url": eh.url,
+                    "token": eh.token,
+                    "pid": eh.proc.pid,
+                    "log_path": str(eh.log_path),
+                }
+            )
+            for mode in args.modes if kind == "dual" else [None]:
                 rname = f"{name}/{mode}" if mode else name
                 if not any(r["name"] == rname for r in res["rows"]):
                     res["rows"].append({"name": rname, "loads": {}, "rounds": {}, "ttft_ms": []})
             save()
         only = set(args.only) if args.only else set(engines)
         for ename, (_, _, kind) in engines.items():  # this call's --modes, on engines attached too
-            for mode in (args.modes if kind == "dual" else []):
+            for mode in args.modes if kind == "dual" else []:
                 if not any(r["name"] == f"{ename}/{mode}" for r in res["rows"]):
                     res["rows"].append({"name": f"{ename}/{mode}", "loads": {}, "rounds": {}, "ttft_ms": []})
         rows = []  # (row record, process, routing mode)
@@ -330,11 +352,14 @@ async def run(args: argparse.Namespace) -> dict:
                         st = await router_state(eh) or {}
                         seen = {k: st.get(k) for k in ("p_speculative", "tpot_ms", "routed", "probes")}
                         # requests sent to the speculative engine during the timed window
-                        seen["spec_requests"] = ((seen["routed"] or {}).get("speculative", 0)
-                                                 - before.get("speculative", 0))
+                        seen["spec_requests"] = (seen["routed"] or {}).get("speculative", 0) - before.get(
+                            "speculative", 0
+                        )
                         row.setdefault("router", {}).setdefault(cell, []).append(seen)
-                        extra = (f" (p_speculative {seen['p_speculative']}, {seen['spec_requests']} requests to the "
-                                 f"speculative engine, TPOT ms {seen['tpot_ms']})")
+                        extra = (
+                            f" (p_speculative {seen['p_speculative']}, {seen['spec_requests']} requests to the "
+                            f"speculative engine, TPOT ms {seen['tpot_ms']})"
+                        )
                     print(f"  round {rnd + 1} {cell} {row['name']}: {r['tokens_per_s']} tok/s{extra}", flush=True)
                     save()
             ttft_wl = {row["name"]: Workload("chat", seed=args.seed + 7 + rnd) for row, _, _ in rows}
@@ -361,36 +386,66 @@ async def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line; see the module docstring."""
-    ap = argparse.ArgumentParser(prog="python -m bench host-overhead", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", action="append",
-                    help="serve:NAME:ARGS, host:NAME:ARGS or dual:NAME:ARGS (repeatable; the first is the baseline)")
-    ap.add_argument("--modes", type=lambda s: [x for x in s.split(",") if x], default=["plain", "auto"],
-                    help="routing modes measured on each dual engine host, each a row of its own; a mode may "
-                         "carry split settings for its row, MODE:KEY=VALUE... (e.g. auto:tpot_margin=0.25); "
-                         "the p_speculative seen at each window's end is recorded")
-    ap.add_argument("--workloads", type=lambda s: [x for x in s.split(",") if x], default=["chat"],
-                    help="harness workloads whose prompts the clients send (chat: open-ended, code: predictable)")
-    ap.add_argument("--loads", type=lambda s: [int(x) for x in s.split(",") if x], default=[64],
-                    help="concurrencies (closed loop)")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench host-overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--engine",
+        action="append",
+        help="serve:NAME:ARGS, host:NAME:ARGS or dual:NAME:ARGS (repeatable; the first is the baseline)",
+    )
+    ap.add_argument(
+        "--modes",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=["plain", "auto"],
+        help="routing modes measured on each dual engine host, each a row of its own; a mode may "
+        "carry split settings for its row, MODE:KEY=VALUE... (e.g. auto:tpot_margin=0.25); "
+        "the p_speculative seen at each window's end is recorded",
+    )
+    ap.add_argument(
+        "--workloads",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=["chat"],
+        help="harness workloads whose prompts the clients send (chat: open-ended, code: predictable)",
+    )
+    ap.add_argument(
+        "--loads", type=lambda s: [int(x) for x in s.split(",") if x], default=[64], help="concurrencies (closed loop)"
+    )
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all engines")
     ap.add_argument("--duration", type=float, default=6.0, help="seconds per window")
     ap.add_argument("--warm", type=float, default=3.0, help="seconds of untimed load before each window")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--ttfts", type=int, default=3, help="single-request TTFTs per engine per round")
-    ap.add_argument("--start-budget", type=float, default=420.0,
-                    help="seconds after which no further engine is started (the loads still run)")
-    ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds for this call: no round is begun that the last round's time says would not fit")
-    ap.add_argument("--state", type=Path, default=None,
-                    help="file recording the engines left running and the windows so far (see --keep); "
-                         "a later call continues its results: delete it to start afresh")
+    ap.add_argument(
+        "--start-budget",
+        type=float,
+        default=420.0,
+        help="seconds after which no further engine is started (the loads still run)",
+    )
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds for this call: no round is begun that the last round's time says would not fit",
+    )
+    ap.add_argument(
+        "--state",
+        type=Path,
+        default=None,
+        help="file recording the engines left running and the windows so far (see --keep); "
+        "a later call continues its results: delete it to start afresh",
+    )
     ap.add_argument("--keep", action="store_true", help="leave the engines running for a later call with --state")
-    ap.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], default=None,
-                    help="engine names measured in this call (default: all)")
+    ap.add_argument(
+        "--only",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=None,
+        help="engine names measured in this call (default: all)",
+    )
     ap.add_argument("--baseline", default=None, help="row the table's ratios are taken against (default: the first)")
-    ap.add_argument("--report", type=Path, default=None,
-                    help="print the table of an overhead.json and exit (no engine is started)")
+    ap.add_argument(
+        "--report", type=Path, default=None, help="print the table of an overhead.json and exit (no engine is started)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-results")))
     args = ap.parse_args(argv)

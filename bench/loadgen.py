@@ -25,7 +25,6 @@ import httpx
 from .metrics import RequestRecord, poisson_arrivals
 from .workloads import Prompt, Workload
 
-
 ERROR_BACKOFF_S = 0.5
 
 
@@ -49,8 +48,9 @@ class Load:
         return f"rate={self.rate:g}/s" if self.rate is not None else f"concurrency={self.concurrency}"
 
 
-async def stream_request(http: httpx.AsyncClient, prompt: Prompt, model: str, max_tokens: int,
-                         rec: RequestRecord, t0: float) -> None:
+async def stream_request(
+    http: httpx.AsyncClient, prompt: Prompt, model: str, max_tokens: int, rec: RequestRecord, t0: float
+) -> None:
     """Send one streaming request and fill ``rec`` as events arrive.
 
     Args:

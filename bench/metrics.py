@@ -113,11 +113,19 @@ class RequestRecord:
     def to_json(self) -> dict[str, Any]:
         """Compact JSON form (chunk times rounded to 0.1 ms)."""
         return {
-            "index": self.index, "workload": self.workload, "source": self.source,
-            "sent_s": round(self.sent_s, 4), "done_s": None if self.done_s is None else round(self.done_s, 4),
-            "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens,
-            "ttft_ms": _r(self.ttft_ms), "tpot_ms": _r(self.tpot_ms), "e2e_ms": _r(self.e2e_ms),
-            "chunks": len(self.chunks), "error": self.error, "cancelled": self.cancelled,
+            "index": self.index,
+            "workload": self.workload,
+            "source": self.source,
+            "sent_s": round(self.sent_s, 4),
+            "done_s": None if self.done_s is None else round(self.done_s, 4),
+            "output_tokens": self.output_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "ttft_ms": _r(self.ttft_ms),
+            "tpot_ms": _r(self.tpot_ms),
+            "e2e_ms": _r(self.e2e_ms),
+            "chunks": len(self.chunks),
+            "error": self.error,
+            "cancelled": self.cancelled,
         }
 
 
@@ -223,7 +231,9 @@ def summarize(records: Sequence[RequestRecord], window_s: float, slo: SLO, start
         "tpot_ms": percentiles(r.tpot_ms for r in counted),
         "e2e_ms": percentiles(r.e2e_ms for r in finished),
         "errors": _top_errors(records),
-        "tokens_per_chunk": round(sum(n for r in counted for _, n in r.chunks) / max(1, sum(len(r.chunks) for r in counted)), 3),
+        "tokens_per_chunk": round(
+            sum(n for r in counted for _, n in r.chunks) / max(1, sum(len(r.chunks) for r in counted)), 3
+        ),
     }
 
 

@@ -44,31 +44,61 @@ def _summary(records: list[Any]) -> dict[str, float | None]:
     }
 
 
-def check(url: str, headers: dict[str, str], model: str, k: int, rates: list[float], duration_s: float,
-          warm_s: float, max_tokens: int, workload: str) -> list[dict[str, Any]]:
+def check(
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    k: int,
+    rates: list[float],
+    duration_s: float,
+    warm_s: float,
+    max_tokens: int,
+    workload: str,
+) -> list[dict[str, Any]]:
     """Predict, then measure, at each rate; returns one row per rate (seconds, requests/s)."""
     with httpx.Client(base_url=url, headers=headers, timeout=60.0) as c:
         r = c.put("/control/config", json={"speculation": {"mode": "fixed", "k": k}})
         r.raise_for_status()
-        records, _ = asyncio.run(run_load(url, model, Workload(workload, seed=1), Load(concurrency=1), warm_s,
-                                          max_tokens=max_tokens))
+        records, _ = asyncio.run(
+            run_load(url, model, Workload(workload, seed=1), Load(concurrency=1), warm_s, max_tokens=max_tokens)
+        )
         warm = _summary(records)
         rows = []
         for i, rate in enumerate(rates):
             state = c.get("/control/state").json()
-            rep = plan([], state, rate_rps=rate, output_tokens=warm["output_tokens"] or max_tokens,
-                       prefill_s=warm["ttft_s"] or 0.0)
+            rep = plan(
+                [],
+                state,
+                rate_rps=rate,
+                output_tokens=warm["output_tokens"] or max_tokens,
+                prefill_s=warm["ttft_s"] or 0.0,
+            )
             ans = rep.answer
-            records, _ = asyncio.run(run_load(url, model, Workload(workload, seed=2 + i), Load(rate=rate),
-                                              duration_s, max_tokens=max_tokens, seed=i))
+            records, _ = asyncio.run(
+                run_load(
+                    url,
+                    model,
+                    Workload(workload, seed=2 + i),
+                    Load(rate=rate),
+                    duration_s,
+                    max_tokens=max_tokens,
+                    seed=i,
+                )
+            )
             got = _summary(records)
-            rows.append({
-                "k": k, "rate_rps": rate, "predicted_s": ans.latency_s if ans else None,
-                "measured_s": got["latency_s"], "predicted_batch": ans.effective_batch if ans else None,
-                "saturation_rps": ans.saturation_rps if ans else None,
-                "extrapolated": ans.extrapolated if ans else None, "n": got["n"],
-                "problem": rep.engine_problem,
-            })
+            rows.append(
+                {
+                    "k": k,
+                    "rate_rps": rate,
+                    "predicted_s": ans.latency_s if ans else None,
+                    "measured_s": got["latency_s"],
+                    "predicted_batch": ans.effective_batch if ans else None,
+                    "saturation_rps": ans.saturation_rps if ans else None,
+                    "extrapolated": ans.extrapolated if ans else None,
+                    "n": got["n"],
+                    "problem": rep.engine_problem,
+                }
+            )
     return rows
 
 
@@ -94,9 +124,19 @@ def main(argv: list[str] | None = None) -> int:
         from engine_host.model import prepare_default_model
         from engine_host.process import EngineHostProcess
 
-        eh = EngineHostProcess(model=str(prepare_default_model(quiet=True)),
-                               extra_args=["--enforce-eager", "--k-max", "8", "--max-num-seqs", "16",
-                                           "--max-model-len", "2048", "--no-prefix-caching"]).start()
+        eh = EngineHostProcess(
+            model=str(prepare_default_model(quiet=True)),
+            extra_args=[
+                "--enforce-eager",
+                "--k-max",
+                "8",
+                "--max-num-seqs",
+                "16",
+                "--max-model-len",
+                "2048",
+                "--no-prefix-caching",
+            ],
+        ).start()
         eh.wait_ready(timeout_s=600)
         url, headers = eh.url, eh.control_headers
     elif args.url:
@@ -110,13 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if eh is not None:
             eh.stop()
-    print(f"{'K':>2} {'rate/s':>7} {'predicted s':>12} {'measured s':>11} {'pred/meas':>9} {'B pred':>7} "
-          f"{'sat/s':>6} {'extrap':>6} {'n':>4}")
+    print(
+        f"{'K':>2} {'rate/s':>7} {'predicted s':>12} {'measured s':>11} {'pred/meas':>9} {'B pred':>7} "
+        f"{'sat/s':>6} {'extrap':>6} {'n':>4}"
+    )
     for r in rows:
         ratio = (r["predicted_s"] / r["measured_s"]) if r["predicted_s"] and r["measured_s"] else None
-        print(f"{r['k']:>2} {r['rate_rps']:>7.2f} {_fmt(r['predicted_s']):>12} {_fmt(r['measured_s']):>11} "
-              f"{_fmt(ratio):>9} {_fmt(r['predicted_batch'], '.1f'):>7} {_fmt(r['saturation_rps']):>6} "
-              f"{_fmt(r['extrapolated']):>6} {r['n']:>4}" + (f"  ({r['problem']})" if r["problem"] else ""))
+        print(
+            f"{r['k']:>2} {r['rate_rps']:>7.2f} {_fmt(r['predicted_s']):>12} {_fmt(r['measured_s']):>11} "
+            f"{_fmt(ratio):>9} {_fmt(r['predicted_batch'], '.1f'):>7} {_fmt(r['saturation_rps']):>6} "
+            f"{_fmt(r['extrapolated']):>6} {r['n']:>4}" + (f"  ({r['problem']})" if r["problem"] else "")
+        )
     return 0
 
 

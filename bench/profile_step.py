@@ -86,8 +86,10 @@ def profile(extra: list[str], clients: int, seconds: float, rate: int, out_dir: 
     for the process with the most samples (the one running the model)."""
     from engine_host.process import EngineHostProcess
 
-    eh = EngineHostProcess(extra_args=["--enforce-eager", "--max-num-seqs", "16", "--no-prefix-caching", *extra],
-                           log_path=out_dir / f"engine-{'plain' if '0' == extra[1] else 'spec'}.log")
+    eh = EngineHostProcess(
+        extra_args=["--enforce-eager", "--max-num-seqs", "16", "--no-prefix-caching", *extra],
+        log_path=out_dir / f"engine-{'plain' if '0' == extra[1] else 'spec'}.log",
+    )
     eh.start()
     try:
         eh.wait_ready(timeout_s=600)
@@ -101,9 +103,27 @@ def profile(extra: list[str], clients: int, seconds: float, rate: int, out_dir: 
         for pid in pids:
             f = out_dir / f"pyspy-{pid}.txt"
             files.append((pid, f))
-            procs.append(subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid), "-d", str(int(seconds)), "-r", str(rate),
-                                           "-f", "raw", "-o", str(f), "--nonblocking"],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        str(Path(sys.executable).parent / "py-spy"),
+                        "record",
+                        "-p",
+                        str(pid),
+                        "-d",
+                        str(int(seconds)),
+                        "-r",
+                        str(rate),
+                        "-f",
+                        "raw",
+                        "-o",
+                        str(f),
+                        "--nonblocking",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         t0 = time.monotonic()
         for p in procs:
             p.wait()
@@ -128,8 +148,11 @@ def profile(extra: list[str], clients: int, seconds: float, rate: int, out_dir: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench profile-step", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench profile-step",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ap.add_argument("--clients", type=int, default=4, help="concurrent chat clients")
     ap.add_argument("--seconds", type=float, default=20.0, help="sampling time per engine (s)")
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
@@ -138,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="profile-step-"))
     out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for name, extra in (("plain", ["--k-max", "0"]),
-                        ("ngram K=0", ["--k-max", "8", "--speculation-mode", "fixed", "--k", "0"])):
+    for name, extra in (
+        ("plain", ["--k-max", "0"]),
+        ("ngram K=0", ["--k-max", "8", "--speculation-mode", "fixed", "--k", "0"]),
+    ):
         print(f"profiling {name} ...", file=sys.stderr, flush=True)
         results[name] = profile(extra, args.clients, args.seconds, args.rate, out)
     (out / "profile.json").write_text(json.dumps(results, indent=1))

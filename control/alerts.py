@@ -31,7 +31,10 @@ from .samples import SERIES_COLUMNS
 from .store import ControlError, Store, active_host, audit, current_user
 
 OPS: dict[str, Callable[[float, float], bool]] = {
-    "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
 }
 METRICS = ("up", "config_drift") + SERIES_COLUMNS
 
@@ -45,8 +48,12 @@ class BadRule(ControlError, ValueError):
 
 
 def _check(metric: str, op: str, threshold: float, for_s: float) -> None:
-    if metric not in METRICS or metric in ("mode", "accepted_per_pos", "draft_tokens_per_pos",
-                                           "acceptance_per_position"):
+    if metric not in METRICS or metric in (
+        "mode",
+        "accepted_per_pos",
+        "draft_tokens_per_pos",
+        "acceptance_per_position",
+    ):
         raise BadRule(f"unknown metric {metric!r}; use one of: up, config_drift, {', '.join(SERIES_COLUMNS)}")
     if op not in OPS:
         raise BadRule(f"unknown comparison {op!r}; use one of {', '.join(OPS)}")
@@ -64,10 +71,21 @@ def list_rules(store: Store, enabled_only: bool = False) -> list[AlertRule]:
         return list(s.scalars(q))
 
 
-def set_rule(store: Store, name: str, *, metric: str | None = None, op: str | None = None,
-             threshold: float | None = None, for_s: float | None = None, severity: str | None = None,
-             enabled: bool | None = None, host: str | None = None, description: str | None = None,
-             actor: str | None = None, origin_: str = "api") -> AlertRule:
+def set_rule(
+    store: Store,
+    name: str,
+    *,
+    metric: str | None = None,
+    op: str | None = None,
+    threshold: float | None = None,
+    for_s: float | None = None,
+    severity: str | None = None,
+    enabled: bool | None = None,
+    host: str | None = None,
+    description: str | None = None,
+    actor: str | None = None,
+    origin_: str = "api",
+) -> AlertRule:
     """Create a rule or change fields of an existing one (only the arguments given).
 
     Args:
@@ -83,34 +101,59 @@ def set_rule(store: Store, name: str, *, metric: str | None = None, op: str | No
         if rule is None:
             if metric is None or op is None or threshold is None:
                 raise BadRule(f"new rule {name!r} needs a metric, a comparison and a threshold")
-            rule = AlertRule(name=name, metric=metric, op=op, threshold=threshold, for_s=for_s or 0.0,
-                             severity=severity or "warning", enabled=True if enabled is None else enabled)
+            rule = AlertRule(
+                name=name,
+                metric=metric,
+                op=op,
+                threshold=threshold,
+                for_s=for_s or 0.0,
+                severity=severity or "warning",
+                enabled=True if enabled is None else enabled,
+            )
             s.add(rule)
-        for attr, value in (("metric", metric), ("op", op), ("threshold", threshold), ("for_s", for_s),
-                            ("severity", severity), ("enabled", enabled), ("description", description)):
+        for attr, value in (
+            ("metric", metric),
+            ("op", op),
+            ("threshold", threshold),
+            ("for_s", for_s),
+            ("severity", severity),
+            ("enabled", enabled),
+            ("description", description),
+        ):
             if value is not None:
                 setattr(rule, attr, value)
         if host is not None:
             rule.host_id = active_host(s, host).id if host else None
         _check(rule.metric, rule.op, rule.threshold, rule.for_s)
-        audit(s, actor=actor or current_user(), origin=origin_, action="alert_rule.set", outcome="ok",
-              message=f"rule {name}: {rule.metric} {rule.op} {rule.threshold:g} for {rule.for_s:g} s"
-              f"{'' if rule.enabled else ' (disabled)'}")
+        audit(
+            s,
+            actor=actor or current_user(),
+            origin=origin_,
+            action="alert_rule.set",
+            outcome="ok",
+            message=f"rule {name}: {rule.metric} {rule.op} {rule.threshold:g} for {rule.for_s:g} s"
+            f"{'' if rule.enabled else ' (disabled)'}",
+        )
         s.flush()
         return rule
 
 
-def events(store: Store, host: str | None = None, open_only: bool = False, since: float | None = None,
-           limit: int = 500) -> list[dict[str, Any]]:
+def events(
+    store: Store, host: str | None = None, open_only: bool = False, since: float | None = None, limit: int = 500
+) -> list[dict[str, Any]]:
     """Alert events, newest first: dicts with ``id, rule, severity, host, started_at,
     ended_at`` (unix s, None while open), ``value, peak, message``.
 
     Raises:
         UnknownHost: ``host`` given and not registered.
     """
-    q = (select(AlertEvent, AlertRule.name, AlertRule.severity, Host.name)
-         .join(AlertRule, AlertRule.id == AlertEvent.rule_id).join(Host, Host.id == AlertEvent.host_id)
-         .order_by(AlertEvent.started_at.desc()).limit(limit))
+    q = (
+        select(AlertEvent, AlertRule.name, AlertRule.severity, Host.name)
+        .join(AlertRule, AlertRule.id == AlertEvent.rule_id)
+        .join(Host, Host.id == AlertEvent.host_id)
+        .order_by(AlertEvent.started_at.desc())
+        .limit(limit)
+    )
     if open_only:
         q = q.where(AlertEvent.ended_at.is_(None))
     if since is not None:
@@ -118,9 +161,20 @@ def events(store: Store, host: str | None = None, open_only: bool = False, since
     with store.reader() as s:
         if host:
             q = q.where(AlertEvent.host_id == active_host(s, host).id)
-        return [{"id": ev.id, "rule": rn, "severity": sev, "host": hn, "started_at": ev.started_at,
-                 "ended_at": ev.ended_at, "value": ev.value, "peak": ev.peak, "message": ev.message}
-                for ev, rn, sev, hn in s.execute(q)]
+        return [
+            {
+                "id": ev.id,
+                "rule": rn,
+                "severity": sev,
+                "host": hn,
+                "started_at": ev.started_at,
+                "ended_at": ev.ended_at,
+                "value": ev.value,
+                "peak": ev.peak,
+                "message": ev.message,
+            }
+            for ev, rn, sev, hn in s.execute(q)
+        ]
 
 
 @dataclass
@@ -174,14 +228,21 @@ class AlertEvaluator:
             if breach:
                 if st.since is None:
                     st.since = t
-                worse = (max if rule.op in (">", ">=") else min)
+                worse = max if rule.op in (">", ">=") else min
                 st.peak = float(value) if st.peak is None else worse(st.peak, float(value))
                 if st.event_id is None and t - st.since >= rule.for_s:
-                    msg = (f"{rule.name}: {rule.metric} = {float(value):.4g} {rule.op} {rule.threshold:g}"
-                           + (f" for {rule.for_s:g} s" if rule.for_s else ""))
+                    msg = f"{rule.name}: {rule.metric} = {float(value):.4g} {rule.op} {rule.threshold:g}" + (
+                        f" for {rule.for_s:g} s" if rule.for_s else ""
+                    )
                     with self.store.writer() as s:
-                        ev = AlertEvent(rule_id=rule.id, host_id=host_id, started_at=st.since, value=float(value),
-                                        peak=st.peak, message=msg)
+                        ev = AlertEvent(
+                            rule_id=rule.id,
+                            host_id=host_id,
+                            started_at=st.since,
+                            value=float(value),
+                            peak=st.peak,
+                            message=msg,
+                        )
                         s.add(ev)
                         s.flush()
                         st.event_id = ev.id
@@ -217,8 +278,9 @@ class AlertEvaluator:
             st.peak = float(value)
             msg = f"{rule.name}: {rule.metric} = {float(value):.4g} {rule.op} {rule.threshold:g} ({why})"
             with self.store.writer() as s:
-                ev = AlertEvent(rule_id=rule.id, host_id=host_id, started_at=st.since, value=float(value),
-                                peak=st.peak, message=msg)
+                ev = AlertEvent(
+                    rule_id=rule.id, host_id=host_id, started_at=st.since, value=float(value), peak=st.peak, message=msg
+                )
                 s.add(ev)
                 s.flush()
                 st.event_id = ev.id

@@ -107,38 +107,71 @@ def _identity(state: dict[str, Any]) -> tuple[int | None, float | None]:
     return eng.get("pid"), eng.get("started_at")
 
 
-def _resolve_interrupted(store: Store, host: Host, state: dict[str, Any] | None, restarted: bool,
-                         who: str) -> list[str]:
+def _resolve_interrupted(
+    store: Store, host: Host, state: dict[str, Any] | None, restarted: bool, who: str
+) -> list[str]:
     """Give pending versions left by an interrupted apply their outcome (lease held)."""
     notes = []
     for v in pending_versions(store, host.id):
         if state is not None and not restarted and state.get("config") == v.config:
-            record_outcome(store, v.id, status=APPLIED, engine_version=state.get("config_version"),
-                           message="confirmed from the engine's state after the apply was interrupted")
+            record_outcome(
+                store,
+                v.id,
+                status=APPLIED,
+                engine_version=state.get("config_version"),
+                message="confirmed from the engine's state after the apply was interrupted",
+            )
         else:
-            record_outcome(store, v.id, status=FAILED,
-                           message="interrupted: the control plane stopped before the engine answered"
-                           + ("; the engine has restarted since" if restarted else ""))
+            record_outcome(
+                store,
+                v.id,
+                status=FAILED,
+                message="interrupted: the control plane stopped before the engine answered"
+                + ("; the engine has restarted since" if restarted else ""),
+            )
         notes.append(f"version {v.version} was left pending by an interrupted apply; outcome recorded")
-        record_audit(store, actor=SYSTEM_ACTOR, origin=who, action="config.resolve_pending", outcome="ok",
-                     host_name=host.name, message=notes[-1])
+        record_audit(
+            store,
+            actor=SYSTEM_ACTOR,
+            origin=who,
+            action="config.resolve_pending",
+            outcome="ok",
+            host_name=host.name,
+            message=notes[-1],
+        )
     return notes
 
 
 def import_engine_config(store: Store, host: Host, state: dict[str, Any], who: str) -> ConfigVersion:
     """Record the engine's own config as the host's first version (``source = import``)."""
-    v = record_version(store, host.id, config=state["config"], author=SYSTEM_ACTOR,
-                       reason="config found on the engine host at first contact", source="import", base=None,
-                       status=APPLIED, engine_version=state.get("config_version"),
-                       message=f"engine config version {state.get('config_version')}")
-    record_audit(store, actor=SYSTEM_ACTOR, origin=who, action="config.import", outcome="ok", host_name=host.name,
-                 message=f"imported the engine's config as version {v.version}")
+    v = record_version(
+        store,
+        host.id,
+        config=state["config"],
+        author=SYSTEM_ACTOR,
+        reason="config found on the engine host at first contact",
+        source="import",
+        base=None,
+        status=APPLIED,
+        engine_version=state.get("config_version"),
+        message=f"engine config version {state.get('config_version')}",
+    )
+    record_audit(
+        store,
+        actor=SYSTEM_ACTOR,
+        origin=who,
+        action="config.import",
+        outcome="ok",
+        host_name=host.name,
+        message=f"imported the engine's config as version {v.version}",
+    )
     return v
 
 
 def _send(store: Store, client: EngineClient, host: Host, pending: ConfigVersion) -> ApplyResult:
-    result = ApplyResult(host=host.name, version=pending.version, status=FAILED, config=pending.config,
-                         diff=pending.diff)
+    result = ApplyResult(
+        host=host.name, version=pending.version, status=FAILED, config=pending.config, diff=pending.diff
+    )
     try:
         answer = client.put_config(pending.config)
     except EngineRefused as exc:
@@ -154,15 +187,32 @@ def _send(store: Store, client: EngineClient, host: Host, pending: ConfigVersion
         result.message = f"applied as engine config version {result.engine_version}"
         if answer.get("config") not in (None, pending.config):
             result.notes.append("the engine reports a config that differs from the one sent")
-    record_outcome(store, pending.id, status=result.status, engine_version=result.engine_version,
-                   message=result.message, apply_latency_ms=result.apply_latency_ms)
+    record_outcome(
+        store,
+        pending.id,
+        status=result.status,
+        engine_version=result.engine_version,
+        message=result.message,
+        apply_latency_ms=result.apply_latency_ms,
+    )
     return result
 
 
-def apply_change(store: Store, host_name: str, patch: dict[str, Any], *, reason: str, author: str | None = None,
-                 interface: str = "api", source: str = "apply", rollback_of: int | None = None,
-                 client: EngineClient | None = None, lock_wait_s: float = 60.0,
-                 lease_ttl_s: float = 60.0, on_wait: Callable[[str], None] | None = None) -> ApplyResult:
+def apply_change(
+    store: Store,
+    host_name: str,
+    patch: dict[str, Any],
+    *,
+    reason: str,
+    author: str | None = None,
+    interface: str = "api",
+    source: str = "apply",
+    rollback_of: int | None = None,
+    client: EngineClient | None = None,
+    lock_wait_s: float = 60.0,
+    lease_ttl_s: float = 60.0,
+    on_wait: Callable[[str], None] | None = None,
+) -> ApplyResult:
     """Apply a change (any subset of the ``LiveConfig`` JSON) to a host as a new version.
 
     Args:
@@ -191,8 +241,9 @@ def apply_change(store: Store, host_name: str, patch: dict[str, Any], *, reason:
     host = get_host(store, host_name)
     own_client = client is None
     client = client or EngineClient.for_host(host)
-    token = acquire_lease(store, host.id, ttl_s=lease_ttl_s, wait_s=lock_wait_s, who=f"{interface} ({author})",
-                          on_wait=on_wait)
+    token = acquire_lease(
+        store, host.id, ttl_s=lease_ttl_s, wait_s=lock_wait_s, who=f"{interface} ({author})", on_wait=on_wait
+    )
     try:
         notes: list[str] = []
         state, down_reason = None, None
@@ -207,8 +258,10 @@ def apply_change(store: Store, host_name: str, patch: dict[str, Any], *, reason:
         restarted = False
         if state is not None:
             pid, started = _identity(state)
-            restarted = host.engine_started_at is not None and (pid, started) != (host.engine_pid,
-                                                                                  host.engine_started_at)
+            restarted = host.engine_started_at is not None and (pid, started) != (
+                host.engine_pid,
+                host.engine_started_at,
+            )
             set_engine_identity(store, host.id, pid=pid, started_at=started, limits=state.get("limits"))
             if restarted:
                 notes.append(f"the engine restarted since last seen (pid {host.engine_pid} -> {pid})")
@@ -219,32 +272,70 @@ def apply_change(store: Store, host_name: str, patch: dict[str, Any], *, reason:
         limits = state.get("limits") if state is not None else host.engine_limits
         if not limits:
             why = down_reason or f"engine host {host.name!r} gave no state"
-            raise HostNeverSeen(f"{why}; it was never reached, so its limits are unknown and the change "
-                                "cannot be validated (start it, then apply again)")
+            raise HostNeverSeen(
+                f"{why}; it was never reached, so its limits are unknown and the change "
+                "cannot be validated (start it, then apply again)"
+            )
         base_config = base.config if base else LiveConfig().model_dump(mode="json")
         try:
             new = _validate(base_config, patch, limits)
         except ConfigRefused as exc:
-            record_audit(store, actor=author, origin=who, action=f"config.{source}", outcome="refused",
-                         host_name=host.name, message=str(exc), detail={"patch": patch, "reason": reason})
+            record_audit(
+                store,
+                actor=author,
+                origin=who,
+                action=f"config.{source}",
+                outcome="refused",
+                host_name=host.name,
+                message=str(exc),
+                detail={"patch": patch, "reason": reason},
+            )
             raise
         if state is not None and base is not None and state.get("config") != base.config:
-            notes.append(f"the engine's config differed from version {base.version} (changed outside the control "
-                         "plane, or an engine restart); this version replaces it whole")
-        pending = record_version(store, host.id, config=new.model_dump(mode="json"), author=author, reason=reason, source=source,
-                                 base=base, rollback_of=rollback_of)
+            notes.append(
+                f"the engine's config differed from version {base.version} (changed outside the control "
+                "plane, or an engine restart); this version replaces it whole"
+            )
+        pending = record_version(
+            store,
+            host.id,
+            config=new.model_dump(mode="json"),
+            author=author,
+            reason=reason,
+            source=source,
+            base=base,
+            rollback_of=rollback_of,
+        )
         if down_reason is not None:
-            result = ApplyResult(host=host.name, version=pending.version, status=FAILED, config=pending.config,
-                                 diff=pending.diff, message=f"{down_reason} (not applied; retry when it is back)")
+            result = ApplyResult(
+                host=host.name,
+                version=pending.version,
+                status=FAILED,
+                config=pending.config,
+                diff=pending.diff,
+                message=f"{down_reason} (not applied; retry when it is back)",
+            )
             record_outcome(store, pending.id, status=FAILED, message=result.message)
         else:
             result = _send(store, client, host, pending)
         result.notes = notes + result.notes
         with store.writer() as s:
-            audit(s, actor=author, origin=who, action=f"config.{source}", outcome="ok" if result.ok else "failed",
-                  host_name=host.name, message=f"version {result.version}: {result.message}",
-                  detail={"version": result.version, "reason": reason, "diff": result.diff,
-                          "rollback_of": rollback_of, "notes": result.notes})
+            audit(
+                s,
+                actor=author,
+                origin=who,
+                action=f"config.{source}",
+                outcome="ok" if result.ok else "failed",
+                host_name=host.name,
+                message=f"version {result.version}: {result.message}",
+                detail={
+                    "version": result.version,
+                    "reason": reason,
+                    "diff": result.diff,
+                    "rollback_of": rollback_of,
+                    "notes": result.notes,
+                },
+            )
         return result
     finally:
         release_lease(store, host.id, token)
@@ -252,16 +343,33 @@ def apply_change(store: Store, host_name: str, patch: dict[str, Any], *, reason:
             client.close()
 
 
-def rollback(store: Store, host_name: str, version: int, *, reason: str, author: str | None = None,
-             interface: str = "api", client: EngineClient | None = None) -> ApplyResult:
+def rollback(
+    store: Store,
+    host_name: str,
+    version: int,
+    *,
+    reason: str,
+    author: str | None = None,
+    interface: str = "api",
+    client: EngineClient | None = None,
+) -> ApplyResult:
     """Apply version ``version``'s full config again, as a new version (``source = rollback``).
 
     Raises:
         UnknownVersion, and everything :func:`apply_change` raises.
     """
     old = get_version(store, host_name, version)
-    return apply_change(store, host_name, old.config, reason=reason, author=author, interface=interface,
-                        source="rollback", rollback_of=version, client=client)
+    return apply_change(
+        store,
+        host_name,
+        old.config,
+        reason=reason,
+        author=author,
+        interface=interface,
+        source="rollback",
+        rollback_of=version,
+        client=client,
+    )
 
 
 @dataclass
@@ -275,8 +383,9 @@ class ReconcileResult:
     notes: list[str] = field(default_factory=list)
 
 
-def reconcile(store: Store, host_name: str, client: EngineClient | None = None,
-              interface: str = "collector") -> ReconcileResult:
+def reconcile(
+    store: Store, host_name: str, client: EngineClient | None = None, interface: str = "collector"
+) -> ReconcileResult:
     """Bring the store and a reachable engine host into agreement.
 
     First contact: remember the identity and import the engine's config as version 1.
@@ -305,14 +414,29 @@ def reconcile(store: Store, host_name: str, client: EngineClient | None = None,
         if not out.restarted:
             return out
         msg = f"engine restarted: pid {known[0]} -> {pid}, started at {started}"
-        record_audit(store, actor=SYSTEM_ACTOR, origin=who, action="engine.restart", outcome="ok",
-                     host_name=host.name, message=msg, detail={"old": list(known), "new": [pid, started]})
+        record_audit(
+            store,
+            actor=SYSTEM_ACTOR,
+            origin=who,
+            action="engine.restart",
+            outcome="ok",
+            host_name=host.name,
+            message=msg,
+            detail={"old": list(known), "new": [pid, started]},
+        )
         out.notes.append(msg)
         if base is not None and state.get("config") != base.config:
             out.reapplied = apply_change(
-                store, host.name, base.config, author=SYSTEM_ACTOR, interface=interface, source="reapply",
+                store,
+                host.name,
+                base.config,
+                author=SYSTEM_ACTOR,
+                interface=interface,
+                source="reapply",
                 reason=f"engine host restarted (pid {known[0]} -> {pid}); re-applying version {base.version}",
-                rollback_of=base.version, client=client)
+                rollback_of=base.version,
+                client=client,
+            )
         elif base is not None:
             set_engine_config_version(store, host.id, state.get("config_version"))
             out.notes.append(f"the restarted engine already runs version {base.version}'s config")

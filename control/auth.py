@@ -187,8 +187,12 @@ def _toml_str(value: str) -> str:
 def _write_users(path: Path, users: dict[str, User]) -> None:
     lines = ["# SpecPilot dashboard users (python -m dashboard users add/remove). Argon2id hashes only.", ""]
     for u in sorted(users.values(), key=lambda u: u.name):
-        lines += [f"[users.{_toml_str(u.name)}]", f"role = {_toml_str(u.role)}",
-                  f"password_hash = {_toml_str(u.password_hash)}", ""]
+        lines += [
+            f"[users.{_toml_str(u.name)}]",
+            f"role = {_toml_str(u.role)}",
+            f"password_hash = {_toml_str(u.password_hash)}",
+            "",
+        ]
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".users-", suffix=".toml")
     try:
@@ -268,9 +272,13 @@ def failures(store: Any, name: str, now: float | None = None) -> list[float]:
 
     now = time.time() if now is None else now
     with store.reader() as s:
-        return list(s.scalars(select(LoginFailure.failed_at).where(
-            LoginFailure.name == name, LoginFailure.failed_at > now - LOCKOUT_WINDOW_S)
-            .order_by(LoginFailure.failed_at)))
+        return list(
+            s.scalars(
+                select(LoginFailure.failed_at)
+                .where(LoginFailure.name == name, LoginFailure.failed_at > now - LOCKOUT_WINDOW_S)
+                .order_by(LoginFailure.failed_at)
+            )
+        )
 
 
 def _record_failure(store: Any, name: str, now: float) -> None:

@@ -80,8 +80,10 @@ def db_from_env() -> str | None:
 
     url, alias = os.environ.get(envs.DB_URL) or None, os.environ.get(envs.DB_URL_DEPRECATED) or None
     if url and alias and url != alias:
-        raise ControlError(f"${envs.DB_URL} and ${envs.DB_URL_DEPRECATED} name different stores ({url} and {alias}): "
-                           "unset one, or give --db")
+        raise ControlError(
+            f"${envs.DB_URL} and ${envs.DB_URL_DEPRECATED} name different stores ({url} and {alias}): "
+            "unset one, or give --db"
+        )
     return envs.db_url()
 
 
@@ -171,7 +173,9 @@ def _unchanged(store: Any, host_name: str, patch: dict[str, Any]) -> Any:
     if base is None or not host.engine_limits:
         return None
     try:
-        new = apply_patch(LiveConfig.model_validate(base.config), patch, EngineLimits.model_validate(host.engine_limits))
+        new = apply_patch(
+            LiveConfig.model_validate(base.config), patch, EngineLimits.model_validate(host.engine_limits)
+        )
     except (ConfigError, ValueError):
         return None
     if new.model_dump(mode="json") != base.config:
@@ -211,16 +215,26 @@ def _opt_int(text: str) -> int | None:
 
 # --------------------------------------------------------------------------- hosts
 
+
 def cmd_hosts_add(args: argparse.Namespace) -> int:
     from .apply import reconcile
     from .client import EngineError, TokenMissing
     from .store import add_host
 
     with _store(args) as store:
-        h = add_host(store, args.name, args.url, usd_per_hour=args.usd_per_hour, gpu_kind=args.gpu,
-                     token_env=args.token_env, origin_=_origin(), update=args.update)
-        print(f"host {h.name}: {h.url} (USD {h.usd_per_hour:g}/hour, GPU {h.gpu_kind or '-'}, "
-              f"token from ${h.token_env})")
+        h = add_host(
+            store,
+            args.name,
+            args.url,
+            usd_per_hour=args.usd_per_hour,
+            gpu_kind=args.gpu,
+            token_env=args.token_env,
+            origin_=_origin(),
+            update=args.update,
+        )
+        print(
+            f"host {h.name}: {h.url} (USD {h.usd_per_hour:g}/hour, GPU {h.gpu_kind or '-'}, token from ${h.token_env})"
+        )
         try:
             res = reconcile(store, h.name, interface="cli")
         except TokenMissing as exc:
@@ -228,8 +242,7 @@ def cmd_hosts_add(args: argparse.Namespace) -> int:
         except EngineError as exc:
             print(f"warning: registered, but {exc}", file=sys.stderr)
         else:
-            print(f"reachable; config history starts at version {res.imported}" if res.imported
-                  else "reachable")
+            print(f"reachable; config history starts at version {res.imported}" if res.imported else "reachable")
     return EXIT_OK
 
 
@@ -258,6 +271,7 @@ def cmd_hosts_remove(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- config
 
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     from .client import EngineClient, EngineError
     from .store import get_host
@@ -273,27 +287,42 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         except (EngineError, ControlError) as exc:
             error = str(exc)
     if args.json:
-        _print_json({"host": host.name, "url": host.url, "engine": state, "engine_error": error,
-                     "control_version": applied.version if applied else None,
-                     "control_config": applied.config if applied else None})
+        _print_json(
+            {
+                "host": host.name,
+                "url": host.url,
+                "engine": state,
+                "engine_error": error,
+                "control_version": applied.version if applied else None,
+                "control_config": applied.config if applied else None,
+            }
+        )
         return EXIT_OK
     print(f"host {host.name} ({host.url})")
     if applied:
-        print(f"control plane: version {applied.version} applied {_ts(applied.finished_at)} by {applied.author}: "
-              f"{applied.reason}")
+        print(
+            f"control plane: version {applied.version} applied {_ts(applied.finished_at)} by {applied.author}: "
+            f"{applied.reason}"
+        )
     if state is None:
         print(f"engine: cannot read its state ({error})")
         if applied:
             print(json.dumps(applied.config, indent=2))
         return EXIT_ERROR
     spec, batch, eng = state.get("speculation", {}), state.get("batch", {}), state.get("engine", {})
-    print(f"engine: phase {eng.get('phase')}, pid {eng.get('pid')}, started {_ts(eng.get('started_at'))}, "
-          f"engine config version {state.get('config_version')}")
-    print(f"speculation: mode {spec.get('mode')}, K in force {_fmt(k_in_force(state))} (last step "
-          f"{_fmt(spec.get('k_current'))}), k {spec.get('k')}, "
-          f"k_min {spec.get('k_min')}, k_max {spec.get('k_max')} (engine K_max {spec.get('k_max_engine')})")
-    print(f"batch: max_num_seqs {batch.get('max_num_seqs')}, max_num_batched_tokens "
-          f"{batch.get('max_num_batched_tokens')}, running {batch.get('running')}, waiting {batch.get('waiting')}")
+    print(
+        f"engine: phase {eng.get('phase')}, pid {eng.get('pid')}, started {_ts(eng.get('started_at'))}, "
+        f"engine config version {state.get('config_version')}"
+    )
+    print(
+        f"speculation: mode {spec.get('mode')}, K in force {_fmt(k_in_force(state))} (last step "
+        f"{_fmt(spec.get('k_current'))}), k {spec.get('k')}, "
+        f"k_min {spec.get('k_min')}, k_max {spec.get('k_max')} (engine K_max {spec.get('k_max_engine')})"
+    )
+    print(
+        f"batch: max_num_seqs {batch.get('max_num_seqs')}, max_num_batched_tokens "
+        f"{batch.get('max_num_batched_tokens')}, running {batch.get('running')}, waiting {batch.get('waiting')}"
+    )
     if applied and state.get("config") != applied.config:
         print(f"note: the engine's config differs from version {applied.version}")
     print(json.dumps(state.get("config"), indent=2))
@@ -303,18 +332,24 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 def _patch_from_args(args: argparse.Namespace) -> dict[str, Any]:
     patch: dict[str, Any] = json.loads(args.patch) if args.patch else {}
     if not isinstance(patch, dict):
-        raise ControlError("--patch must be a JSON object, e.g. '{\"speculation\": {\"k\": 4}}'")
+        raise ControlError('--patch must be a JSON object, e.g. \'{"speculation": {"k": 4}}\'')
     spec = patch.setdefault("speculation", {})
     batch = patch.setdefault("batch", {})
-    for name, value, section in (("mode", args.mode, spec), ("k", args.k, spec), ("k_min", args.k_min, spec),
-                                 ("k_max", args.k_max, spec), ("max_num_seqs", args.max_num_seqs, batch),
-                                 ("max_num_batched_tokens", args.max_num_batched_tokens, batch)):
+    for name, value, section in (
+        ("mode", args.mode, spec),
+        ("k", args.k, spec),
+        ("k_min", args.k_min, spec),
+        ("k_max", args.k_max, spec),
+        ("max_num_seqs", args.max_num_seqs, batch),
+        ("max_num_batched_tokens", args.max_num_batched_tokens, batch),
+    ):
         if value is not _UNSET:
             section[name] = value
     patch = {k: v for k, v in patch.items() if v != {}}
     if not patch:
-        raise ControlError("nothing to change: give --mode, --k, --k-min, --k-max, --max-num-seqs, "
-                           "--max-num-batched-tokens or --patch")
+        raise ControlError(
+            "nothing to change: give --mode, --k, --k-min, --k-max, --max-num-seqs, --max-num-batched-tokens or --patch"
+        )
     return patch
 
 
@@ -360,8 +395,10 @@ def cmd_config_rollback(args: argparse.Namespace) -> int:
         name = _host_name(store, args.host)
         same = _unchanged(store, name, get_version(store, name, args.version).config)
         if same is not None:
-            print(f"no change: version {same.version} in force on {name} already has the config of version "
-                  f"{args.version}; nothing recorded")
+            print(
+                f"no change: version {same.version} in force on {name} already has the config of version "
+                f"{args.version}; nothing recorded"
+            )
             return EXIT_OK
         res = rollback(store, name, args.version, reason=args.reason, author=author, interface="cli")
         code = _print_result(res)
@@ -375,13 +412,24 @@ def cmd_config_history(args: argparse.Namespace) -> int:
 
     with _store(args) as store:
         versions = history(store, _host_name(store, args.host), limit=args.limit)
-    rows = [{"version": v.version, "created": _ts(v.created_at), "author": v.author, "source": v.source
-             + (f" of v{v.rollback_of}" if v.rollback_of else ""), "status": v.status,
-             "engine_v": v.engine_version, "reason": v.reason, "change": _diff_text(v.diff),
-             "message": v.engine_message} for v in versions]
+    rows = [
+        {
+            "version": v.version,
+            "created": _ts(v.created_at),
+            "author": v.author,
+            "source": v.source + (f" of v{v.rollback_of}" if v.rollback_of else ""),
+            "status": v.status,
+            "engine_v": v.engine_version,
+            "reason": v.reason,
+            "change": _diff_text(v.diff),
+            "message": v.engine_message,
+        }
+        for v in versions
+    ]
     if args.json:
-        _print_json([{**r, "config": v.config, "diff": v.diff, "finished_at": v.finished_at}
-                     for r, v in zip(rows, versions)])
+        _print_json(
+            [{**r, "config": v.config, "diff": v.diff, "finished_at": v.finished_at} for r, v in zip(rows, versions)]
+        )
         return EXIT_OK
     print(_table(rows, ["version", "created", "author", "source", "status", "engine_v", "reason", "change"]))
     return EXIT_OK
@@ -403,13 +451,16 @@ def cmd_config_diff(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- collect, alerts, report
 
+
 def cmd_collect(args: argparse.Namespace) -> int:
     from .collector import Collector
 
     with _store(args) as store:
         collector = Collector(store, interval_s=args.interval, window_s=args.window)
-        print(f"collecting every {args.interval:g} s into {store.engine.url.render_as_string()} (Ctrl-C stops)",
-              flush=True)
+        print(
+            f"collecting every {args.interval:g} s into {store.engine.url.render_as_string()} (Ctrl-C stops)",
+            flush=True,
+        )
         try:
             collector.run()
         except KeyboardInterrupt:
@@ -436,9 +487,18 @@ def cmd_alerts_rules(args: argparse.Namespace) -> int:
 
     with _store(args) as store:
         rules = list_rules(store)
-    rows = [{"name": r.name, "condition": f"{r.metric} {r.op} {r.threshold:g}", "for_s": r.for_s,
-             "severity": r.severity, "enabled": r.enabled, "host": r.host_id or "all",
-             "description": r.description} for r in rules]
+    rows = [
+        {
+            "name": r.name,
+            "condition": f"{r.metric} {r.op} {r.threshold:g}",
+            "for_s": r.for_s,
+            "severity": r.severity,
+            "enabled": r.enabled,
+            "host": r.host_id or "all",
+            "description": r.description,
+        }
+        for r in rules
+    ]
     if args.json:
         _print_json(rows)
     else:
@@ -450,11 +510,23 @@ def cmd_alerts_rule(args: argparse.Namespace) -> int:
     from .alerts import set_rule
 
     with _store(args) as store:
-        r = set_rule(store, args.name, metric=args.metric, op=args.op, threshold=args.threshold, for_s=args.for_s,
-                     severity=args.severity, enabled=args.enabled, host=args.host, description=args.description,
-                     origin_=_origin())
-    print(f"rule {r.name}: {r.metric} {r.op} {r.threshold:g} for {r.for_s:g} s, {r.severity}, "
-          f"{'enabled' if r.enabled else 'disabled'}")
+        r = set_rule(
+            store,
+            args.name,
+            metric=args.metric,
+            op=args.op,
+            threshold=args.threshold,
+            for_s=args.for_s,
+            severity=args.severity,
+            enabled=args.enabled,
+            host=args.host,
+            description=args.description,
+            origin_=_origin(),
+        )
+    print(
+        f"rule {r.name}: {r.metric} {r.op} {r.threshold:g} for {r.for_s:g} s, {r.severity}, "
+        f"{'enabled' if r.enabled else 'disabled'}"
+    )
     return EXIT_OK
 
 
@@ -479,18 +551,50 @@ def cmd_report_weekly(args: argparse.Namespace) -> int:
         _print_json(rep.to_dict())
         return EXIT_OK
     print(f"cost report {_ts(rep.start)} .. {_ts(rep.end)} (baseline {rep.baseline})")
-    print(_table(rep.hosts, ["host", "usd_per_hour", "uptime_h", "utilisation", "output_tokens", "usd",
-                             "usd_per_million_tokens", "busy_tokens_per_s", "baseline_tokens_per_s", "saving_usd",
-                             "saving_fraction"]))
+    print(
+        _table(
+            rep.hosts,
+            [
+                "host",
+                "usd_per_hour",
+                "uptime_h",
+                "utilisation",
+                "output_tokens",
+                "usd",
+                "usd_per_million_tokens",
+                "busy_tokens_per_s",
+                "baseline_tokens_per_s",
+                "saving_usd",
+                "saving_fraction",
+            ],
+        )
+    )
     for h in rep.hosts:
         print(f"  {h['host']}: baseline {h['baseline_note']}")
     print("per day:")
-    print(_table(rep.days, ["day", "host", "uptime_h", "utilisation", "output_tokens", "usd",
-                            "usd_per_million_tokens", "busy_tokens_per_s", "acceptance_rate", "mean_k"]))
+    print(
+        _table(
+            rep.days,
+            [
+                "day",
+                "host",
+                "uptime_h",
+                "utilisation",
+                "output_tokens",
+                "usd",
+                "usd_per_million_tokens",
+                "busy_tokens_per_s",
+                "acceptance_rate",
+                "mean_k",
+            ],
+        )
+    )
     f = rep.fleet
-    print(f"fleet: {f['usd']:.2f} USD for {f['output_tokens']} output tokens "
-          f"({_fmt(f['usd_per_million_tokens'])} USD per million), utilisation {_fmt(f['utilisation'])}, "
-          f"saving {f['saving_usd']:.2f} USD against {rep.baseline}")
+    print(
+        f"fleet: {f['usd']:.2f} USD for {f['output_tokens']} output tokens "
+        f"({_fmt(f['usd_per_million_tokens'])} USD per million), utilisation {_fmt(f['utilisation'])}, "
+        f"saving {f['saving_usd']:.2f} USD against {rep.baseline}"
+    )
     if args.csv:
         print(f"CSV written to {args.csv}")
     return EXIT_OK
@@ -501,8 +605,18 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     with _store(args) as store:
         evs = audit_events(store, host=args.host, limit=args.limit)
-    rows = [{"at": _ts(e.at), "actor": e.actor, "origin": e.origin, "action": e.action, "host": e.host_name,
-             "outcome": e.outcome, "message": e.message} for e in evs]
+    rows = [
+        {
+            "at": _ts(e.at),
+            "actor": e.actor,
+            "origin": e.origin,
+            "action": e.action,
+            "host": e.host_name,
+            "outcome": e.outcome,
+            "message": e.message,
+        }
+        for e in evs
+    ]
     if args.json:
         _print_json(rows)
     else:
@@ -543,22 +657,34 @@ def _add_patch_options(c: argparse.ArgumentParser) -> None:
     c.add_argument("--k", type=int, default=_UNSET, help="draft length K for mode fixed (tokens)")
     c.add_argument("--k-min", type=int, default=_UNSET, help="lower bound of K (tokens)")
     c.add_argument("--k-max", type=_opt_int, default=_UNSET, help="upper bound of K (tokens; 'none': engine K_max)")
-    c.add_argument("--max-num-seqs", type=_opt_int, default=_UNSET,
-                   help="cap on running sequences ('none': start-up value)")
-    c.add_argument("--max-num-batched-tokens", type=_opt_int, default=_UNSET,
-                   help="cap on tokens per engine step ('none': start-up value)")
-    c.add_argument("--patch", default=None, help="any other change as LiveConfig JSON, e.g. "
-                   "'{\"speculation\": {\"mode\": \"batch_table\", \"table\": [[1, 2, 4], [3, 8, 1]]}}'")
+    c.add_argument(
+        "--max-num-seqs", type=_opt_int, default=_UNSET, help="cap on running sequences ('none': start-up value)"
+    )
+    c.add_argument(
+        "--max-num-batched-tokens",
+        type=_opt_int,
+        default=_UNSET,
+        help="cap on tokens per engine step ('none': start-up value)",
+    )
+    c.add_argument(
+        "--patch",
+        default=None,
+        help="any other change as LiveConfig JSON, e.g. "
+        '\'{"speculation": {"mode": "batch_table", "table": [[1, 2, 4], [3, 8, 1]]}}\'',
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m control``."""
 
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--db", default=argparse.SUPPRESS,
-                        help="store URL, e.g. sqlite:////path/specpilot.db or postgresql+psycopg://user@host/db "
-                             "(default: $SPECPILOT_DB_URL, else the deprecated $SPECPILOT_DB, else "
-                             "$SPECPILOT_HOME/specpilot.db)")
+    common.add_argument(
+        "--db",
+        default=argparse.SUPPRESS,
+        help="store URL, e.g. sqlite:////path/specpilot.db or postgresql+psycopg://user@host/db "
+        "(default: $SPECPILOT_DB_URL, else the deprecated $SPECPILOT_DB, else "
+        "$SPECPILOT_HOME/specpilot.db)",
+    )
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log more")
     from .cli_fleet import add_source_options
 
@@ -568,38 +694,56 @@ def build_parser() -> argparse.ArgumentParser:
     author = argparse.ArgumentParser(add_help=False)
     from .reason import MIN_REASON_CHARS
 
-    author.add_argument("--reason", required=True, type=_reason_arg,
-                        help=f"why (required, at least {MIN_REASON_CHARS} characters; shown in the history)")
-    author.add_argument("--author", default=None,
-                        help="who asked for it, when not you: recorded as 'YOU on behalf of AUTHOR' "
-                             "(you = the operating-system user)")
+    author.add_argument(
+        "--reason",
+        required=True,
+        type=_reason_arg,
+        help=f"why (required, at least {MIN_REASON_CHARS} characters; shown in the history)",
+    )
+    author.add_argument(
+        "--author",
+        default=None,
+        help="who asked for it, when not you: recorded as 'YOU on behalf of AUTHOR' (you = the operating-system user)",
+    )
 
     p = argparse.ArgumentParser(
-        prog="python -m control", parents=[common],
+        prog="python -m control",
+        parents=[common],
         description="SpecPilot control plane: engine hosts, config versions with audit and rollback, metric "
-                    "collection, alerts and cost reports.",
-        epilog="Run 'python -m control COMMAND --help' for each command.")
+        "collection, alerts and cost reports.",
+        epilog="Run 'python -m control COMMAND --help' for each command.",
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def group(name: str, help_: str) -> argparse._SubParsersAction:
         g = sub.add_parser(name, help=help_, description=help_, parents=[common])
         return g.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
 
-    def command(parent: argparse._SubParsersAction, name: str, help_: str, fn: Callable[[argparse.Namespace], int],
-                parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+    def command(
+        parent: argparse._SubParsersAction,
+        name: str,
+        help_: str,
+        fn: Callable[[argparse.Namespace], int],
+        parents: Sequence[argparse.ArgumentParser] = (),
+    ) -> argparse.ArgumentParser:
         c = parent.add_parser(name, help=help_, description=help_, parents=[common, *parents])
         c.set_defaults(fn=fn)
         return c
 
     hosts = group("hosts", "register, list and remove engine hosts")
-    c = command(hosts, "add", "register an engine host (its control token is read from an environment variable "
-                "at use time, never stored)", cmd_hosts_add)
+    c = command(
+        hosts,
+        "add",
+        "register an engine host (its control token is read from an environment variable at use time, never stored)",
+        cmd_hosts_add,
+    )
     c.add_argument("name", help="host name (letters, digits, '-', '_', '.')")
     c.add_argument("url", help="engine host base URL, e.g. http://127.0.0.1:8000")
     c.add_argument("--usd-per-hour", type=float, default=0.0, help="what the machine costs (USD/hour)")
     c.add_argument("--gpu", default=None, help="accelerator kind, e.g. H100, L4, cpu")
-    c.add_argument("--token-env", default=DEFAULT_TOKEN_ENV,
-                   help="environment variable holding the engine host's control token")
+    c.add_argument(
+        "--token-env", default=DEFAULT_TOKEN_ENV, help="environment variable holding the engine host's control token"
+    )
     c.add_argument("--update", action="store_true", help="change the settings of a registered host")
     command(hosts, "list", "list hosts with their status", cmd_hosts_list, [fmt])
     c = command(hosts, "remove", "remove a host (its history is kept)", cmd_hosts_remove)
@@ -608,8 +752,9 @@ def build_parser() -> argparse.ArgumentParser:
     config = group("config", "show, change, compare and roll back engine configs")
     c = command(config, "show", "the config in force on a host and the last applied version", cmd_config_show, [fmt])
     c.add_argument("--host", default=None, help="engine host (default: the only registered host)")
-    c = command(config, "apply", "change a host's config as a new version (validated first)", cmd_config_apply,
-                [author])
+    c = command(
+        config, "apply", "change a host's config as a new version (validated first)", cmd_config_apply, [author]
+    )
     c.add_argument("--host", default=None, help="engine host (default: the only registered host)")
     _add_patch_options(c)
     c = command(config, "history", "a host's config versions, newest first", cmd_config_history, [fmt])
@@ -619,20 +764,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--host", default=None, help="engine host (default: the only registered host)")
     c.add_argument("a", type=int, help="from version")
     c.add_argument("b", type=int, help="to version")
-    c = command(config, "rollback", "apply an earlier version again, as a new version", cmd_config_rollback,
-                [author])
+    c = command(config, "rollback", "apply an earlier version again, as a new version", cmd_config_rollback, [author])
     c.add_argument("--host", default=None, help="engine host (default: the only registered host)")
     c.add_argument("version", type=int, help="the version to restore")
     from .cli_fleet import add_fleet_commands, add_rollout_commands
 
     add_rollout_commands(config, command, fmt, _add_patch_options)
     from .cli_drift import add_drift_commands
+
     add_drift_commands(config, command, fmt, author)
     add_fleet_commands(sub, common)
 
-    c = sub.add_parser("collect", help="run the collector daemon", parents=[common],
-                       description="Scrape every registered host's /metrics, store samples, evaluate alert rules, "
-                                   "record gaps, re-apply configs after engine restarts.")
+    c = sub.add_parser(
+        "collect",
+        help="run the collector daemon",
+        parents=[common],
+        description="Scrape every registered host's /metrics, store samples, evaluate alert rules, "
+        "record gaps, re-apply configs after engine restarts.",
+    )
     c.set_defaults(fn=cmd_collect)
     c.add_argument("--interval", type=float, default=1.0, help="scrape interval (s, >= 1)")
     c.add_argument("--window", type=float, default=10.0, help="window of latency percentiles and acceptance (s)")
@@ -645,8 +794,9 @@ def build_parser() -> argparse.ArgumentParser:
     command(alerts, "rules", "the alert rules", cmd_alerts_rules, [fmt])
     c = command(alerts, "rule", "create or change an alert rule (only the options given)", cmd_alerts_rule)
     c.add_argument("name")
-    c.add_argument("--metric", default=None, help="sample field (acceptance_rate, kv_cache_usage, queue_p99_ms, ...) "
-                   "or 'up'")
+    c.add_argument(
+        "--metric", default=None, help="sample field (acceptance_rate, kv_cache_usage, queue_p99_ms, ...) or 'up'"
+    )
     c.add_argument("--op", choices=["<", "<=", ">", ">="], default=None)
     c.add_argument("--threshold", type=float, default=None, help="in the metric's unit (ms, fraction 0..1, ...)")
     c.add_argument("--for-s", type=float, default=None, help="seconds the condition must hold")
@@ -659,13 +809,18 @@ def build_parser() -> argparse.ArgumentParser:
     report = group("report", "cost reports")
     c = command(report, "weekly", "cost, tokens, utilisation and saving over 7 days", cmd_report_weekly, [fmt])
     c.add_argument("--host", default=None, help="one host (default: the fleet)")
-    c.add_argument("--csv", default=None, metavar="FILE", help="also write the report as CSV ('-': the CSV alone "
-                   "on standard output)")
+    c.add_argument(
+        "--csv",
+        default=None,
+        metavar="FILE",
+        help="also write the report as CSV ('-': the CSV alone on standard output)",
+    )
     c.add_argument("--end", default=None, metavar="YYYY-MM-DD", help="last UTC day of the week (default: now)")
     c.add_argument("--baseline", default="k0", help="'k0' (no speculation) or 'version:N' of the host")
 
-    c = sub.add_parser("audit", help="the audit trail", description="who did what, when, from where",
-                       parents=[common, fmt])
+    c = sub.add_parser(
+        "audit", help="the audit trail", description="who did what, when, from where", parents=[common, fmt]
+    )
     c.set_defaults(fn=cmd_audit)
     c.add_argument("--host", default=None)
     c.add_argument("--limit", type=int, default=50)
@@ -675,10 +830,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .up import add_up_arguments
 
-    c = sub.add_parser("up", help="run everything: engine host, collector, dashboard", parents=[common],
-                       description="Start an engine host (default model), wait until it is ready, register it as "
-                                   "host 'local', run the collector and the dashboard (when installed); Ctrl-C "
-                                   "stops all.")
+    c = sub.add_parser(
+        "up",
+        help="run everything: engine host, collector, dashboard",
+        parents=[common],
+        description="Start an engine host (default model), wait until it is ready, register it as "
+        "host 'local', run the collector and the dashboard (when installed); Ctrl-C "
+        "stops all.",
+    )
     c.set_defaults(fn=cmd_up)
     add_up_arguments(c)
     return p
@@ -695,8 +854,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.db = getattr(args, "db", None)  # given before or after the command
     args.verbose = getattr(args, "verbose", False)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if not args.verbose:
         logging.getLogger("alembic").setLevel(logging.WARNING)

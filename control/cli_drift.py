@@ -62,17 +62,26 @@ def cmd_config_adopt(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_drift_commands(config: Any, command: Callable[..., argparse.ArgumentParser],
-                       fmt: argparse.ArgumentParser, author: argparse.ArgumentParser) -> None:
+def add_drift_commands(
+    config: Any,
+    command: Callable[..., argparse.ArgumentParser],
+    fmt: argparse.ArgumentParser,
+    author: argparse.ArgumentParser,
+) -> None:
     """Add ``drift``, ``reapply`` and ``adopt`` to the ``config`` command group."""
-    c = command(config, "drift", "config drift between the engine and the store (both sides)", cmd_config_drift,
-                [fmt])
+    c = command(config, "drift", "config drift between the engine and the store (both sides)", cmd_config_drift, [fmt])
     c.add_argument("--host", required=True)
     c.add_argument("--all", action="store_true", help="also drifts that ended")
     c.add_argument("--limit", type=int, default=20)
-    c = command(config, "reapply", "resolve a drift: send the store's version in force to the engine again "
-                "(as a new version)", cmd_config_reapply, [author])
+    c = command(
+        config,
+        "reapply",
+        "resolve a drift: send the store's version in force to the engine again (as a new version)",
+        cmd_config_reapply,
+        [author],
+    )
     c.add_argument("--host", required=True)
-    c = command(config, "adopt", "resolve a drift: record the engine's config as a new version", cmd_config_adopt,
-                [author])
+    c = command(
+        config, "adopt", "resolve a drift: record the engine's config as a new version", cmd_config_adopt, [author]
+    )
     c.add_argument("--host", required=True)

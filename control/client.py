@@ -72,8 +72,10 @@ def resolve_token(token_env: str = DEFAULT_TOKEN_ENV) -> str:
         path = home() / "control_token"
         if path.is_file():
             return path.read_text().strip()
-    raise TokenMissing(f"the control token is not set: export {token_env}=<the engine host's control token> "
-                       "(printed by the engine host on first start; stored in its $SPECPILOT_HOME/control_token)")
+    raise TokenMissing(
+        f"the control token is not set: export {token_env}=<the engine host's control token> "
+        "(printed by the engine host on first start; stored in its $SPECPILOT_HOME/control_token)"
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -94,15 +96,27 @@ class EngineClient:
         (doubles each time).
     """
 
-    def __init__(self, url: str, token: str | None = None, *, name: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = 2, backoff_s: float = 0.2):
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        name: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retries: int = 2,
+        backoff_s: float = 0.2,
+    ):
         self.url = url.rstrip("/")
         self.name = name or self.url
         self.retries = retries
         self.backoff_s = backoff_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, verify=_ssl_context(),
-                                  timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)))
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers=headers,
+            verify=_ssl_context(),
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)),
+        )
 
     @classmethod
     def for_host(cls, host: Any, *, need_token: bool = True, **kwargs: Any) -> "EngineClient":
@@ -137,8 +151,11 @@ class EngineClient:
         if r.status_code < 400:
             return
         if r.status_code == 401:
-            raise EngineAuthError(f"{self._where()} refused the control token (401): check the variable that "
-                                  "holds it (hosts add --token-env)", 401)
+            raise EngineAuthError(
+                f"{self._where()} refused the control token (401): check the variable that "
+                "holds it (hosts add --token-env)",
+                401,
+            )
         try:
             body = r.json()
         except ValueError:
@@ -175,8 +192,10 @@ class EngineClient:
         try:
             return r.json()
         except ValueError:
-            raise EngineError(f"{self._where()} answered {path} with something other than JSON "
-                              "(is this URL an engine host?)", r.status_code) from None
+            raise EngineError(
+                f"{self._where()} answered {path} with something other than JSON (is this URL an engine host?)",
+                r.status_code,
+            ) from None
 
     def _validated(self, model: type[BaseModel], body: Any, path: str) -> dict[str, Any]:
         """``body`` checked against the engine host's contract (``engine_host.schema``),
@@ -184,9 +203,11 @@ class EngineClient:
         try:
             return model.model_validate(body).model_dump(mode="json")
         except ValidationError as exc:
-            raise EngineError(f"{self._where()} answered {path} with a body that does not match the engine host's "
-                              f"contract ({model.__name__}): {exc.error_count()} error(s), first: "
-                              f"{'.'.join(map(str, exc.errors()[0]['loc']))}: {exc.errors()[0]['msg']}") from None
+            raise EngineError(
+                f"{self._where()} answered {path} with a body that does not match the engine host's "
+                f"contract ({model.__name__}): {exc.error_count()} error(s), first: "
+                f"{'.'.join(map(str, exc.errors()[0]['loc']))}: {exc.errors()[0]['msg']}"
+            ) from None
 
     # ------------------------------------------------------------------ API
 
@@ -257,8 +278,9 @@ class EngineClient:
         try:
             body = r.json()
         except ValueError:
-            raise EngineError(f"{self._where()} answered PUT /control/config with something other than JSON",
-                              r.status_code) from None
+            raise EngineError(
+                f"{self._where()} answered PUT /control/config with something other than JSON", r.status_code
+            ) from None
         if isinstance(body, dict) and "config_version" in body:  # the dual host may answer a routing-only change
             return self._validated(ApplyAnswer, body, "PUT /control/config")
         return body

@@ -31,10 +31,10 @@ import threading
 import time
 from typing import Callable
 
-from .alerts import AlertEvaluator
-from .apply import reconcile
 from sqlalchemy import func, select
 
+from .alerts import AlertEvaluator
+from .apply import reconcile
 from .client import EngineClient, EngineError, TokenMissing
 from .drift import check as check_drift
 from .drift import open_drift
@@ -55,8 +55,9 @@ def last_covered(store: Store, host_id: int) -> float | None:
     """The end (unix s) of what the store covers for a host: its newest sample's
     interval end (any resolution) or the end of its newest gap; None when it has neither."""
     with store.reader() as s:
-        sample_end = s.scalar(select(func.max(MetricSample.t + MetricSample.resolution_s))
-                              .where(MetricSample.host_id == host_id))
+        sample_end = s.scalar(
+            select(func.max(MetricSample.t + MetricSample.resolution_s)).where(MetricSample.host_id == host_id)
+        )
         gap_end = s.scalar(select(func.max(CollectionGap.ended_at)).where(CollectionGap.host_id == host_id))
     ends = [float(x) for x in (sample_end, gap_end) if x is not None]
     return max(ends) if ends else None
@@ -81,9 +82,17 @@ class HostCollector:
         than two intervals without samples before the first scrape is a gap.
     """
 
-    def __init__(self, store: Store, host: Host, evaluator: AlertEvaluator, window_s: float = 10.0,
-                 timeout_s: float = 2.0, warmup_sync_s: float = 15.0, eval_lock: threading.Lock | None = None,
-                 interval_s: float = 1.0):
+    def __init__(
+        self,
+        store: Store,
+        host: Host,
+        evaluator: AlertEvaluator,
+        window_s: float = 10.0,
+        timeout_s: float = 2.0,
+        warmup_sync_s: float = 15.0,
+        eval_lock: threading.Lock | None = None,
+        interval_s: float = 1.0,
+    ):
         self.store = store
         self.host = host
         self.evaluator = evaluator
@@ -145,8 +154,9 @@ class HostCollector:
         for note in res.notes:
             log.warning("host %s: %s", self.host.name, note)
         if res.reapplied:
-            log.warning("host %s: re-applied as version %s: %s", self.host.name, res.reapplied.version,
-                        res.reapplied.status)
+            log.warning(
+                "host %s: re-applied as version %s: %s", self.host.name, res.reapplied.version, res.reapplied.status
+            )
 
     def _control_client(self) -> EngineClient:
         return EngineClient.for_host(self.host, timeout_s=5.0)
@@ -170,9 +180,14 @@ class HostCollector:
         drift = check_drift(self.store, self.host.name, state, now=t)
         self.drift_open = drift is not None
         if self.drift_open and not was:
-            log.warning("host %s: config drift: store version %s, engine config version %s (python -m control "
-                        "config drift --host %s)", self.host.name, drift.store_version, drift.engine_version,
-                        self.host.name)
+            log.warning(
+                "host %s: config drift: store version %s, engine config version %s (python -m control "
+                "config drift --host %s)",
+                self.host.name,
+                drift.store_version,
+                drift.engine_version,
+                self.host.name,
+            )
         elif was and not self.drift_open:
             log.warning("host %s: config drift over", self.host.name)
 
@@ -189,8 +204,11 @@ class HostCollector:
                 log.warning("host %s: back; gap closed", self.host.name)
             elif self.up is None and self.covered_until is not None and t - self.covered_until > 2 * self.interval_s:
                 record_closed_gap(self.store, self.host.id, self.covered_until, t, COLLECTOR_DOWN)
-                log.warning("host %s: nothing collected for %.0f s before this start; recorded as a gap",
-                            self.host.name, t - self.covered_until)
+                log.warning(
+                    "host %s: nothing collected for %.0f s before this start; recorded as a gap",
+                    self.host.name,
+                    t - self.covered_until,
+                )
         elif self.last_ok is not None and t - self.last_ok > 3 * self.interval_s:
             # this process did not scrape for a while (stopped, suspended, starved)
             record_closed_gap(self.store, self.host.id, self.last_ok + self.interval_s, t, COLLECTOR_STALLED)
@@ -233,11 +251,20 @@ class Collector:
         runs; hosts_refresh_s: seconds between reads of the host list.
     """
 
-    def __init__(self, store: Store, interval_s: float = 1.0, window_s: float = 10.0, maintenance_s: float = 60.0,
-                 hosts_refresh_s: float = 5.0, retention: Retention = Retention(),
-                 on_tick: Callable[[str, dict | None], None] | None = None):
+    def __init__(
+        self,
+        store: Store,
+        interval_s: float = 1.0,
+        window_s: float = 10.0,
+        maintenance_s: float = 60.0,
+        hosts_refresh_s: float = 5.0,
+        retention: Retention = Retention(),
+        on_tick: Callable[[str, dict | None], None] | None = None,
+    ):
         if interval_s < 1.0:
-            raise ValueError(f"the scrape interval must be at least 1 s (samples are stored per second), got {interval_s}")
+            raise ValueError(
+                f"the scrape interval must be at least 1 s (samples are stored per second), got {interval_s}"
+            )
         self.store = store
         self.interval_s = interval_s
         self.window_s = window_s
@@ -254,8 +281,9 @@ class Collector:
     # ------------------------------------------------------------------ per host
 
     def _host_loop(self, host: Host, stop: threading.Event) -> None:
-        hc = HostCollector(self.store, host, self.evaluator, self.window_s, eval_lock=self._eval_lock,
-                           interval_s=self.interval_s)
+        hc = HostCollector(
+            self.store, host, self.evaluator, self.window_s, eval_lock=self._eval_lock, interval_s=self.interval_s
+        )
         try:
             while not stop.is_set():
                 t = _sleep_until_tick(stop, self.interval_s)
@@ -312,7 +340,7 @@ class Collector:
                     next_maint = now + self.maintenance_s
                 self._stop.wait(min(next_hosts, next_maint) - time.monotonic())
         finally:
-            for thread, stop, _ in self._threads.values():
+            for _thread, stop, _ in self._threads.values():
                 stop.set()
             for thread, _, _ in self._threads.values():
                 thread.join(timeout=10)

@@ -96,7 +96,9 @@ class Totals:
             "utilisation": round(self.busy_h / self.uptime_h, 4) if self.uptime_h > 0 else None,
             "output_tokens": int(round(self.output_tokens)),
             "usd": round(self.usd, 4),
-            "usd_per_million_tokens": round(self.usd / (self.output_tokens / 1e6), 4) if self.output_tokens > 0 else None,
+            "usd_per_million_tokens": round(self.usd / (self.output_tokens / 1e6), 4)
+            if self.output_tokens > 0
+            else None,
             "busy_tokens_per_s": round(self.output_tokens / (self.busy_h * 3600.0), 3) if self.busy_h > 0 else None,
             "acceptance_rate": round(self.accepted_tokens / self.draft_tokens, 4) if self.draft_tokens > 0 else None,
             "mean_k": round(self.k_seconds / self.k_covered_s, 3) if self.k_covered_s > 0 else None,
@@ -131,9 +133,23 @@ class WeeklyReport:
     def to_csv(self, out: TextIO | None = None) -> str:
         """Write one table (``scope`` = day, week or fleet-week) as CSV; returns the text."""
         buf = out or io.StringIO()
-        cols = ["scope", "period", "host", "uptime_h", "busy_h", "utilisation", "output_tokens", "usd",
-                "usd_per_million_tokens", "busy_tokens_per_s", "acceptance_rate", "mean_k",
-                "baseline_tokens_per_s", "saving_usd", "saving_fraction"]
+        cols = [
+            "scope",
+            "period",
+            "host",
+            "uptime_h",
+            "busy_h",
+            "utilisation",
+            "output_tokens",
+            "usd",
+            "usd_per_million_tokens",
+            "busy_tokens_per_s",
+            "acceptance_rate",
+            "mean_k",
+            "baseline_tokens_per_s",
+            "saving_usd",
+            "saving_fraction",
+        ]
         w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
         w.writeheader()
         period = f"{_day(self.start)}..{_day(self.end - 1)}"
@@ -168,8 +184,13 @@ def _rows(store: Store, host_ids: list[int], start: float, end: float) -> list[d
 def _baseline_windows(store: Store, host_id: int, version: int) -> list[tuple[float, float]]:
     """The spans (unix s) during which version ``version`` was the applied config."""
     with store.reader() as s:
-        applied = list(s.execute(select(ConfigVersion.version, ConfigVersion.finished_at).where(
-            ConfigVersion.host_id == host_id, ConfigVersion.status == APPLIED).order_by(ConfigVersion.version)))
+        applied = list(
+            s.execute(
+                select(ConfigVersion.version, ConfigVersion.finished_at)
+                .where(ConfigVersion.host_id == host_id, ConfigVersion.status == APPLIED)
+                .order_by(ConfigVersion.version)
+            )
+        )
     spans: list[tuple[float, float]] = []
     for i, (v, at) in enumerate(applied):
         if v == version:
@@ -185,7 +206,9 @@ def check_baseline(baseline: str) -> None:
         raise BadBaseline(f"unknown baseline {baseline!r}: use 'k0' (no speculation) or 'version:N'")
 
 
-def baseline_throughput(store: Store, host: Host, baseline: str, start: float, end: float) -> tuple[float | None, float, str]:
+def baseline_throughput(
+    store: Store, host: Host, baseline: str, start: float, end: float
+) -> tuple[float | None, float, str]:
     """Busy throughput (tokens/s) measured under ``baseline`` between ``start`` and ``end``.
 
     Returns:
@@ -215,8 +238,9 @@ def baseline_throughput(store: Store, host: Host, baseline: str, start: float, e
     return t.output_tokens / busy_s, busy_s, f"{label}: {busy_s:.0f} busy s"
 
 
-def weekly_report(store: Store, end: float | None = None, host: str | None = None,
-                  baseline: str = "k0") -> WeeklyReport:
+def weekly_report(
+    store: Store, end: float | None = None, host: str | None = None, baseline: str = "k0"
+) -> WeeklyReport:
     """The cost report for the 7 days before ``end`` (unix s, default now).
 
     Args:
@@ -262,11 +286,20 @@ def weekly_report(store: Store, end: float | None = None, host: str | None = Non
             # the same tokens and uptime, with the busy time the baseline would have needed:
             # comparable with usd_per_million_tokens (idle time is paid in both)
             base_usd_m = round((tot.usd + saving_usd) / (tot.output_tokens / 1e6), 4)
-        rep.hosts.append({"host": h.name, "gpu_kind": h.gpu_kind, "usd_per_hour": h.usd_per_hour, **fig,
-                          "baseline_tokens_per_s": None if base_tps is None else round(base_tps, 3),
-                          "baseline_busy_s": round(base_busy, 1),
-                          "baseline_usd_per_million_tokens": base_usd_m,
-                          "saving_usd": saving_usd, "saving_fraction": saving_fraction, "baseline_note": note})
+        rep.hosts.append(
+            {
+                "host": h.name,
+                "gpu_kind": h.gpu_kind,
+                "usd_per_hour": h.usd_per_hour,
+                **fig,
+                "baseline_tokens_per_s": None if base_tps is None else round(base_tps, 3),
+                "baseline_busy_s": round(base_busy, 1),
+                "baseline_usd_per_million_tokens": base_usd_m,
+                "saving_usd": saving_usd,
+                "saving_fraction": saving_fraction,
+                "baseline_note": note,
+            }
+        )
     for (day, hid), tot in sorted(per_day.items(), key=lambda kv: (kv[0][0], by_id[kv[0][1]].name)):
         rep.days.append({"day": day, "host": by_id[hid].name, **tot.figures()})
     rep.fleet_days = [{"day": d, **t.figures()} for d, t in sorted(fleet_day.items())]

@@ -97,8 +97,9 @@ def create_db_engine(url: str | None = None) -> Engine:
     try:
         engine = create_engine(parsed, **kwargs)
     except (ImportError, ArgumentError) as exc:
-        raise StoreError(f"cannot open {parsed.render_as_string()}: {exc} "
-                         "(PostgreSQL needs: pip install 'specpilot[postgres]')") from None
+        raise StoreError(
+            f"cannot open {parsed.render_as_string()}: {exc} (PostgreSQL needs: pip install 'specpilot[postgres]')"
+        ) from None
     if parsed.get_backend_name() == "sqlite":
         _sqlite_setup(engine)
     return engine

@@ -48,8 +48,7 @@ def _engine_side(state: dict[str, Any]) -> tuple[int | None, float | None, dict[
     return state.get("config_version"), (state.get("engine") or {}).get("started_at"), state.get("config")
 
 
-def compare(store_config: dict[str, Any] | None, mapped_engine_version: int | None,
-            state: dict[str, Any]) -> list[str]:
+def compare(store_config: dict[str, Any] | None, mapped_engine_version: int | None, state: dict[str, Any]) -> list[str]:
     """Why the engine (``state``, the JSON of ``GET /control/state``) and the store
     disagree; empty when they agree.
 
@@ -65,8 +64,10 @@ def compare(store_config: dict[str, Any] | None, mapped_engine_version: int | No
         d = diff_configs(store_config, engine_config or {})
         why.append("config differs: " + "; ".join(f"{x['field']} {x['old']!r} -> {x['new']!r}" for x in d[:5]))
     if mapped_engine_version is not None and engine_version != mapped_engine_version:
-        why.append(f"engine config version {engine_version}, the store's version in force was applied as "
-                   f"engine version {mapped_engine_version}")
+        why.append(
+            f"engine config version {engine_version}, the store's version in force was applied as "
+            f"engine version {mapped_engine_version}"
+        )
     return why
 
 
@@ -94,23 +95,44 @@ def check(store: Store, host_name: str, state: dict[str, Any], now: float | None
     engine_version, started, engine_config = _engine_side(state)
     with store.writer() as s:
         row = s.get(ConfigDrift, current.id) if current is not None else None
-        if row is not None and (not why or (row.engine_version, row.engine_started_at, row.engine_config)
-                                != (engine_version, started, engine_config)
-                                or row.store_version != base.version):
+        if row is not None and (
+            not why
+            or (row.engine_version, row.engine_started_at, row.engine_config)
+            != (engine_version, started, engine_config)
+            or row.store_version != base.version
+        ):
             row.ended_at, row.resolution = now, ("agreed" if not why else "changed")
             row = None
         if why and row is None:
-            row = ConfigDrift(host_id=host.id, detected_at=now, store_version=base.version,
-                              store_engine_version=mapped, store_config=base.config, engine_version=engine_version,
-                              engine_started_at=started, engine_config=engine_config,
-                              diff=diff_configs(base.config, engine_config or {}))
+            row = ConfigDrift(
+                host_id=host.id,
+                detected_at=now,
+                store_version=base.version,
+                store_engine_version=mapped,
+                store_config=base.config,
+                engine_version=engine_version,
+                engine_started_at=started,
+                engine_config=engine_config,
+                diff=diff_configs(base.config, engine_config or {}),
+            )
             s.add(row)
             s.flush()
-            audit(s, actor=SYSTEM_ACTOR, origin=origin("collector"), action="config.drift", outcome="failed",
-                  host_name=host.name, message=f"config drift: store version {base.version} against engine config "
-                  f"version {engine_version}: " + "; ".join(why),
-                  detail={"store_version": base.version, "store_engine_version": mapped,
-                          "engine_version": engine_version, "diff": row.diff})
+            audit(
+                s,
+                actor=SYSTEM_ACTOR,
+                origin=origin("collector"),
+                action="config.drift",
+                outcome="failed",
+                host_name=host.name,
+                message=f"config drift: store version {base.version} against engine config "
+                f"version {engine_version}: " + "; ".join(why),
+                detail={
+                    "store_version": base.version,
+                    "store_engine_version": mapped,
+                    "engine_version": engine_version,
+                    "diff": row.diff,
+                },
+            )
         return row
 
 
@@ -122,8 +144,11 @@ def open_drift(store: Store, host_name: str) -> ConfigDrift | None:
     """
     with store.reader() as s:
         h = active_host(s, host_name)
-        return s.scalars(select(ConfigDrift).where(ConfigDrift.host_id == h.id, ConfigDrift.ended_at.is_(None))
-                         .order_by(ConfigDrift.detected_at.desc())).first()
+        return s.scalars(
+            select(ConfigDrift)
+            .where(ConfigDrift.host_id == h.id, ConfigDrift.ended_at.is_(None))
+            .order_by(ConfigDrift.detected_at.desc())
+        ).first()
 
 
 def drifts(store: Store, host: str | None = None, open_only: bool = False, limit: int = 100) -> list[dict[str, Any]]:
@@ -134,17 +159,41 @@ def drifts(store: Store, host: str | None = None, open_only: bool = False, limit
     Raises:
         UnknownHost: ``host`` given and not registered.
     """
-    q = (select(ConfigDrift, Host.name).join(Host, Host.id == ConfigDrift.host_id)
-         .order_by(ConfigDrift.detected_at.desc()).limit(limit))
+    q = (
+        select(ConfigDrift, Host.name)
+        .join(Host, Host.id == ConfigDrift.host_id)
+        .order_by(ConfigDrift.detected_at.desc())
+        .limit(limit)
+    )
     if open_only:
         q = q.where(ConfigDrift.ended_at.is_(None))
     with store.reader() as s:
         if host:
             q = q.where(ConfigDrift.host_id == active_host(s, host).id)
-        return [{"id": d.id, "host": name, **{c: getattr(d, c) for c in (
-            "detected_at", "ended_at", "store_version", "store_engine_version", "store_config", "engine_version",
-            "engine_started_at", "engine_config", "diff", "resolution", "resolved_by", "resolved_version")}}
-                for d, name in s.execute(q)]
+        return [
+            {
+                "id": d.id,
+                "host": name,
+                **{
+                    c: getattr(d, c)
+                    for c in (
+                        "detected_at",
+                        "ended_at",
+                        "store_version",
+                        "store_engine_version",
+                        "store_config",
+                        "engine_version",
+                        "engine_started_at",
+                        "engine_config",
+                        "diff",
+                        "resolution",
+                        "resolved_by",
+                        "resolved_version",
+                    )
+                },
+            }
+            for d, name in s.execute(q)
+        ]
 
 
 def _resolve(store: Store, drift_id: int, how: str, who: str, version: int | None) -> None:
@@ -154,8 +203,15 @@ def _resolve(store: Store, drift_id: int, how: str, who: str, version: int | Non
             row.ended_at, row.resolution, row.resolved_by, row.resolved_version = time.time(), how, who, version
 
 
-def reapply(store: Store, host_name: str, *, reason: str, author: str | None = None, interface: str = "api",
-            client: EngineClient | None = None) -> Any:
+def reapply(
+    store: Store,
+    host_name: str,
+    *,
+    reason: str,
+    author: str | None = None,
+    interface: str = "api",
+    client: EngineClient | None = None,
+) -> Any:
     """Resolve a host's drift by sending the store's version in force again, as a new
     version (``source = reapply``, ``rollback_of`` = that version).
 
@@ -172,15 +228,31 @@ def reapply(store: Store, host_name: str, *, reason: str, author: str | None = N
     host = get_host(store, host_name)
     base = last_applied(store, host.id)
     author = author or current_user()
-    res = apply_change(store, host_name, base.config, reason=reason, author=author, interface=interface,
-                       source="reapply", rollback_of=base.version, client=client)
+    res = apply_change(
+        store,
+        host_name,
+        base.config,
+        reason=reason,
+        author=author,
+        interface=interface,
+        source="reapply",
+        rollback_of=base.version,
+        client=client,
+    )
     if res.ok:
         _resolve(store, drift.id, "reapply", author, res.version)
     return res
 
 
-def adopt(store: Store, host_name: str, *, reason: str, author: str | None = None, interface: str = "api",
-          client: EngineClient | None = None) -> Any:
+def adopt(
+    store: Store,
+    host_name: str,
+    *,
+    reason: str,
+    author: str | None = None,
+    interface: str = "api",
+    client: EngineClient | None = None,
+) -> Any:
     """Resolve a host's drift by recording the engine's config as a new version
     (``source = adopt``, ``applied``, with the engine's version number), read from the
     engine now (not from the drift record, in case it moved on).
@@ -208,13 +280,29 @@ def adopt(store: Store, host_name: str, *, reason: str, author: str | None = Non
         state = client.state()
         _resolve_interrupted(store, host, state, False, who)
         base = last_applied(store, host.id)
-        v = record_version(store, host.id, config=state["config"], author=author, reason=reason.strip(),
-                           source="adopt", base=base, status=APPLIED, engine_version=state.get("config_version"),
-                           message=f"adopted the engine's config version {state.get('config_version')}")
+        v = record_version(
+            store,
+            host.id,
+            config=state["config"],
+            author=author,
+            reason=reason.strip(),
+            source="adopt",
+            base=base,
+            status=APPLIED,
+            engine_version=state.get("config_version"),
+            message=f"adopted the engine's config version {state.get('config_version')}",
+        )
         with store.writer() as s:
-            audit(s, actor=author, origin=who, action="config.adopt", outcome="ok", host_name=host.name,
-                  message=f"version {v.version}: adopted the engine's config version {state.get('config_version')}",
-                  detail={"version": v.version, "reason": reason, "diff": v.diff, "drift": drift.id})
+            audit(
+                s,
+                actor=author,
+                origin=who,
+                action="config.adopt",
+                outcome="ok",
+                host_name=host.name,
+                message=f"version {v.version}: adopted the engine's config version {state.get('config_version')}",
+                detail={"version": v.version, "reason": reason, "diff": v.diff, "drift": drift.id},
+            )
         _resolve(store, drift.id, "adopt", author, v.version)
         return v
     finally:
@@ -234,8 +322,9 @@ def resolve_as_user(store: Store, host_name: str, how: str, user: Any, reason: s
         ``how`` or no reason. NoDrift, and what :func:`reapply` / :func:`adopt` raise.
     """
     if user is None or not user.can("apply"):
-        raise PermissionError("only operators may resolve a config drift"
-                              + ("" if user is None else f": {user.name} is a {user.role}"))
+        raise PermissionError(
+            "only operators may resolve a config drift" + ("" if user is None else f": {user.name} is a {user.role}")
+        )
     reason = (reason or "").strip()
     if len(reason) < 4:
         raise ValueError("a reason is required (at least 4 characters): say why, for the history")

@@ -36,12 +36,16 @@ class ControlPlaneCollector:
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
-        engine = GaugeMetricFamily("specpilot:control_config_version",
-                                   "Engine config version the control plane last applied or imported.",
-                                   labels=["host", "engine_instance"])
-        ours = GaugeMetricFamily("specpilot:control_version",
-                                 "The control plane's number of the config version last applied.",
-                                 labels=["host", "engine_instance"])
+        engine = GaugeMetricFamily(
+            "specpilot:control_config_version",
+            "Engine config version the control plane last applied or imported.",
+            labels=["host", "engine_instance"],
+        )
+        ours = GaugeMetricFamily(
+            "specpilot:control_version",
+            "The control plane's number of the config version last applied.",
+            labels=["host", "engine_instance"],
+        )
         for h in list_hosts(self.store):
             v = last_applied(self.store, h.id)
             if v is None:

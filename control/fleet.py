@@ -19,13 +19,39 @@ from .versions import APPLIED
 
 #: How a column is aggregated over hosts: rates and counts add up, fractions average,
 #: latencies take the worst host.
-SUMMED = {"output_tokens_per_s", "output_tokens", "user_output_tokens", "prompt_tokens", "requests_finished",
-          "running", "running_max", "waiting", "waiting_max", "busy_s", "covered_s", "num_drafts", "draft_tokens",
-          "accepted_tokens", "max_num_seqs"}
+SUMMED = {
+    "output_tokens_per_s",
+    "output_tokens",
+    "user_output_tokens",
+    "prompt_tokens",
+    "requests_finished",
+    "running",
+    "running_max",
+    "waiting",
+    "waiting_max",
+    "busy_s",
+    "covered_s",
+    "num_drafts",
+    "draft_tokens",
+    "accepted_tokens",
+    "max_num_seqs",
+}
 MEANED = {"kv_cache_usage", "kv_cache_usage_max", "acceptance_rate", "k"}
 
-_STATUS_COLUMNS = ("output_tokens_per_s", "ttft_p99_ms", "itl_p99_ms", "queue_p99_ms", "kv_cache_usage", "running",
-                   "waiting", "acceptance_rate", "k", "mode", "config_version", "max_num_seqs")
+_STATUS_COLUMNS = (
+    "output_tokens_per_s",
+    "ttft_p99_ms",
+    "itl_p99_ms",
+    "queue_p99_ms",
+    "kv_cache_usage",
+    "running",
+    "waiting",
+    "acceptance_rate",
+    "k",
+    "mode",
+    "config_version",
+    "max_num_seqs",
+)
 
 
 def fleet_status(store: Store, now: float | None = None, stale_s: float = 5.0) -> list[dict[str, Any]]:
@@ -41,29 +67,53 @@ def fleet_status(store: Store, now: float | None = None, stale_s: float = 5.0) -
     out = []
     with store.reader() as s:
         for h in hosts:
-            last = s.execute(select(MetricSample.t, MetricSample.covered_s,
-                                    *[getattr(MetricSample, c) for c in _STATUS_COLUMNS])
-                             .where(MetricSample.host_id == h.id, MetricSample.resolution_s == 1)
-                             .order_by(MetricSample.t.desc()).limit(1)).first()
-            gap_open = s.scalar(select(func.count()).select_from(CollectionGap).where(
-                CollectionGap.host_id == h.id, CollectionGap.ended_at.is_(None)))
-            alerts = s.scalar(select(func.count()).select_from(AlertEvent).where(
-                AlertEvent.host_id == h.id, AlertEvent.ended_at.is_(None)))
-            version = s.scalar(select(func.max(ConfigVersion.version)).where(
-                ConfigVersion.host_id == h.id, ConfigVersion.status == APPLIED))
+            last = s.execute(
+                select(MetricSample.t, MetricSample.covered_s, *[getattr(MetricSample, c) for c in _STATUS_COLUMNS])
+                .where(MetricSample.host_id == h.id, MetricSample.resolution_s == 1)
+                .order_by(MetricSample.t.desc())
+                .limit(1)
+            ).first()
+            gap_open = s.scalar(
+                select(func.count())
+                .select_from(CollectionGap)
+                .where(CollectionGap.host_id == h.id, CollectionGap.ended_at.is_(None))
+            )
+            alerts = s.scalar(
+                select(func.count())
+                .select_from(AlertEvent)
+                .where(AlertEvent.host_id == h.id, AlertEvent.ended_at.is_(None))
+            )
+            version = s.scalar(
+                select(func.max(ConfigVersion.version)).where(
+                    ConfigVersion.host_id == h.id, ConfigVersion.status == APPLIED
+                )
+            )
             sample = dict(last._mapping) if last else {}
             last_at = sample["t"] + sample["covered_s"] if sample else None
-            out.append({
-                "host": h.name, "url": h.url, "gpu_kind": h.gpu_kind, "usd_per_hour": h.usd_per_hour,
-                "up": bool(last_at and now - last_at <= stale_s and not gap_open),
-                "last_sample_at": last_at, "control_version": version, "open_alerts": alerts,
-                **{c: sample.get(c) for c in _STATUS_COLUMNS},
-            })
+            out.append(
+                {
+                    "host": h.name,
+                    "url": h.url,
+                    "gpu_kind": h.gpu_kind,
+                    "usd_per_hour": h.usd_per_hour,
+                    "up": bool(last_at and now - last_at <= stale_s and not gap_open),
+                    "last_sample_at": last_at,
+                    "control_version": version,
+                    "open_alerts": alerts,
+                    **{c: sample.get(c) for c in _STATUS_COLUMNS},
+                }
+            )
     return out
 
 
-def fleet_series(store: Store, columns: Sequence[str], start: float, end: float | None = None,
-                 resolution_s: int | None = None, max_points: int = 20000) -> dict[str, Any]:
+def fleet_series(
+    store: Store,
+    columns: Sequence[str],
+    start: float,
+    end: float | None = None,
+    resolution_s: int | None = None,
+    max_points: int = 20000,
+) -> dict[str, Any]:
     """Series aggregated over all hosts: ``{"resolution_s", "t": [...], col: [...],
     "hosts": {name: {col: [...]}}}`` (per-host values aligned on ``t``, None where a
     host has no sample). Sums for rates and counts (tokens/s, running...), means for
@@ -123,24 +173,39 @@ def window_figures(store: Store, since: float, until: float) -> dict[str, tuple[
         names = {r.id: r.name for r in rows}
         if metrics_source() == "prometheus":
             return _prometheus_figures({r.name: r.url for r in rows}, until, until - since)
-        return {names[hid]: (tokens, ttft) for hid, tokens, ttft in s.execute(
-            select(MetricSample.host_id, func.avg(MetricSample.output_tokens_per_s), func.max(MetricSample.ttft_p99_ms))
-            .where(MetricSample.resolution_s == 1, MetricSample.t >= since, MetricSample.t <= until,
-                   MetricSample.host_id.in_(list(names)))
-            .group_by(MetricSample.host_id)).all() if hid in names}
+        return {
+            names[hid]: (tokens, ttft)
+            for hid, tokens, ttft in s.execute(
+                select(
+                    MetricSample.host_id, func.avg(MetricSample.output_tokens_per_s), func.max(MetricSample.ttft_p99_ms)
+                )
+                .where(
+                    MetricSample.resolution_s == 1,
+                    MetricSample.t >= since,
+                    MetricSample.t <= until,
+                    MetricSample.host_id.in_(list(names)),
+                )
+                .group_by(MetricSample.host_id)
+            ).all()
+            if hid in names
+        }
 
 
 def open_alert_counts(store: Store) -> dict[str, int]:
     """Open alerts per registered host name (one query)."""
     with store.reader() as s:
-        rows = s.execute(select(Host.name, func.count()).join(AlertEvent, AlertEvent.host_id == Host.id)
-                         .where(AlertEvent.ended_at.is_(None), Host.removed_at.is_(None))
-                         .group_by(Host.name)).all()
+        rows = s.execute(
+            select(Host.name, func.count())
+            .join(AlertEvent, AlertEvent.host_id == Host.id)
+            .where(AlertEvent.ended_at.is_(None), Host.removed_at.is_(None))
+            .group_by(Host.name)
+        ).all()
     return {name: int(n) for name, n in rows}
 
 
-def _prometheus_figures(urls: dict[str, str], end: float,
-                        window_s: float) -> dict[str, tuple[float | None, float | None]]:
+def _prometheus_figures(
+    urls: dict[str, str], end: float, window_s: float
+) -> dict[str, tuple[float | None, float | None]]:
     """Output tokens/s over the window and the worst 10 s-window TTFT P99 (ms) of each
     second in it, for every host (``{name: url}``), from the Prometheus server in force
     (two queries)."""

@@ -123,8 +123,18 @@ class ConfigVersion(Base):
     apply_latency_ms: Mapped[float | None] = mapped_column(Float)
 
 
-_IMMUTABLE = ("host_id", "version", "created_at", "author", "reason", "source", "base_version",
-              "rollback_of", "config", "diff")
+_IMMUTABLE = (
+    "host_id",
+    "version",
+    "created_at",
+    "author",
+    "reason",
+    "source",
+    "base_version",
+    "rollback_of",
+    "config",
+    "diff",
+)
 
 
 @event.listens_for(ConfigVersion, "before_update")

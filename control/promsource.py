@@ -45,10 +45,21 @@ ENV_URL = envs.PROMETHEUS_URL
 SOURCES = ("embedded", "prometheus")
 
 #: The figures both sources give for a window (units in the names; fractions 0..1).
-FIGURES = ("output_tokens", "output_tokens_per_s", "requests_finished", "requests_per_s",
-           *(f"{kind}_{p}_ms" for kind in HISTOGRAMS for p in PERCENTILES),
-           "draft_tokens", "accepted_tokens", "acceptance_rate", "kv_cache_usage", "running", "waiting", "k",
-           "config_version")
+FIGURES = (
+    "output_tokens",
+    "output_tokens_per_s",
+    "requests_finished",
+    "requests_per_s",
+    *(f"{kind}_{p}_ms" for kind in HISTOGRAMS for p in PERCENTILES),
+    "draft_tokens",
+    "accepted_tokens",
+    "acceptance_rate",
+    "kv_cache_usage",
+    "running",
+    "waiting",
+    "k",
+    "config_version",
+)
 
 
 class MetricSourceError(ControlError):
@@ -181,13 +192,17 @@ class PrometheusSource:
     def _query_range(self, expr: str, start: float, end: float, step_s: float) -> list[dict[str, Any]]:
         try:
             return self.prom.custom_query_range(
-                expr, start_time=datetime.fromtimestamp(start, tz=timezone.utc),
-                end_time=datetime.fromtimestamp(end, tz=timezone.utc), step=f"{step_s:g}s")
+                expr,
+                start_time=datetime.fromtimestamp(start, tz=timezone.utc),
+                end_time=datetime.fromtimestamp(end, tz=timezone.utc),
+                step=f"{step_s:g}s",
+            )
         except Exception as exc:
             raise MetricSourceError(f"Prometheus at {self.url} did not answer {expr[:80]!r}: {exc}") from exc
 
-    def window(self, instances: Sequence[str], end: float | None = None, window_s: int = 60,
-               figures: Sequence[str] = FIGURES) -> dict[str, dict[str, float | None]]:
+    def window(
+        self, instances: Sequence[str], end: float | None = None, window_s: int = 60, figures: Sequence[str] = FIGURES
+    ) -> dict[str, dict[str, float | None]]:
         """:data:`FIGURES` of each instance over ``[end - window_s, end]`` (unix s):
         ``{instance: {figure: value or None}}`` (None: no data, e.g. no request finished)."""
         end = time.time() if end is None else end
@@ -200,8 +215,15 @@ class PrometheusSource:
                     out[inst][f] = _num(r["value"][1])
         return out
 
-    def series(self, instances: Sequence[str], start: float, end: float, step_s: float = 1.0, window_s: int = 10,
-               figures: Sequence[str] = FIGURES) -> dict[str, dict[str, Any]]:
+    def series(
+        self,
+        instances: Sequence[str],
+        start: float,
+        end: float,
+        step_s: float = 1.0,
+        window_s: int = 10,
+        figures: Sequence[str] = FIGURES,
+    ) -> dict[str, dict[str, Any]]:
         """Chart series: ``{instance: {"t": [unix s...], figure: [...]}}``, one point per
         ``step_s`` s, each the figure over the ``window_s`` s before it."""
         qs = queries(instances, window_s)
@@ -220,15 +242,21 @@ class PrometheusSource:
                         out[inst][f][i] = _num(v)
         return out
 
-    def samples(self, instance: str, start: float, end: float, step_s: float = 1.0,
-                window_s: int = 10) -> list[dict[str, Any]]:
+    def samples(
+        self, instance: str, start: float, end: float, step_s: float = 1.0, window_s: int = 10
+    ) -> list[dict[str, Any]]:
         """Sample-like rows (``t``, ``interval_s`` and :data:`FIGURES`) of one instance,
         oldest first, for the views that read stored samples."""
         s = self.series([instance], start, end, step_s=step_s, window_s=window_s)[instance]
         rows = []
         for i, t in enumerate(s["t"]):
-            row = {"t": t, "interval_s": step_s, "covered_s": step_s, "e2e_ms_mean": None,
-                   **{f: s[f][i] for f in FIGURES}}
+            row = {
+                "t": t,
+                "interval_s": step_s,
+                "covered_s": step_s,
+                "e2e_ms_mean": None,
+                **{f: s[f][i] for f in FIGURES},
+            }
             if row["output_tokens"] is None and row["k"] is None:
                 continue  # no scrape there (host down or not yet scraped)
             rows.append(row)
@@ -286,8 +314,9 @@ def host_window(store: Any, host: str, end: float | None = None, window_s: int =
     return store_window(store, host, end, window_s)
 
 
-def prometheus_samples(url: str, since: float, until: float, step_s: int = 1,
-                       window_s: int | None = None) -> list[dict[str, Any]]:
+def prometheus_samples(
+    url: str, since: float, until: float, step_s: int = 1, window_s: int | None = None
+) -> list[dict[str, Any]]:
     """Sample-like rows of the engine host at ``url`` from the Prometheus server in
     ``$SPECPILOT_PROMETHEUS_URL``, one per ``step_s`` s (the views' stored-samples shape:
     ``t``, ``interval_s``, ``requests_per_s`` and :data:`FIGURES`); each over the
@@ -303,5 +332,6 @@ def prometheus_samples(url: str, since: float, until: float, step_s: int = 1,
     n_max = 11000  # Prometheus refuses more than 11,000 points per series
     if (until - since) / step > n_max:
         since = until - n_max * step
-    return PrometheusSource(prom_url).samples(instance_of(url), math.floor(since), math.floor(until), step_s=step,
-                                              window_s=window_s or max(step, 10))
+    return PrometheusSource(prom_url).samples(
+        instance_of(url), math.floor(since), math.floor(until), step_s=step, window_s=window_s or max(step, 10)
+    )

@@ -69,8 +69,10 @@ SETTLE_S = 2.0
 
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _NUM = r"[0-9]+(?:\.[0-9]+)?"
-_GUARD = re.compile(rf"^\s*(?P<fig>[a-z][a-z0-9_]*)\s*(?P<op><=|>=|<|>)\s*(?:"
-                    rf"(?P<f1>{_NUM})\s*\*\s*baseline|baseline\s*\*\s*(?P<f2>{_NUM})|(?P<b>baseline)|(?P<n>{_NUM}))\s*$")
+_GUARD = re.compile(
+    rf"^\s*(?P<fig>[a-z][a-z0-9_]*)\s*(?P<op><=|>=|<|>)\s*(?:"
+    rf"(?P<f1>{_NUM})\s*\*\s*baseline|baseline\s*\*\s*(?P<f2>{_NUM})|(?P<b>baseline)|(?P<n>{_NUM}))\s*$"
+)
 
 
 class RolloutError(ControlError):
@@ -109,14 +111,14 @@ def parse_guard(text: str) -> Guard:
     """
     m = _GUARD.match(text or "")
     if not m:
-        raise RolloutError(f"not a guard: {text!r}; write e.g. 'ttft_p99_ms <= 1.1 * baseline' or "
-                           "'acceptance_rate >= 0.5'")
+        raise RolloutError(
+            f"not a guard: {text!r}; write e.g. 'ttft_p99_ms <= 1.1 * baseline' or 'acceptance_rate >= 0.5'"
+        )
     fig = m["fig"]
     if fig not in FIGURES:
         raise RolloutError(f"unknown figure {fig!r} in guard {text!r}; known: {', '.join(FIGURES)}")
     factor = float(m["f1"] or m["f2"]) if (m["f1"] or m["f2"]) else (1.0 if m["b"] else None)
-    return Guard(text=text.strip(), figure=fig, op=m["op"], factor=factor,
-                 threshold=float(m["n"]) if m["n"] else None)
+    return Guard(text=text.strip(), figure=fig, op=m["op"], factor=factor, threshold=float(m["n"]) if m["n"] else None)
 
 
 FiguresFn = Callable[[Store, str, float, int], dict[str, float | None]]
@@ -134,8 +136,18 @@ def _mean(rows: Sequence[dict[str, float | None]]) -> dict[str, float | None]:
     return out
 
 
-def create(store: Store, *, hosts: Sequence[str], canary: str, patch: dict[str, Any], watch_s: float,
-           guards: Sequence[str], reason: str, author: str | None = None, baseline: str | None = None) -> int:
+def create(
+    store: Store,
+    *,
+    hosts: Sequence[str],
+    canary: str,
+    patch: dict[str, Any],
+    watch_s: float,
+    guards: Sequence[str],
+    reason: str,
+    author: str | None = None,
+    baseline: str | None = None,
+) -> int:
     """Check and record a rollout (nothing is applied yet); returns its id.
 
     Args:
@@ -173,9 +185,21 @@ def create(store: Store, *, hosts: Sequence[str], canary: str, patch: dict[str, 
     order = [canary] + [h for h in hosts if h != canary]
     now = time.time()
     with store.writer() as s:
-        r = Rollout(created_at=now, updated_at=now, author=author or current_user(), reason=reason.strip(),
-                    patch=patch, hosts=order, canary=canary, watch_s=float(watch_s), guards=[g.text for g in parsed],
-                    baseline=baseline, phase="canary", status=RUNNING, steps=[])
+        r = Rollout(
+            created_at=now,
+            updated_at=now,
+            author=author or current_user(),
+            reason=reason.strip(),
+            patch=patch,
+            hosts=order,
+            canary=canary,
+            watch_s=float(watch_s),
+            guards=[g.text for g in parsed],
+            baseline=baseline,
+            phase="canary",
+            status=RUNNING,
+            steps=[],
+        )
         s.add(r)
         s.flush()
         return r.id
@@ -210,7 +234,9 @@ def list_rollouts(store: Store, limit: int = 50) -> list[Rollout]:
 class _Runner:
     """Runs one rollout in this process, writing every step."""
 
-    def __init__(self, store: Store, rollout_id: int, figures: FiguresFn, interface: str, sleep: Callable[[float], None]):
+    def __init__(
+        self, store: Store, rollout_id: int, figures: FiguresFn, interface: str, sleep: Callable[[float], None]
+    ):
         self.store, self.id, self.figures, self.interface, self.sleep = store, rollout_id, figures, interface, sleep
         self.owner = uuid.uuid4().hex
 
@@ -243,8 +269,9 @@ class _Runner:
             if r.status != RUNNING:
                 raise RolloutError(f"rollout {self.id} is over ({r.status})")
             if r.owner and r.heartbeat_at and now - r.heartbeat_at < stale_s:
-                raise RolloutError(f"rollout {self.id} is being run by another process "
-                                   f"(heartbeat {now - r.heartbeat_at:.1f} s ago)")
+                raise RolloutError(
+                    f"rollout {self.id} is being run by another process (heartbeat {now - r.heartbeat_at:.1f} s ago)"
+                )
             r.owner, r.heartbeat_at = self.owner, now
             s.flush()
             return r
@@ -260,8 +287,15 @@ class _Runner:
     # ---------------------------------------------------------------- steps
 
     def _apply(self, r: Rollout, host: str) -> bool:
-        res = apply_change(self.store, host, r.patch, reason=f"rollout {r.id}: {r.reason}", author=r.author,
-                           interface=self.interface, source="apply")
+        res = apply_change(
+            self.store,
+            host,
+            r.patch,
+            reason=f"rollout {r.id}: {r.reason}",
+            author=r.author,
+            interface=self.interface,
+            source="apply",
+        )
         self._step(host=host, action="apply", version=res.version, outcome=res.status, message=res.message)
         log.info("rollout %s: %s version %s %s", r.id, host, res.version, res.status)
         return res.ok
@@ -270,10 +304,22 @@ class _Runner:
         base = r.canary_base_version
         if base is None:
             return self._update(phase="done", status=FAILED, message=f"{why}; the canary had no version to return to")
-        res = rollback(self.store, r.canary, base, reason=f"rollout {r.id} rolled back: {why}", author=r.author,
-                       interface=self.interface)
-        self._step(host=r.canary, action="rollback", version=res.version, outcome=res.status, message=res.message,
-                   rollback_of=base)
+        res = rollback(
+            self.store,
+            r.canary,
+            base,
+            reason=f"rollout {r.id} rolled back: {why}",
+            author=r.author,
+            interface=self.interface,
+        )
+        self._step(
+            host=r.canary,
+            action="rollback",
+            version=res.version,
+            outcome=res.status,
+            message=res.message,
+            rollback_of=base,
+        )
         status = ROLLED_BACK if res.ok else FAILED
         msg = f"{why}; canary {r.canary} rolled back to version {base} as version {res.version}"
         if not res.ok:
@@ -288,9 +334,11 @@ class _Runner:
                 baseline = self.figures(self.store, r.canary, time.time(), int(r.watch_s))
             r = self._update(canary_base_version=base.version if base else None, baseline_figures=baseline)
             if not self._apply(r, r.canary):
-                return self._update(phase="done", status=FAILED,
-                                    message=f"the change could not be applied to the canary {r.canary}; "
-                                            "no host was changed")
+                return self._update(
+                    phase="done",
+                    status=FAILED,
+                    message=f"the change could not be applied to the canary {r.canary}; no host was changed",
+                )
             r = self._update(phase="watch", watch_started_at=time.time())
         if r.phase == "watch":
             assert r.watch_started_at is not None  # set with phase "watch"
@@ -302,12 +350,20 @@ class _Runner:
                 baseline = _mean([self.figures(self.store, h, end, window) for h in r.hosts if h != r.canary])
             else:
                 baseline = r.baseline_figures or {}
-            checks = [parse_guard(g).check(canary.get(parse_guard(g).figure), baseline.get(parse_guard(g).figure))
-                      for g in r.guards]
+            checks = [
+                parse_guard(g).check(canary.get(parse_guard(g).figure), baseline.get(parse_guard(g).figure))
+                for g in r.guards
+            ]
             ok = all(c[0] for c in checks)
-            self._step(host=r.canary, action="watch", outcome="passed" if ok else "failed", window_s=window,
-                       guards=[c[1] for c in checks],
-                       canary={f: canary.get(f) for f in FIGURES}, baseline={f: baseline.get(f) for f in FIGURES})
+            self._step(
+                host=r.canary,
+                action="watch",
+                outcome="passed" if ok else "failed",
+                window_s=window,
+                guards=[c[1] for c in checks],
+                canary={f: canary.get(f) for f in FIGURES},
+                baseline={f: baseline.get(f) for f in FIGURES},
+            )
             if not ok:
                 failed = "; ".join(c[1] for c in checks if not c[0])
                 return self._rollback_canary(r, f"guard failed ({failed})")
@@ -319,17 +375,28 @@ class _Runner:
                     continue
                 if not self._apply(r, host):
                     changed = [h for h in r.hosts if h in done]
-                    return self._update(phase="done", status=FAILED,
-                                        message=f"the change could not be applied to {host}; stopped there "
-                                                f"(hosts with the new config: {', '.join(changed)})")
+                    return self._update(
+                        phase="done",
+                        status=FAILED,
+                        message=f"the change could not be applied to {host}; stopped there "
+                        f"(hosts with the new config: {', '.join(changed)})",
+                    )
                 done.add(host)
-            return self._update(phase="done", status=SUCCEEDED,
-                                message=f"every host has the change: {', '.join(r.hosts)}")
+            return self._update(
+                phase="done", status=SUCCEEDED, message=f"every host has the change: {', '.join(r.hosts)}"
+            )
         return r
 
 
-def run(store: Store, rollout_id: int, *, figures: FiguresFn = _figures, interface: str = "cli",
-        sleep: Callable[[float], None] = time.sleep, stale_s: float = STALE_S) -> Rollout:
+def run(
+    store: Store,
+    rollout_id: int,
+    *,
+    figures: FiguresFn = _figures,
+    interface: str = "cli",
+    sleep: Callable[[float], None] = time.sleep,
+    stale_s: float = STALE_S,
+) -> Rollout:
     """Run (or take over) a rollout to its end in this process.
 
     Returns:
@@ -343,8 +410,9 @@ def run(store: Store, rollout_id: int, *, figures: FiguresFn = _figures, interfa
     return runner.run(r)
 
 
-def resume(store: Store, *, figures: FiguresFn = _figures, interface: str = "cli",
-           stale_s: float = STALE_S) -> list[tuple[Rollout, str]]:
+def resume(
+    store: Store, *, figures: FiguresFn = _figures, interface: str = "cli", stale_s: float = STALE_S
+) -> list[tuple[Rollout, str]]:
     """Take over every running rollout whose process died (no heartbeat for ``stale_s`` s)
     and bring it to its end.
 
@@ -369,9 +437,11 @@ def resume(store: Store, *, figures: FiguresFn = _figures, interface: str = "cli
                 done = runner._rollback_canary(r, "the control process died while applying to the canary")
                 out.append((done, f"rolled back rollout {r.id}: interrupted while applying to the canary"))
             else:
-                done = runner._update(phase="done", status=FAILED,
-                                      message="the control process died before the canary was changed; "
-                                              "no host was changed")
+                done = runner._update(
+                    phase="done",
+                    status=FAILED,
+                    message="the control process died before the canary was changed; no host was changed",
+                )
                 out.append((done, f"ended rollout {r.id}: interrupted before any change"))
             continue
         what = "resumed its watch of the canary" if r.phase == "watch" else "resumed applying to the other hosts"

@@ -58,8 +58,9 @@ def _as_dict(row: Any) -> dict[str, Any]:
     return d
 
 
-def choose_resolution(start: float, end: float, now: float | None = None, max_points: int = 20000,
-                      retention: Retention = Retention()) -> int:
+def choose_resolution(
+    start: float, end: float, now: float | None = None, max_points: int = 20000, retention: Retention = Retention()
+) -> int:
     """The finest resolution (s) still kept at ``start`` that gives at most ``max_points``
     points over ``[start, end)``."""
     now = time.time() if now is None else now
@@ -69,8 +70,15 @@ def choose_resolution(start: float, end: float, now: float | None = None, max_po
     return RESOLUTIONS[-1]
 
 
-def series(store: Store, host: str, columns: Sequence[str], start: float, end: float | None = None,
-           resolution_s: int | None = None, max_points: int = 20000) -> dict[str, Any]:
+def series(
+    store: Store,
+    host: str,
+    columns: Sequence[str],
+    start: float,
+    end: float | None = None,
+    resolution_s: int | None = None,
+    max_points: int = 20000,
+) -> dict[str, Any]:
     """A chart series of one host: ``{"resolution_s": r, "t": [unix s...], col: [...]}``.
 
     Args:
@@ -89,17 +97,25 @@ def series(store: Store, host: str, columns: Sequence[str], start: float, end: f
     cols = [MetricSample.t] + [getattr(MetricSample, c) for c in columns]
     with store.reader() as s:
         h = active_host(s, host)
-        rows = s.execute(select(*cols).where(MetricSample.host_id == h.id, MetricSample.resolution_s == res,
-                                             MetricSample.t >= math.floor(start), MetricSample.t < end)
-                         .order_by(MetricSample.t)).all()
+        rows = s.execute(
+            select(*cols)
+            .where(
+                MetricSample.host_id == h.id,
+                MetricSample.resolution_s == res,
+                MetricSample.t >= math.floor(start),
+                MetricSample.t < end,
+            )
+            .order_by(MetricSample.t)
+        ).all()
     out: dict[str, Any] = {"resolution_s": res, "t": [r[0] for r in rows]}
     for i, c in enumerate(columns, start=1):
         out[c] = [r[i] for r in rows]
     return out
 
 
-def samples(store: Store, host: str, start: float, end: float | None = None,
-            resolution_s: int = 1) -> list[dict[str, Any]]:
+def samples(
+    store: Store, host: str, start: float, end: float | None = None, resolution_s: int = 1
+) -> list[dict[str, Any]]:
     """Full sample rows (dicts, oldest first, with ``requests_per_s`` added) of one host.
 
     Raises:
@@ -108,22 +124,35 @@ def samples(store: Store, host: str, start: float, end: float | None = None,
     end = time.time() if end is None else end
     with store.reader() as s:
         h = active_host(s, host)
-        rows = s.execute(select(*[getattr(MetricSample, c) for c in COLUMNS])
-                         .where(MetricSample.host_id == h.id, MetricSample.resolution_s == resolution_s,
-                                MetricSample.t >= math.floor(start), MetricSample.t < end)
-                         .order_by(MetricSample.t)).all()
+        rows = s.execute(
+            select(*[getattr(MetricSample, c) for c in COLUMNS])
+            .where(
+                MetricSample.host_id == h.id,
+                MetricSample.resolution_s == resolution_s,
+                MetricSample.t >= math.floor(start),
+                MetricSample.t < end,
+            )
+            .order_by(MetricSample.t)
+        ).all()
     return [_as_dict(r) for r in rows]
 
 
-def rows_for_hosts(store: Store, host_ids: Iterable[int], start: float, end: float, resolution_s: int,
-                   columns: Sequence[str]) -> list[dict[str, Any]]:
+def rows_for_hosts(
+    store: Store, host_ids: Iterable[int], start: float, end: float, resolution_s: int, columns: Sequence[str]
+) -> list[dict[str, Any]]:
     """Sample rows (``host_id`` + ``columns``) of several hosts, for reports."""
     cols = [MetricSample.host_id, MetricSample.t] + [getattr(MetricSample, c) for c in columns]
     with store.reader() as s:
-        rows = s.execute(select(*cols).where(MetricSample.host_id.in_(list(host_ids)),
-                                             MetricSample.resolution_s == resolution_s,
-                                             MetricSample.t >= math.floor(start), MetricSample.t < end)
-                         .order_by(MetricSample.host_id, MetricSample.t)).all()
+        rows = s.execute(
+            select(*cols)
+            .where(
+                MetricSample.host_id.in_(list(host_ids)),
+                MetricSample.resolution_s == resolution_s,
+                MetricSample.t >= math.floor(start),
+                MetricSample.t < end,
+            )
+            .order_by(MetricSample.host_id, MetricSample.t)
+        ).all()
     return [dict(r._mapping) for r in rows]
 
 
@@ -131,20 +160,26 @@ def latest_sample(store: Store, host: str) -> dict[str, Any] | None:
     """The newest 1 s sample of a host (None when there is none)."""
     with store.reader() as s:
         h = active_host(s, host)
-        row = s.execute(select(*[getattr(MetricSample, c) for c in COLUMNS])
-                        .where(MetricSample.host_id == h.id, MetricSample.resolution_s == 1)
-                        .order_by(MetricSample.t.desc()).limit(1)).first()
+        row = s.execute(
+            select(*[getattr(MetricSample, c) for c in COLUMNS])
+            .where(MetricSample.host_id == h.id, MetricSample.resolution_s == 1)
+            .order_by(MetricSample.t.desc())
+            .limit(1)
+        ).first()
     return _as_dict(row) if row else None
 
 
 # --------------------------------------------------------------------------- downsampling
 
+
 def _rollup_host(store: Store, host_id: int, src: int, dst: int, until: int, chunk_buckets: int = 1440) -> int:
     with store.reader() as s:
-        done = s.scalar(select(func.max(MetricSample.t)).where(MetricSample.host_id == host_id,
-                                                               MetricSample.resolution_s == dst))
-        first = s.scalar(select(func.min(MetricSample.t)).where(MetricSample.host_id == host_id,
-                                                                MetricSample.resolution_s == src))
+        done = s.scalar(
+            select(func.max(MetricSample.t)).where(MetricSample.host_id == host_id, MetricSample.resolution_s == dst)
+        )
+        first = s.scalar(
+            select(func.min(MetricSample.t)).where(MetricSample.host_id == host_id, MetricSample.resolution_s == src)
+        )
     if first is None:
         return 0
     start = done + dst if done is not None else (first // dst) * dst
@@ -153,10 +188,16 @@ def _rollup_host(store: Store, host_id: int, src: int, dst: int, until: int, chu
     while start < until:
         stop = min(until, start + chunk_buckets * dst)
         with store.writer() as s:
-            rows = s.execute(select(*[getattr(MetricSample, c) for c in COLUMNS])
-                             .where(MetricSample.host_id == host_id, MetricSample.resolution_s == src,
-                                    MetricSample.t >= start, MetricSample.t < stop)
-                             .order_by(MetricSample.t)).all()
+            rows = s.execute(
+                select(*[getattr(MetricSample, c) for c in COLUMNS])
+                .where(
+                    MetricSample.host_id == host_id,
+                    MetricSample.resolution_s == src,
+                    MetricSample.t >= start,
+                    MetricSample.t < stop,
+                )
+                .order_by(MetricSample.t)
+            ).all()
             buckets: dict[int, list[dict[str, Any]]] = {}
             for r in rows:
                 d = dict(r._mapping)
@@ -169,8 +210,9 @@ def _rollup_host(store: Store, host_id: int, src: int, dst: int, until: int, chu
     return made
 
 
-def downsample(store: Store, now: float | None = None, retention: Retention = Retention(),
-               grace_s: float = 5.0) -> dict[str, int]:
+def downsample(
+    store: Store, now: float | None = None, retention: Retention = Retention(), grace_s: float = 5.0
+) -> dict[str, int]:
     """Roll complete minutes (hours) up into 60 s (3600 s) rows, then delete rows past
     their retention. Idempotent; run it every minute or so.
 
@@ -190,20 +232,31 @@ def downsample(store: Store, now: float | None = None, retention: Retention = Re
             stats[f"rolled_{dst}"] += _rollup_host(store, hid, src, dst, until)
     with store.writer() as s:
         for r in RESOLUTIONS:
-            stats["deleted"] += cast(CursorResult[Any], s.execute(delete(MetricSample).where(
-                MetricSample.resolution_s == r, MetricSample.t < now - retention.for_resolution(r)))).rowcount or 0
+            stats["deleted"] += (
+                cast(
+                    CursorResult[Any],
+                    s.execute(
+                        delete(MetricSample).where(
+                            MetricSample.resolution_s == r, MetricSample.t < now - retention.for_resolution(r)
+                        )
+                    ),
+                ).rowcount
+                or 0
+            )
         s.execute(delete(CollectionGap).where(CollectionGap.ended_at < now - retention.hour_s))
     return stats
 
 
 # --------------------------------------------------------------------------- gaps
 
+
 def open_gap(store: Store, host_id: int, started_at: float, reason: str) -> int:
     """Record that a host stopped answering at ``started_at`` (unix s); returns the gap id.
     An already open gap of the host is kept (and its id returned)."""
     with store.writer() as s:
-        existing = s.scalar(select(CollectionGap.id).where(CollectionGap.host_id == host_id,
-                                                           CollectionGap.ended_at.is_(None)))
+        existing = s.scalar(
+            select(CollectionGap.id).where(CollectionGap.host_id == host_id, CollectionGap.ended_at.is_(None))
+        )
         if existing is not None:
             return existing
         gap = CollectionGap(host_id=host_id, started_at=started_at, reason=reason)
@@ -215,9 +268,11 @@ def open_gap(store: Store, host_id: int, started_at: float, reason: str) -> int:
 def close_gap(store: Store, host_id: int, ended_at: float) -> int:
     """End the host's open gap at ``ended_at`` (unix s); returns how many were closed."""
     with store.writer() as s:
-        res = s.execute(update(CollectionGap).where(CollectionGap.host_id == host_id,
-                                                    CollectionGap.ended_at.is_(None))
-                        .values(ended_at=ended_at))
+        res = s.execute(
+            update(CollectionGap)
+            .where(CollectionGap.host_id == host_id, CollectionGap.ended_at.is_(None))
+            .values(ended_at=ended_at)
+        )
         return cast(CursorResult[Any], res).rowcount or 0
 
 
@@ -230,6 +285,14 @@ def gaps(store: Store, host: str, start: float = 0.0, end: float | None = None) 
     end = time.time() if end is None else end
     with store.reader() as s:
         h = active_host(s, host)
-        return list(s.scalars(select(CollectionGap).where(
-            CollectionGap.host_id == h.id, CollectionGap.started_at < end,
-            (CollectionGap.ended_at.is_(None)) | (CollectionGap.ended_at >= start)).order_by(CollectionGap.started_at)))
+        return list(
+            s.scalars(
+                select(CollectionGap)
+                .where(
+                    CollectionGap.host_id == h.id,
+                    CollectionGap.started_at < end,
+                    (CollectionGap.ended_at.is_(None)) | (CollectionGap.ended_at >= start),
+                )
+                .order_by(CollectionGap.started_at)
+            )
+        )

@@ -55,20 +55,42 @@ DRAFT_POS = "specpilot:spec_decode_num_draft_tokens_per_pos_total"
 ENGINE_START = "specpilot:engine_start_time_seconds"
 
 #: The metric families the collector reads (the rest of ``/metrics`` is skipped).
-FAMILIES = frozenset({
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:generation_tokens", "vllm:prompt_tokens", "vllm:request_success",
-    *HISTOGRAMS.values(), *USER_LATENCY_HISTOGRAMS.values(),
-    "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
-    "vllm:spec_decode_num_accepted_tokens_per_pos", "specpilot:spec_decode_num_draft_tokens_per_pos",
-    "specpilot:speculation_k", "specpilot:speculation_mode_info", "specpilot:config_version",
-    "specpilot:max_num_seqs", "specpilot:engine_start_time_seconds", "specpilot:ready",
-    "specpilot:user_generation_tokens",
-})
+FAMILIES = frozenset(
+    {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:generation_tokens",
+        "vllm:prompt_tokens",
+        "vllm:request_success",
+        *HISTOGRAMS.values(),
+        *USER_LATENCY_HISTOGRAMS.values(),
+        "vllm:spec_decode_num_drafts",
+        "vllm:spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "specpilot:spec_decode_num_draft_tokens_per_pos",
+        "specpilot:speculation_k",
+        "specpilot:speculation_mode_info",
+        "specpilot:config_version",
+        "specpilot:max_num_seqs",
+        "specpilot:engine_start_time_seconds",
+        "specpilot:ready",
+        "specpilot:user_generation_tokens",
+    }
+)
 
 #: Columns summed in roll-ups.
-SUM_COLUMNS = ("covered_s", "busy_s", "output_tokens", "prompt_tokens", "requests_finished",
-               "num_drafts", "draft_tokens", "accepted_tokens")
+SUM_COLUMNS = (
+    "covered_s",
+    "busy_s",
+    "output_tokens",
+    "prompt_tokens",
+    "requests_finished",
+    "num_drafts",
+    "draft_tokens",
+    "accepted_tokens",
+)
 #: Gauge columns averaged (weighted by covered seconds) in roll-ups, with their maxima.
 MEAN_COLUMNS = ("kv_cache_usage", "running", "waiting", "k")
 MAX_COLUMNS = {"kv_cache_usage_max": "kv_cache_usage", "running_max": "running", "waiting_max": "waiting"}
@@ -144,11 +166,13 @@ class SampleBuilder:
                 name = user
             hists[kind] = bucket_delta(snap.histogram(name), prev.histogram(name))
         user_new, user_old = snap.value(USER_GEN), prev.value(USER_GEN)
-        finished = sum(snap.by_label(FINISHED, "finished_reason").values()) - \
-            sum(prev.by_label(FINISHED, "finished_reason").values())
+        finished = sum(snap.by_label(FINISHED, "finished_reason").values()) - sum(
+            prev.by_label(FINISHED, "finished_reason").values()
+        )
         modes = [m for m, v in snap.by_label("specpilot:speculation_mode_info", "mode").items() if v >= 1.0]
         iv = Interval(
-            t=prev_t, covered_s=t - prev_t,
+            t=prev_t,
+            covered_s=t - prev_t,
             output_tokens=_sub(snap.value(GEN), prev.value(GEN)),
             user_output_tokens=None if user_new is None or user_old is None else _sub(user_new, user_old),
             prompt_tokens=_sub(snap.value(PROMPT), prev.value(PROMPT)),
@@ -208,7 +232,8 @@ def rollup(rows: Iterable[dict[str, Any]], resolution_s: int, t: int) -> dict[st
     known = all(r.get("draft_tokens_per_pos") is not None or not r.get("draft_tokens") for r in rows)
     out["draft_tokens_per_pos"] = (rows_total(rows, "draft_tokens_per_pos") or None) if known else None
     out["acceptance_rate"], out["acceptance_per_position"] = acceptance(
-        out["draft_tokens"], out["accepted_tokens"], out["draft_tokens_per_pos"], out["accepted_per_pos"])
+        out["draft_tokens"], out["accepted_tokens"], out["draft_tokens_per_pos"], out["accepted_per_pos"]
+    )
     last = rows[-1]
     for col in ("mode", "config_version", "max_num_seqs"):
         out[col] = last.get(col)

@@ -114,16 +114,35 @@ class Store:
 
 # --------------------------------------------------------------------------- audit
 
-def audit(s: Session, *, actor: str, origin: str, action: str, outcome: str, host_name: str | None = None,
-          message: str | None = None, detail: dict[str, Any] | None = None, at: float | None = None) -> AuditEvent:
+
+def audit(
+    s: Session,
+    *,
+    actor: str,
+    origin: str,
+    action: str,
+    outcome: str,
+    host_name: str | None = None,
+    message: str | None = None,
+    detail: dict[str, Any] | None = None,
+    at: float | None = None,
+) -> AuditEvent:
     """Add an audit event to the session's transaction (written with it).
 
     Args:
         actor: who (operator name or ``control-plane``); origin: see :func:`origin`;
         action: e.g. ``host.add``, ``config.apply``; outcome: ``ok``, ``failed`` or ``refused``.
     """
-    ev = AuditEvent(at=time.time() if at is None else at, actor=actor, origin=origin, action=action,
-                    host_name=host_name, outcome=outcome, message=message, detail=detail)
+    ev = AuditEvent(
+        at=time.time() if at is None else at,
+        actor=actor,
+        origin=origin,
+        action=action,
+        host_name=host_name,
+        outcome=outcome,
+        message=message,
+        detail=detail,
+    )
     s.add(ev)
     return ev
 
@@ -134,8 +153,9 @@ def record_audit(store: Store, **kwargs: Any) -> AuditEvent:
         return audit(s, **kwargs)
 
 
-def audit_events(store: Store, host: str | None = None, since: float | None = None,
-                 limit: int = 200) -> list[AuditEvent]:
+def audit_events(
+    store: Store, host: str | None = None, since: float | None = None, limit: int = 200
+) -> list[AuditEvent]:
     """Audit events, newest first (optionally of one host, after ``since`` unix s)."""
     q = select(AuditEvent).order_by(AuditEvent.at.desc(), AuditEvent.id.desc()).limit(limit)
     if host:
@@ -147,6 +167,7 @@ def audit_events(store: Store, host: str | None = None, since: float | None = No
 
 
 # --------------------------------------------------------------------------- hosts
+
 
 def check_url(url: str) -> str:
     """Normalise an engine host's base URL (``http(s)://host[:port][/prefix]``, no trailing slash).
@@ -185,14 +206,25 @@ def active_host(s: Session, name: str, lock: bool = False) -> Host:
     host = s.scalars(q).first()
     if host is None:
         known = ", ".join(s.scalars(select(Host.name).where(Host.removed_at.is_(None)).order_by(Host.name)))
-        raise UnknownHost(f"no engine host named {name!r} is registered"
-                          + (f" (known: {known})" if known else " (add one with: python -m control hosts add NAME URL)"))
+        raise UnknownHost(
+            f"no engine host named {name!r} is registered"
+            + (f" (known: {known})" if known else " (add one with: python -m control hosts add NAME URL)")
+        )
     return host
 
 
-def add_host(store: Store, name: str, url: str, *, usd_per_hour: float = 0.0, gpu_kind: str | None = None,
-             token_env: str = DEFAULT_TOKEN_ENV, actor: str | None = None, origin_: str = "api",
-             update: bool = False) -> Host:
+def add_host(
+    store: Store,
+    name: str,
+    url: str,
+    *,
+    usd_per_hour: float = 0.0,
+    gpu_kind: str | None = None,
+    token_env: str = DEFAULT_TOKEN_ENV,
+    actor: str | None = None,
+    origin_: str = "api",
+    update: bool = False,
+) -> Host:
     """Register an engine host (or bring back a removed one of that name).
 
     Args:
@@ -224,8 +256,15 @@ def add_host(store: Store, name: str, url: str, *, usd_per_hour: float = 0.0, gp
             s.add(host)
         host.url, host.usd_per_hour, host.gpu_kind, host.token_env = url, float(usd_per_hour), gpu_kind, token_env
         host.removed_at = None
-        audit(s, actor=actor, origin=origin_, action=action, outcome="ok", host_name=name,
-              detail={"url": url, "usd_per_hour": usd_per_hour, "gpu_kind": gpu_kind, "token_env": token_env})
+        audit(
+            s,
+            actor=actor,
+            origin=origin_,
+            action=action,
+            outcome="ok",
+            host_name=name,
+            detail={"url": url, "usd_per_hour": usd_per_hour, "gpu_kind": gpu_kind, "token_env": token_env},
+        )
         s.flush()
         return host
 
@@ -245,8 +284,9 @@ def remove_host(store: Store, name: str, *, actor: str | None = None, origin_: s
         host.removed_at = now
         for ev in s.scalars(select(AlertEvent).where(AlertEvent.host_id == host.id, AlertEvent.ended_at.is_(None))):
             ev.ended_at = now
-        for gap in s.scalars(select(CollectionGap).where(CollectionGap.host_id == host.id,
-                                                         CollectionGap.ended_at.is_(None))):
+        for gap in s.scalars(
+            select(CollectionGap).where(CollectionGap.host_id == host.id, CollectionGap.ended_at.is_(None))
+        ):
             gap.ended_at = now
         audit(s, actor=actor or current_user(), origin=origin_, action="host.remove", outcome="ok", host_name=name)
 
@@ -270,8 +310,15 @@ def list_hosts(store: Store, include_removed: bool = False) -> list[Host]:
         return list(s.scalars(q))
 
 
-def set_engine_identity(store: Store, host_id: int, *, pid: int | None, started_at: float | None,
-                        limits: dict[str, Any] | None, seen_at: float | None = None) -> None:
+def set_engine_identity(
+    store: Store,
+    host_id: int,
+    *,
+    pid: int | None,
+    started_at: float | None,
+    limits: dict[str, Any] | None,
+    seen_at: float | None = None,
+) -> None:
     """Remember the engine identity (PID, start time in unix s) and start-up limits last seen."""
     with store.writer() as s:
         host = s.get(Host, host_id)

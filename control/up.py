@@ -54,14 +54,23 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="local", help="host name in the store")
     p.add_argument("--usd-per-hour", type=float, default=None, help="machine price (USD/hour) recorded for the host")
     p.add_argument("--gpu", default=None, help="accelerator kind recorded for the host (default: cpu or gpu)")
-    p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
-                   help="extra 'python -m engine_host' argument (repeatable), e.g. --engine-arg=--k-max=4")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra 'python -m engine_host' argument (repeatable), e.g. --engine-arg=--k-max=4",
+    )
     p.add_argument("--interval", type=float, default=1.0, help="collector scrape interval (s)")
     p.add_argument("--dashboard-port", type=int, default=8501, help="dashboard port")
     p.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the engine host")
-    p.add_argument("--liveness-s", type=float, default=30.0,
-                   help="restart an engine host whose /health has failed for this long (s; 0: only on exit)")
+    p.add_argument(
+        "--liveness-s",
+        type=float,
+        default=30.0,
+        help="restart an engine host whose /health has failed for this long (s; 0: only on exit)",
+    )
 
 
 def dashboard_available() -> bool:
@@ -140,9 +149,14 @@ class SupervisedEngineHost(EngineHostProcess):
         self.started_at = time.monotonic()
         # SIGKILL: an engine host told to stop (SIGTERM) after its parent died was seen to
         # hang in its shutdown; its engine core and workers die with it (engine_host)
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True,
-                                     preexec_fn=die_with_parent(os.getpid(), signal.SIGKILL))
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent(os.getpid(), signal.SIGKILL),
+        )
         return self
 
 
@@ -167,8 +181,9 @@ class Backoff:
     """Restart delays 1, 2, 4 ... ``max_s`` s; back to the start once a run lasted
     ``stable_s`` s."""
 
-    def __init__(self, start_s: float = BACKOFF_START_S, max_s: float = BACKOFF_MAX_S,
-                 stable_s: float = STABLE_AFTER_S):
+    def __init__(
+        self, start_s: float = BACKOFF_START_S, max_s: float = BACKOFF_MAX_S, stable_s: float = STABLE_AFTER_S
+    ):
         self.start_s, self.max_s, self.stable_s = start_s, max_s, stable_s
         self._next = start_s
 
@@ -181,8 +196,9 @@ class Backoff:
         return d
 
 
-def register_host(store: Any, name: str, url: str, usd_per_hour: float | None, gpu_kind: str | None,
-                  default_gpu_kind: str) -> Any:
+def register_host(
+    store: Any, name: str, url: str, usd_per_hour: float | None, gpu_kind: str | None, default_gpu_kind: str
+) -> Any:
     """Register (or update the URL of) the host ``control up`` runs. A price (USD/hour)
     or GPU kind already recorded is kept unless given (not None): a restart must not
     rewrite the cost history.
@@ -229,8 +245,11 @@ def wait_port_free(address: str, port: int, timeout_s: float = 60.0, out=sys.std
             if s.connect_ex((address if address not in ("0.0.0.0", "") else "127.0.0.1", port)) != 0:
                 return True
         if not said:
-            print(f"SpecPilot: port {port} is still in use (a previous engine host shutting down?); waiting",
-                  file=out, flush=True)
+            print(
+                f"SpecPilot: port {port} is still in use (a previous engine host shutting down?); waiting",
+                file=out,
+                flush=True,
+            )
             said = True
         time.sleep(0.5)
     return False
@@ -258,9 +277,21 @@ class Supervisor:
     ``dashboard`` are always the current processes (for the clean-up).
     """
 
-    def __init__(self, store: Any, name: str, collector: Any, make_engine: Callable[[], Any], engine: Any,
-                 dashboard_cmd: list[str] | None, dashboard: subprocess.Popen | None, ready_timeout_s: float,
-                 liveness_s: float = 30.0, probe_s: float = 1.0, poll_s: float = 0.5, out=sys.stdout):
+    def __init__(
+        self,
+        store: Any,
+        name: str,
+        collector: Any,
+        make_engine: Callable[[], Any],
+        engine: Any,
+        dashboard_cmd: list[str] | None,
+        dashboard: subprocess.Popen | None,
+        ready_timeout_s: float,
+        liveness_s: float = 30.0,
+        probe_s: float = 1.0,
+        poll_s: float = 0.5,
+        out=sys.stdout,
+    ):
         self.store, self.name, self.collector = store, name, collector
         self.make_engine, self.engine = make_engine, engine
         self.dashboard_cmd, self.dashboard = dashboard_cmd, dashboard
@@ -281,8 +312,16 @@ class Supervisor:
         from .store import origin, record_audit
 
         try:
-            record_audit(self.store, actor=SYSTEM_ACTOR, origin=origin("up"), action=action, outcome=outcome,
-                         host_name=self.name, message=message, detail=detail)
+            record_audit(
+                self.store,
+                actor=SYSTEM_ACTOR,
+                origin=origin("up"),
+                action=action,
+                outcome=outcome,
+                host_name=self.name,
+                message=message,
+                detail=detail,
+            )
         except Exception:  # the store may be unreachable; supervision goes on
             log.exception("could not record %s in the audit trail", action)
 
@@ -336,16 +375,24 @@ class Supervisor:
             log.exception("could not record the host as down")
         delay = self.engine_backoff.delay(time.monotonic() - self._engine_up_since)
         self._say(f"{why}; log {self.engine.log_path}; restarting it in {delay:.0f} s")
-        self._audit("engine_host.exit", "failed", f"{why}; restart in {delay:.0f} s",
-                    {"returncode": code, "restart_in_s": delay})
+        self._audit(
+            "engine_host.exit",
+            "failed",
+            f"{why}; restart in {delay:.0f} s",
+            {"returncode": code, "restart_in_s": delay},
+        )
         time.sleep(delay)
         self.restarts += 1
         self.engine = self.make_engine()
         wait_port_free(self.engine.host, self.engine.port, out=self.out)
         self.engine.start()
         self._engine_up_since = time.monotonic()
-        self._audit("engine_host.restart", "ok", f"restart {self.restarts} of the engine host (after {why})",
-                    {"restart": self.restarts, "delay_s": delay, "previous_returncode": code})
+        self._audit(
+            "engine_host.restart",
+            "ok",
+            f"restart {self.restarts} of the engine host (after {why})",
+            {"restart": self.restarts, "delay_s": delay, "previous_returncode": code},
+        )
         try:
             seconds = wait_ready(self.engine, self.ready_timeout_s, out=self.out)
         except EngineHostError as exc:
@@ -360,8 +407,12 @@ class Supervisor:
         code = self.dashboard.returncode
         delay = self.dashboard_backoff.delay(time.monotonic() - self._dashboard_up_since)
         self._say(f"the dashboard exited ({code}); restarting it in {delay:.0f} s")
-        self._audit("dashboard.restart", "ok", f"the dashboard exited ({code}); restarted after {delay:.0f} s",
-                    {"returncode": code, "delay_s": delay})
+        self._audit(
+            "dashboard.restart",
+            "ok",
+            f"the dashboard exited ({code}); restarted after {delay:.0f} s",
+            {"returncode": code, "delay_s": delay},
+        )
         time.sleep(delay)
         self.dashboard = start_dashboard(self.dashboard_cmd)
         self._dashboard_up_since = time.monotonic()
@@ -383,8 +434,7 @@ def run_up(args: argparse.Namespace) -> int:
     extra = (["--enforce-eager"] if cpu and "--enforce-eager" not in args.engine_arg else []) + list(args.engine_arg)
 
     def make_engine() -> SupervisedEngineHost:
-        return SupervisedEngineHost(port=args.port, host=args.address, model=args.model, extra_args=extra,
-                                    token=token)
+        return SupervisedEngineHost(port=args.port, host=args.address, model=args.model, extra_args=extra, token=token)
 
     eh = make_engine()
     dashboard_cmd: list[str] | None = None
@@ -411,8 +461,15 @@ def run_up(args: argparse.Namespace) -> int:
             bootstrap_user()  # first start: the admin's password, framed, before the collector's log lines
         collector = Collector(store, interval_s=args.interval).start()
         if not args.no_dashboard and dashboard_available():
-            dashboard_cmd = [sys.executable, "-m", "dashboard", "--port", str(args.dashboard_port),
-                             "--address", args.address]
+            dashboard_cmd = [
+                sys.executable,
+                "-m",
+                "dashboard",
+                "--port",
+                str(args.dashboard_port),
+                "--address",
+                args.address,
+            ]
             if args.db:
                 dashboard_cmd += ["--db", args.db]
             dashboard = start_dashboard(dashboard_cmd)
@@ -426,8 +483,17 @@ def run_up(args: argparse.Namespace) -> int:
         if created:
             print(f"  control token  {token}  (saved in $SPECPILOT_HOME/control_token)")
         print("Ctrl-C stops everything.", flush=True)
-        sup = Supervisor(store, args.name, collector, make_engine, eh, dashboard_cmd, dashboard, args.ready_timeout,
-                         liveness_s=args.liveness_s)
+        sup = Supervisor(
+            store,
+            args.name,
+            collector,
+            make_engine,
+            eh,
+            dashboard_cmd,
+            dashboard,
+            args.ready_timeout,
+            liveness_s=args.liveness_s,
+        )
         sup.run()
     except KeyboardInterrupt:
         return 0

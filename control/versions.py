@@ -68,20 +68,27 @@ def get_version(store: Store, host: str, version: int) -> ConfigVersion:
     """
     with store.reader() as s:
         h = active_host(s, host)
-        v = s.scalars(select(ConfigVersion).where(ConfigVersion.host_id == h.id,
-                                                  ConfigVersion.version == version)).first()
+        v = s.scalars(
+            select(ConfigVersion).where(ConfigVersion.host_id == h.id, ConfigVersion.version == version)
+        ).first()
         if v is None:
             last = s.scalar(select(func.max(ConfigVersion.version)).where(ConfigVersion.host_id == h.id))
-            raise UnknownVersion(f"host {host!r} has no config version {version}"
-                                 + (f" (versions 1..{last})" if last else " (no versions yet)"))
+            raise UnknownVersion(
+                f"host {host!r} has no config version {version}"
+                + (f" (versions 1..{last})" if last else " (no versions yet)")
+            )
         return v
 
 
 def last_applied(store: Store, host_id: int) -> ConfigVersion | None:
     """The newest version whose outcome is ``applied`` (the config the engine should have)."""
     with store.reader() as s:
-        return s.scalars(select(ConfigVersion).where(ConfigVersion.host_id == host_id, ConfigVersion.status == APPLIED)
-                         .order_by(ConfigVersion.version.desc()).limit(1)).first()
+        return s.scalars(
+            select(ConfigVersion)
+            .where(ConfigVersion.host_id == host_id, ConfigVersion.status == APPLIED)
+            .order_by(ConfigVersion.version.desc())
+            .limit(1)
+        ).first()
 
 
 def version_in_force(store: Store, host: str) -> ConfigVersion | None:
@@ -110,9 +117,13 @@ def set_engine_config_version(store: Store, host_id: int, engine_version: int | 
 def pending_versions(store: Store, host_id: int) -> list[ConfigVersion]:
     """Versions still ``pending`` (an apply in flight, or one interrupted), oldest first."""
     with store.reader() as s:
-        return list(s.scalars(select(ConfigVersion).where(ConfigVersion.host_id == host_id,
-                                                          ConfigVersion.status == PENDING)
-                              .order_by(ConfigVersion.version)))
+        return list(
+            s.scalars(
+                select(ConfigVersion)
+                .where(ConfigVersion.host_id == host_id, ConfigVersion.status == PENDING)
+                .order_by(ConfigVersion.version)
+            )
+        )
 
 
 def diff_versions(store: Store, host: str, a: int, b: int) -> list[dict[str, Any]]:
@@ -125,9 +136,20 @@ def diff_versions(store: Store, host: str, a: int, b: int) -> list[dict[str, Any
     return diff_configs(get_version(store, host, a).config, get_version(store, host, b).config)
 
 
-def record_version(store: Store, host_id: int, *, config: dict[str, Any], author: str, reason: str, source: str,
-                   base: ConfigVersion | None, rollback_of: int | None = None, status: str = PENDING,
-                   engine_version: int | None = None, message: str | None = None) -> ConfigVersion:
+def record_version(
+    store: Store,
+    host_id: int,
+    *,
+    config: dict[str, Any],
+    author: str,
+    reason: str,
+    source: str,
+    base: ConfigVersion | None,
+    rollback_of: int | None = None,
+    status: str = PENDING,
+    engine_version: int | None = None,
+    message: str | None = None,
+) -> ConfigVersion:
     """Write a new version with the next number (host row locked while numbering).
 
     Args:
@@ -140,10 +162,20 @@ def record_version(store: Store, host_id: int, *, config: dict[str, Any], author
         s.scalars(select(Host.id).where(Host.id == host_id).with_for_update()).first()
         n = (s.scalar(select(func.max(ConfigVersion.version)).where(ConfigVersion.host_id == host_id)) or 0) + 1
         v = ConfigVersion(
-            host_id=host_id, version=n, created_at=now, author=author, reason=reason, source=source,
-            base_version=base.version if base else None, rollback_of=rollback_of, config=config,
-            diff=diff_configs(base.config, config) if base else [], status=status,
-            finished_at=now if status != PENDING else None, engine_version=engine_version, engine_message=message,
+            host_id=host_id,
+            version=n,
+            created_at=now,
+            author=author,
+            reason=reason,
+            source=source,
+            base_version=base.version if base else None,
+            rollback_of=rollback_of,
+            config=config,
+            diff=diff_configs(base.config, config) if base else [],
+            status=status,
+            finished_at=now if status != PENDING else None,
+            engine_version=engine_version,
+            engine_message=message,
         )
         s.add(v)
         if status == APPLIED:
@@ -152,8 +184,15 @@ def record_version(store: Store, host_id: int, *, config: dict[str, Any], author
         return v
 
 
-def record_outcome(store: Store, version_id: int, *, status: str, engine_version: int | None = None,
-                   message: str | None = None, apply_latency_ms: float | None = None) -> ConfigVersion:
+def record_outcome(
+    store: Store,
+    version_id: int,
+    *,
+    status: str,
+    engine_version: int | None = None,
+    message: str | None = None,
+    apply_latency_ms: float | None = None,
+) -> ConfigVersion:
     """Set a pending version's outcome (``applied`` or ``failed``) with the engine's
     message and the apply latency (ms).
 
@@ -174,6 +213,7 @@ def record_outcome(store: Store, version_id: int, *, status: str, engine_version
 
 # --------------------------------------------------------------------------- apply lease
 
+
 def _pid_start(pid: int) -> int | None:
     """The start time of process ``pid`` (clock ticks since boot, ``/proc/PID/stat``
     field 22), or None when there is no such process (or no ``/proc``)."""
@@ -182,14 +222,19 @@ def _pid_start(pid: int) -> int | None:
             stat = f.read()
     except OSError:
         return None
-    return int(stat[stat.rindex(b")") + 2:].split()[19])
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
 def lease_holder(who: str | None = None) -> dict[str, Any]:
     """This process as a lease holder: ``{"who", "machine", "pid", "pid_start", "since"}``."""
     pid = os.getpid()
-    return {"who": who or current_user(), "machine": socket.gethostname(), "pid": pid,
-            "pid_start": _pid_start(pid), "since": time.time()}
+    return {
+        "who": who or current_user(),
+        "machine": socket.gethostname(),
+        "pid": pid,
+        "pid_start": _pid_start(pid),
+        "since": time.time(),
+    }
 
 
 def holder_gone(info: dict[str, Any] | None) -> bool:
@@ -204,18 +249,28 @@ def holder_gone(info: dict[str, Any] | None) -> bool:
 
 def describe_holder(info: dict[str, Any] | None, until: float | None) -> str:
     """``"cli (alice) pid 4242 on box since 12:00:01 UTC, lease until 12:01:01 UTC"``."""
+
     def hms(t: float | None) -> str:
         return time.strftime("%H:%M:%S UTC", time.gmtime(t)) if t else "?"
 
     if not info:
         return f"another apply (lease until {hms(until)})"
-    return (f"{info.get('who', '?')} pid {info.get('pid', '?')} on {info.get('machine', '?')} since "
-            f"{hms(info.get('since'))}, lease until {hms(until)}")
+    return (
+        f"{info.get('who', '?')} pid {info.get('pid', '?')} on {info.get('machine', '?')} since "
+        f"{hms(info.get('since'))}, lease until {hms(until)}"
+    )
 
 
-def acquire_lease(store: Store, host_id: int, ttl_s: float = 60.0, wait_s: float = 60.0,
-                  poll_s: float = 0.05, who: str | None = None,
-                  on_wait: Callable[[str], None] | None = None, tell_every_s: float = 10.0) -> str:
+def acquire_lease(
+    store: Store,
+    host_id: int,
+    ttl_s: float = 60.0,
+    wait_s: float = 60.0,
+    poll_s: float = 0.05,
+    who: str | None = None,
+    on_wait: Callable[[str], None] | None = None,
+    tell_every_s: float = 10.0,
+) -> str:
     """Take the host's apply lease (one apply at a time per host, across processes).
 
     A lease expires after ``ttl_s`` seconds; a lease whose holder process is gone (on
@@ -241,29 +296,42 @@ def acquire_lease(store: Store, host_id: int, ttl_s: float = 60.0, wait_s: float
         now = time.time()
         with store.writer() as s:
             taken = s.execute(
-                update(Host).where(Host.id == host_id)
+                update(Host)
+                .where(Host.id == host_id)
                 .where((Host.apply_lock_until.is_(None)) | (Host.apply_lock_until < now))
                 .values(apply_lock_owner=token, apply_lock_until=now + ttl_s, apply_lock_info=info)
             ).rowcount
             if not taken:
-                name, owner, until, held = s.execute(select(Host.name, Host.apply_lock_owner, Host.apply_lock_until,
-                                                            Host.apply_lock_info).where(Host.id == host_id)).one()
+                name, owner, until, held = s.execute(
+                    select(Host.name, Host.apply_lock_owner, Host.apply_lock_until, Host.apply_lock_info).where(
+                        Host.id == host_id
+                    )
+                ).one()
                 if holder_gone(held):
                     taken = s.execute(
-                        update(Host).where(Host.id == host_id, Host.apply_lock_owner == owner)
+                        update(Host)
+                        .where(Host.id == host_id, Host.apply_lock_owner == owner)
                         .values(apply_lock_owner=token, apply_lock_until=now + ttl_s, apply_lock_info=info)
                     ).rowcount
                     if taken:
                         msg = f"released the apply lease of {describe_holder(held, until)}: its process is gone"
-                        audit(s, actor=info["who"], origin=f"{info['machine']} pid {info['pid']}",
-                              action="config.lease_released", outcome="ok", host_name=name, message=msg,
-                              detail={"holder": held})
+                        audit(
+                            s,
+                            actor=info["who"],
+                            origin=f"{info['machine']} pid {info['pid']}",
+                            action="config.lease_released",
+                            outcome="ok",
+                            host_name=name,
+                            message=msg,
+                            detail={"holder": held},
+                        )
                         log.warning("host %s: %s", name, msg)
         if taken:
             return token
         if time.monotonic() >= deadline:
-            raise ApplyBusy(f"another apply holds host {name!r}: {describe_holder(held, until)}; "
-                            f"waited {wait_s:.0f} s, try again")
+            raise ApplyBusy(
+                f"another apply holds host {name!r}: {describe_holder(held, until)}; waited {wait_s:.0f} s, try again"
+            )
         if told_at is None or time.monotonic() - told_at >= tell_every_s:
             tell(f"host {name}: waiting for the apply lease held by {describe_holder(held, until)}")
             told_at = time.monotonic()
@@ -273,5 +341,8 @@ def acquire_lease(store: Store, host_id: int, ttl_s: float = 60.0, wait_s: float
 def release_lease(store: Store, host_id: int, token: str) -> None:
     """Give the lease back (no-op when it expired and someone else took it)."""
     with store.writer() as s:
-        s.execute(update(Host).where(Host.id == host_id, Host.apply_lock_owner == token)
-                  .values(apply_lock_owner=None, apply_lock_until=None, apply_lock_info=None))
+        s.execute(
+            update(Host)
+            .where(Host.id == host_id, Host.apply_lock_owner == token)
+            .values(apply_lock_owner=None, apply_lock_until=None, apply_lock_info=None)
+        )

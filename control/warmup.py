@@ -35,8 +35,9 @@ def set_schedule(store: Store, host: str, schedule: HeartbeatSchedule | dict[str
     now = time.time()
     with store.writer() as s:
         h = active_host(s, host)
-        row = s.scalars(select(WarmupSchedule).where(WarmupSchedule.host_id == h.id,
-                                                     WarmupSchedule.name == spec["name"])).first()
+        row = s.scalars(
+            select(WarmupSchedule).where(WarmupSchedule.host_id == h.id, WarmupSchedule.name == spec["name"])
+        ).first()
         if row is None:
             row = WarmupSchedule(host_id=h.id, name=spec["name"], created_at=now)
             s.add(row)
@@ -49,16 +50,19 @@ def schedules(store: Store, host: str) -> list[WarmupSchedule]:
     """A host's schedules by name."""
     with store.reader() as s:
         h = active_host(s, host)
-        return list(s.scalars(select(WarmupSchedule).where(WarmupSchedule.host_id == h.id)
-                              .order_by(WarmupSchedule.name)))
+        return list(
+            s.scalars(select(WarmupSchedule).where(WarmupSchedule.host_id == h.id).order_by(WarmupSchedule.name))
+        )
 
 
 def delete_schedule(store: Store, host: str, name: str) -> None:
     """Delete a schedule. Raises: UnknownHost, UnknownSchedule."""
     with store.writer() as s:
         h = active_host(s, host)
-        n = cast(CursorResult[Any], s.execute(delete(WarmupSchedule).where(
-            WarmupSchedule.host_id == h.id, WarmupSchedule.name == name))).rowcount
+        n = cast(
+            CursorResult[Any],
+            s.execute(delete(WarmupSchedule).where(WarmupSchedule.host_id == h.id, WarmupSchedule.name == name)),
+        ).rowcount
         if not n:
             raise UnknownSchedule(f"host {host!r} has no warm-up schedule {name!r}")
 
@@ -73,8 +77,14 @@ def warmup_patch(store: Store, host: str) -> dict[str, Any]:
 def last_run_id(store: Store, host_id: int, engine_started_at: float) -> int:
     """The largest engine run id stored for this engine start (0 when none)."""
     with store.reader() as s:
-        return s.scalar(select(func.max(WarmupRun.run_id)).where(
-            WarmupRun.host_id == host_id, WarmupRun.engine_started_at == engine_started_at)) or 0
+        return (
+            s.scalar(
+                select(func.max(WarmupRun.run_id)).where(
+                    WarmupRun.host_id == host_id, WarmupRun.engine_started_at == engine_started_at
+                )
+            )
+            or 0
+        )
 
 
 def record_runs(store: Store, host_id: int, engine_started_at: float, runs: list[dict[str, Any]]) -> int:
@@ -84,11 +94,22 @@ def record_runs(store: Store, host_id: int, engine_started_at: float, runs: list
     for r in runs:
         try:
             with store.writer() as s:
-                s.add(WarmupRun(
-                    host_id=host_id, engine_started_at=engine_started_at, run_id=int(r["id"]), kind=r.get("kind", "?"),
-                    schedule=r.get("schedule"), started_at=float(r.get("started_at") or time.time()),
-                    duration_s=r.get("duration_s"), ttft_s=r.get("ttft_s"), output_tokens=r.get("output_tokens"),
-                    k=r.get("k"), outcome=r.get("outcome", "?"), detail=r.get("detail")))
+                s.add(
+                    WarmupRun(
+                        host_id=host_id,
+                        engine_started_at=engine_started_at,
+                        run_id=int(r["id"]),
+                        kind=r.get("kind", "?"),
+                        schedule=r.get("schedule"),
+                        started_at=float(r.get("started_at") or time.time()),
+                        duration_s=r.get("duration_s"),
+                        ttft_s=r.get("ttft_s"),
+                        output_tokens=r.get("output_tokens"),
+                        k=r.get("k"),
+                        outcome=r.get("outcome", "?"),
+                        detail=r.get("detail"),
+                    )
+                )
             added += 1
         except IntegrityError:
             continue

@@ -30,17 +30,31 @@ ENV_DB = envs.DB_URL
 def streamlit_argv(port: int, address: str) -> list[str]:
     """The ``streamlit run`` command line the dashboard is started with."""
     return [
-        sys.executable, "-m", "streamlit", "run", str(APP),
-        "--server.port", str(port),
-        "--server.address", address,
-        "--server.headless", "true",
-        "--server.fileWatcherType", "none",
-        "--server.runOnSave", "false",
-        "--browser.gatherUsageStats", "false",
-        "--client.showErrorDetails", "none",
-        "--client.toolbarMode", "viewer",
-        "--theme.base", "light",
-        "--global.developmentMode", "false",
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP),
+        "--server.port",
+        str(port),
+        "--server.address",
+        address,
+        "--server.headless",
+        "true",
+        "--server.fileWatcherType",
+        "none",
+        "--server.runOnSave",
+        "false",
+        "--browser.gatherUsageStats",
+        "false",
+        "--client.showErrorDetails",
+        "none",
+        "--client.toolbarMode",
+        "viewer",
+        "--theme.base",
+        "light",
+        "--global.developmentMode",
+        "false",
     ]
 
 
@@ -101,14 +115,16 @@ def bootstrap_user() -> str | None:
 
 def first_start_box(password: str, users_file: str) -> str:
     """The first start's login, framed so that it stands out among log lines."""
-    lines = ["SpecPilot dashboard: first start. Log in with",
-             "",
-             "    user name  admin",
-             f"    password   {password}",
-             "",
-             "The password is shown only this once (stored hashed in",
-             f"{users_file}).",
-             "Add users: python -m dashboard users add NAME --role viewer|operator"]
+    lines = [
+        "SpecPilot dashboard: first start. Log in with",
+        "",
+        "    user name  admin",
+        f"    password   {password}",
+        "",
+        "The password is shown only this once (stored hashed in",
+        f"{users_file}).",
+        "Add users: python -m dashboard users add NAME --role viewer|operator",
+    ]
     width = max(len(x) for x in lines)
     bar = "+" + "-" * (width + 2) + "+"
     return "\n".join(["", bar, *[f"| {x.ljust(width)} |" for x in lines], bar, ""])
@@ -120,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
     parser.add_argument("--address", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--db", default=None, help=f"store URL (default ${ENV_DB}, else SQLite in $SPECPILOT_HOME)")
-    parser.add_argument("--no-bootstrap-user", action="store_true",
-                        help="do not create an 'admin' operator when no user is configured")
+    parser.add_argument(
+        "--no-bootstrap-user", action="store_true", help="do not create an 'admin' operator when no user is configured"
+    )
     sub = parser.add_subparsers(dest="cmd")
     users = sub.add_parser("users", help="manage dashboard users (viewer, operator)")
     usub = users.add_subparsers(dest="users_cmd", required=True)

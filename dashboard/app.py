@@ -14,20 +14,23 @@ from __future__ import annotations
 
 import streamlit as st
 
-st.set_page_config(page_title="SpecPilot", page_icon=":material/speed:", layout="wide",
-                   initial_sidebar_state="expanded")
+st.set_page_config(
+    page_title="SpecPilot", page_icon=":material/speed:", layout="wide", initial_sidebar_state="expanded"
+)
 
 from control.views import common  # noqa: E402
 from dashboard import session, ui  # noqa: E402
 
 #: Pages by address (``url_path``); the first is the default.
-PAGES = [("pages/live.py", "Live", ":material/monitoring:"),
-         ("pages/control.py", "Control", ":material/tune:"),
-         ("pages/history.py", "History", ":material/history:"),
-         ("pages/fleet.py", "Fleet", ":material/dns:"),
-         ("pages/alerts.py", "Alerts", ":material/notifications:"),
-         ("pages/cost.py", "Cost review", ":material/payments:"),
-         ("pages/planner.py", "Planner", ":material/query_stats:")]
+PAGES = [
+    ("pages/live.py", "Live", ":material/monitoring:"),
+    ("pages/control.py", "Control", ":material/tune:"),
+    ("pages/history.py", "History", ":material/history:"),
+    ("pages/fleet.py", "Fleet", ":material/dns:"),
+    ("pages/alerts.py", "Alerts", ":material/notifications:"),
+    ("pages/cost.py", "Cost review", ":material/payments:"),
+    ("pages/planner.py", "Planner", ":material/query_stats:"),
+]
 
 
 def login_page() -> None:
@@ -40,13 +43,14 @@ def login_page() -> None:
         st.error(f"The users file cannot be read: {exc}")
         st.stop()
     if not users:
-        st.warning("No dashboard user is configured. Add one on the server with "
-                   "`python -m dashboard users add NAME --role operator`.")
+        st.warning(
+            "No dashboard user is configured. Add one on the server with "
+            "`python -m dashboard users add NAME --role operator`."
+        )
         st.stop()
     with st.form("login", clear_on_submit=False, width=420):
         name = st.text_input("User name", key="login_name", autocomplete="username")
-        password = st.text_input("Password", type="password", key="login_password",
-                                 autocomplete="current-password")
+        password = st.text_input("Password", type="password", key="login_password", autocomplete="current-password")
         submitted = st.form_submit_button("Log in", type="primary")
     if submitted:
         try:
@@ -80,8 +84,13 @@ if user is None and not st.session_state.get("logged_out"):
         st.session_state["user"] = user
 if user is None:
     # Every page's address shows the login form, so that a deep link opens its page after login.
-    page = st.navigation([st.Page(login_page, title="Log in", icon=":material/login:", url_path=_url_path(f),
-                                  default=i == 0) for i, (f, _, _) in enumerate(PAGES)], position="hidden")
+    page = st.navigation(
+        [
+            st.Page(login_page, title="Log in", icon=":material/login:", url_path=_url_path(f), default=i == 0)
+            for i, (f, _, _) in enumerate(PAGES)
+        ],
+        position="hidden",
+    )
 else:
     pages = [st.Page(f, title=title, icon=icon, default=i == 0) for i, (f, title, icon) in enumerate(PAGES)]
     page = st.navigation(pages, position="sidebar", expanded=True)

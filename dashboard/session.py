@@ -87,8 +87,7 @@ def set_cookie_script(token: str, max_age_s: float = MAX_AGE_S) -> str:
     """The ``<script>`` that stores the token in the browser (path ``/``, SameSite=Strict)."""
     if not all(c.isalnum() or c in "-_." for c in token):
         raise ValueError("a session token is URL-safe text")
-    return (f"<script>document.cookie = '{COOKIE}={token}; Max-Age={int(max_age_s)}; Path=/; "
-            "SameSite=Strict';</script>")
+    return f"<script>document.cookie = '{COOKIE}={token}; Max-Age={int(max_age_s)}; Path=/; SameSite=Strict';</script>"
 
 
 def clear_cookie_script() -> str:

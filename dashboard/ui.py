@@ -80,8 +80,7 @@ def host_picker(label: str = "Host", key: str = "host", allow_all: bool = False)
     page). Returns the host name, None for "all hosts", or stops when none is registered."""
     hosts = [h.name for h in cached_hosts()]
     if not hosts:
-        st.info("No engine host is registered yet. Add one with "
-                "`python -m control hosts add NAME URL`.")
+        st.info("No engine host is registered yet. Add one with `python -m control hosts add NAME URL`.")
         st.stop()
     options = (["All hosts"] if allow_all else []) + hosts
     chosen = None if allow_all else st.session_state.get("selected_host")
@@ -102,8 +101,10 @@ def alert_banner() -> None:
         return
     if summary.open_count:
         text = "; ".join(summary.lines[:3]) + (f" (+{summary.open_count - 3} more)" if summary.open_count > 3 else "")
-        st.error(f"**{summary.open_count} open alert{'s' if summary.open_count != 1 else ''}**: {text}",
-                 icon=":material/notifications_active:")
+        st.error(
+            f"**{summary.open_count} open alert{'s' if summary.open_count != 1 else ''}**: {text}",
+            icon=":material/notifications_active:",
+        )
 
 
 def _cached_alert_summary() -> alert_views.AlertSummary:
@@ -161,10 +162,12 @@ def fmt_rate(value: Any, unit: str) -> str:
 def wrap_tiles() -> None:
     """Metric tiles wrap a long value onto a second line instead of cutting it with
     '…' (Streamlit cuts by default), with a value font that fits 4 tiles a row at 800 px."""
-    st.html("<style>[data-testid='stMetricValue'], [data-testid='stMetricValue'] > div {"
-            "white-space: normal !important; overflow: visible !important; text-overflow: clip !important;"
-            "overflow-wrap: anywhere; font-size: clamp(1.1rem, 2.2vw, 1.8rem) !important; line-height: 1.2;}"
-            "</style>")
+    st.html(
+        "<style>[data-testid='stMetricValue'], [data-testid='stMetricValue'] > div {"
+        "white-space: normal !important; overflow: visible !important; text-overflow: clip !important;"
+        "overflow-wrap: anywhere; font-size: clamp(1.1rem, 2.2vw, 1.8rem) !important; line-height: 1.2;}"
+        "</style>"
+    )
 
 
 def _arr(values: Any) -> Any:
@@ -199,42 +202,80 @@ def new_fig() -> dict[str, Any]:
     return {"data": [], "layout": {"shapes": [], "annotations": []}}
 
 
-def base_layout(fig: dict[str, Any], title: str, y_title: str, x_title: str = "time (UTC)",
-                height: int = CHART_HEIGHT, y_range: list[float] | None = None) -> dict[str, Any]:
+def base_layout(
+    fig: dict[str, Any],
+    title: str,
+    y_title: str,
+    x_title: str = "time (UTC)",
+    height: int = CHART_HEIGHT,
+    y_range: list[float] | None = None,
+) -> dict[str, Any]:
     """Common look: title, axis titles with units, legend on top, white background,
     light grid, little chrome."""
-    axis = {"showgrid": True, "gridcolor": "#EEEEEE", "zeroline": True, "zerolinecolor": "#CCCCCC",
-            "linecolor": "#CCCCCC", "automargin": True, "title": {"font": {"size": 13, "color": "#444"}}}
+    axis = {
+        "showgrid": True,
+        "gridcolor": "#EEEEEE",
+        "zeroline": True,
+        "zerolinecolor": "#CCCCCC",
+        "linecolor": "#CCCCCC",
+        "automargin": True,
+        "title": {"font": {"size": 13, "color": "#444"}},
+    }
     x = {**axis, "title": {**axis["title"], "text": x_title}}
     if x_title.startswith("time"):
-        x.update({"type": "date", "hoverformat": "%H:%M:%S",
-                  "tickformatstops": [{"dtickrange": [None, 60_000], "value": "%H:%M:%S"},
-                                      {"dtickrange": [60_000, 86_400_000], "value": "%H:%M"},
-                                      {"dtickrange": [86_400_000, None], "value": "%b %d"}]})
+        x.update(
+            {
+                "type": "date",
+                "hoverformat": "%H:%M:%S",
+                "tickformatstops": [
+                    {"dtickrange": [None, 60_000], "value": "%H:%M:%S"},
+                    {"dtickrange": [60_000, 86_400_000], "value": "%H:%M"},
+                    {"dtickrange": [86_400_000, None], "value": "%b %d"},
+                ],
+            }
+        )
     y = {**axis, "title": {**axis["title"], "text": y_title}, "rangemode": "tozero"}
     if y_range is not None:
         y["range"] = y_range
-    fig["layout"].update({
-        "title": {"text": title, "x": 0, "xanchor": "left", "font": {"size": 15, "color": "#222"}},
-        "height": height,
-        "margin": {"l": 60, "r": 20, "t": 60, "b": 80},
-        # Below the plot: above it, the legend would cover the config-version labels.
-        "legend": {"orientation": "h", "yref": "container", "yanchor": "bottom", "y": 0.01, "x": 0,
-                   "xanchor": "left", "font": {"size": 12}},
-        "paper_bgcolor": "white",
-        "plot_bgcolor": "white",
-        "hovermode": "x unified",
-        "font": {"size": 13, "color": "#222", "family": "sans-serif"},
-        "xaxis": {**x, **fig["layout"].get("xaxis", {})},
-        "yaxis": {**y, **fig["layout"].get("yaxis", {})},
-    })
+    fig["layout"].update(
+        {
+            "title": {"text": title, "x": 0, "xanchor": "left", "font": {"size": 15, "color": "#222"}},
+            "height": height,
+            "margin": {"l": 60, "r": 20, "t": 60, "b": 80},
+            # Below the plot: above it, the legend would cover the config-version labels.
+            "legend": {
+                "orientation": "h",
+                "yref": "container",
+                "yanchor": "bottom",
+                "y": 0.01,
+                "x": 0,
+                "xanchor": "left",
+                "font": {"size": 12},
+            },
+            "paper_bgcolor": "white",
+            "plot_bgcolor": "white",
+            "hovermode": "x unified",
+            "font": {"size": 13, "color": "#222", "family": "sans-serif"},
+            "xaxis": {**x, **fig["layout"].get("xaxis", {})},
+            "yaxis": {**y, **fig["layout"].get("yaxis", {})},
+        }
+    )
     return fig
 
 
 def note(fig: dict[str, Any], text: str) -> None:
     """A grey note in the middle of an empty chart (says why it is empty)."""
-    fig["layout"]["annotations"].append({"x": 0.5, "y": 0.5, "xref": "paper", "yref": "paper", "text": text,
-                                         "showarrow": False, "font": {"size": 13, "color": "#777"}})
+    fig["layout"]["annotations"].append(
+        {
+            "x": 0.5,
+            "y": 0.5,
+            "xref": "paper",
+            "yref": "paper",
+            "text": text,
+            "showarrow": False,
+            "font": {"size": 13, "color": "#777"},
+        }
+    )
 
 
 def add_config_markers(fig: dict[str, Any], markers: pd.DataFrame, show_labels: bool = True) -> dict[str, Any]:
@@ -247,62 +288,143 @@ def add_config_markers(fig: dict[str, Any], markers: pd.DataFrame, show_labels: 
     for row in markers.itertuples(index=False):
         vline(fig, row.t, COLORS["marker"], dash="dot", width=1)
         if show_labels:
-            fig["layout"]["annotations"].append({
-                "x": _t(row.t), "y": 1.0, "xref": "x", "yref": "paper", "text": str(row.label),
-                "showarrow": False, "yanchor": "bottom", "font": {"size": 11, "color": "#444"},
-                "bgcolor": "rgba(255,255,255,0.8)"})
+            fig["layout"]["annotations"].append(
+                {
+                    "x": _t(row.t),
+                    "y": 1.0,
+                    "xref": "x",
+                    "yref": "paper",
+                    "text": str(row.label),
+                    "showarrow": False,
+                    "yanchor": "bottom",
+                    "font": {"size": 11, "color": "#444"},
+                    "bgcolor": "rgba(255,255,255,0.8)",
+                }
+            )
     return fig
 
 
 def vline(fig: dict[str, Any], x: Any, color: str, dash: str = "dot", width: float = 1.0) -> None:
     """A vertical line across the plot at ``x`` (a time or a number)."""
     xv = _t(x) if isinstance(x, (pd.Timestamp, np.datetime64)) or hasattr(x, "tzinfo") else x
-    fig["layout"]["shapes"].append({"type": "line", "x0": xv, "x1": xv, "xref": "x", "y0": 0, "y1": 1,
-                                    "yref": "paper", "line": {"color": color, "width": width, "dash": dash}})
+    fig["layout"]["shapes"].append(
+        {
+            "type": "line",
+            "x0": xv,
+            "x1": xv,
+            "xref": "x",
+            "y0": 0,
+            "y1": 1,
+            "yref": "paper",
+            "line": {"color": color, "width": width, "dash": dash},
+        }
+    )
 
 
-def hline(fig: dict[str, Any], y: float, color: str, text: str | None = None, dash: str = "dash",
-          width: float = 1.5) -> None:
+def hline(
+    fig: dict[str, Any], y: float, color: str, text: str | None = None, dash: str = "dash", width: float = 1.5
+) -> None:
     """A horizontal line across the plot at ``y`` with an optional label at its left end."""
-    fig["layout"]["shapes"].append({"type": "line", "x0": 0, "x1": 1, "xref": "paper", "y0": y, "y1": y,
-                                    "yref": "y", "line": {"color": color, "width": width, "dash": dash}})
+    fig["layout"]["shapes"].append(
+        {
+            "type": "line",
+            "x0": 0,
+            "x1": 1,
+            "xref": "paper",
+            "y0": y,
+            "y1": y,
+            "yref": "y",
+            "line": {"color": color, "width": width, "dash": dash},
+        }
+    )
     if text:
-        fig["layout"]["annotations"].append({"x": 0, "xref": "paper", "xanchor": "left", "y": y, "yref": "y",
-                                             "yanchor": "bottom", "text": text, "showarrow": False,
-                                             "font": {"size": 11, "color": color}})
+        fig["layout"]["annotations"].append(
+            {
+                "x": 0,
+                "xref": "paper",
+                "xanchor": "left",
+                "y": y,
+                "yref": "y",
+                "yanchor": "bottom",
+                "text": text,
+                "showarrow": False,
+                "font": {"size": 11, "color": color},
+            }
+        )
 
 
-def line(fig: dict[str, Any], x: Iterable[Any], y: Iterable[Any], name: str, color: str, dash: str | None = None,
-         width: float = 2.0, shape: str = "linear", mode: str = "lines", showlegend: bool = True) -> None:
+def line(
+    fig: dict[str, Any],
+    x: Iterable[Any],
+    y: Iterable[Any],
+    name: str,
+    color: str,
+    dash: str | None = None,
+    width: float = 2.0,
+    shape: str = "linear",
+    mode: str = "lines",
+    showlegend: bool = True,
+) -> None:
     """Add one line trace with the dashboard's conventions."""
-    fig["data"].append({"type": "scatter", "x": _arr(x), "y": _arr(y), "name": name, "mode": mode,
-                        "line": {"color": color, "width": width, "dash": dash or "solid", "shape": shape},
-                        "marker": {"color": color}, "connectgaps": False, "showlegend": showlegend})
+    fig["data"].append(
+        {
+            "type": "scatter",
+            "x": _arr(x),
+            "y": _arr(y),
+            "name": name,
+            "mode": mode,
+            "line": {"color": color, "width": width, "dash": dash or "solid", "shape": shape},
+            "marker": {"color": color},
+            "connectgaps": False,
+            "showlegend": showlegend,
+        }
+    )
 
 
-def points(fig: dict[str, Any], x: Iterable[Any], y: Iterable[Any], name: str, color: str, size: float = 6,
-           opacity: float = 0.5, showlegend: bool = False) -> None:
+def points(
+    fig: dict[str, Any],
+    x: Iterable[Any],
+    y: Iterable[Any],
+    name: str,
+    color: str,
+    size: float = 6,
+    opacity: float = 0.5,
+    showlegend: bool = False,
+) -> None:
     """Add a scatter of markers (measured points)."""
-    fig["data"].append({"type": "scatter", "x": _arr(x), "y": _arr(y), "name": name, "mode": "markers",
-                        "marker": {"color": color, "size": size, "opacity": opacity, "line": {"width": 0}},
-                        "showlegend": showlegend})
+    fig["data"].append(
+        {
+            "type": "scatter",
+            "x": _arr(x),
+            "y": _arr(y),
+            "name": name,
+            "mode": "markers",
+            "marker": {"color": color, "size": size, "opacity": opacity, "line": {"width": 0}},
+            "showlegend": showlegend,
+        }
+    )
 
 
 def bar(fig: dict[str, Any], x: Iterable[Any], y: Iterable[Any], name: str, color: Any, **extra: Any) -> None:
     """Add a bar trace (``color`` one colour or one per bar)."""
-    fig["data"].append({"type": "bar", "x": _arr(x), "y": _arr(y), "name": name,
-                        "marker": {"color": color}, **extra})
+    fig["data"].append({"type": "bar", "x": _arr(x), "y": _arr(y), "name": name, "marker": {"color": color}, **extra})
 
 
 def show(fig: dict[str, Any], key: str | None = None) -> None:
     """Render a figure (no validation: see :func:`new_fig`) without Plotly's mode bar."""
-    st.plotly_chart(go.Figure(fig, _validate=False), width="stretch", key=key, theme=None,
-                    config={"displayModeBar": False, "displaylogo": False})
+    st.plotly_chart(
+        go.Figure(fig, _validate=False),
+        width="stretch",
+        key=key,
+        theme=None,
+        config={"displayModeBar": False, "displaylogo": False},
+    )
 
 
 def no_none(df: pd.DataFrame, digits: int = 2) -> Any:
     """A Styler that shows missing values as '—' (never "None") and numbers with
     ``digits`` decimals (whole numbers without)."""
+
     def number(v: Any) -> str:
         if isinstance(v, bool):
             return str(v)
@@ -314,8 +436,9 @@ def no_none(df: pd.DataFrame, digits: int = 2) -> Any:
     return df.style.format(na_rep="—").format(number, subset=num, na_rep="—")
 
 
-def color_cells(df: pd.DataFrame, column: str, good: Iterable[str], bad: Iterable[str],
-                formats: dict[str, str] | None = None) -> Any:
+def color_cells(
+    df: pd.DataFrame, column: str, good: Iterable[str], bad: Iterable[str], formats: dict[str, str] | None = None
+) -> Any:
     """A Styler that colours ``column``'s text: green for ``good`` values, red and bold
     for ``bad`` ones, orange for anything else (fonts without emoji still show it).
     Numbers show with 2 decimals unless ``formats`` (column -> format string) says

@@ -162,8 +162,9 @@ class Channel:
         """Sequence number of the config region (cheap; read each engine step)."""
         return _U64.unpack_from(self._mm, CONFIG_OFF)[0]
 
-    def write_config(self, version: int, config: dict[str, Any], warmup_k: int | None = None,
-                     withdrawn: int | None = None) -> None:
+    def write_config(
+        self, version: int, config: dict[str, Any], warmup_k: int | None = None, withdrawn: int | None = None
+    ) -> None:
         """Publish config ``version`` (a ``LiveConfig`` dump) to the engine core.
 
         ``warmup_k`` (tokens), when set, makes the engine core use that K for every

@@ -48,14 +48,22 @@ class AdaptiveParams(_Strict):
 
     margin: float = Field(0.05, ge=0.0, le=1.0, description="speculation must beat K=0 goodput by this fraction")
     hysteresis: float = Field(0.03, ge=0.0, le=1.0, description="a new K must beat the current one by this fraction")
-    ema_alpha: float = Field(0.01, gt=0.0, le=1.0,
-                             description="weight of one decode request-step in the acceptance estimates "
-                             "(memory about 1/ema_alpha request-steps)")
+    ema_alpha: float = Field(
+        0.01,
+        gt=0.0,
+        le=1.0,
+        description="weight of one decode request-step in the acceptance estimates "
+        "(memory about 1/ema_alpha request-steps)",
+    )
     explore_every: int = Field(40, ge=0, description="steps between explorations of a neighbouring K (0: never)")
-    per_request: bool = Field(True, description="verify drafts only of the requests whose own acceptance makes "
-                              "them pay (engine_host.request_gate); the others are verified without drafts")
-    probe_every: int = Field(16, ge=1, le=10000,
-                             description="a request whose drafts were dropped is drafted again after this many steps")
+    per_request: bool = Field(
+        True,
+        description="verify drafts only of the requests whose own acceptance makes "
+        "them pay (engine_host.request_gate); the others are verified without drafts",
+    )
+    probe_every: int = Field(
+        16, ge=1, le=10000, description="a request whose drafts were dropped is drafted again after this many steps"
+    )
 
 
 class ThresholdParams(_Strict):
@@ -91,8 +99,9 @@ class SpeculationConfig(_Strict):
     k_min: int = Field(0, ge=0, description="lower bound of K for adaptive/heuristic (tokens)")
     k_max: int | None = Field(None, ge=0, description="upper bound of K (tokens); None = engine K_max")
     table: list[tuple[int, int, int]] | None = Field(
-        None, max_length=MAX_TABLE_ROWS,
-        description="batch_table: [(batch_start, batch_end, K), ...], inclusive ranges starting at 1"
+        None,
+        max_length=MAX_TABLE_ROWS,
+        description="batch_table: [(batch_start, batch_end, K), ...], inclusive ranges starting at 1",
     )
     adaptive: AdaptiveParams = Field(default_factory=AdaptiveParams)
     threshold: ThresholdParams = Field(default_factory=ThresholdParams)
@@ -184,8 +193,11 @@ class LiveConfig(_Strict):
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
-    router: RouterSettings | None = Field(None, description="routing between the plain and the speculative "
-                                          "engine of a dual engine host; None on a host that serves one engine")
+    router: RouterSettings | None = Field(
+        None,
+        description="routing between the plain and the speculative "
+        "engine of a dual engine host; None on a host that serves one engine",
+    )
 
     @model_serializer(mode="wrap")
     def _leave_out_absent_router(self, handler: Any):  # no return type: the schema stays the model's
@@ -205,10 +217,14 @@ class EngineLimits(_Strict):
     max_num_batched_tokens: int = Field(ge=1)
     max_model_len: int = Field(ge=1)
     speculative_method: str | None = "ngram"
-    draft_model: str | None = Field(None, description="draft model or head the engine loaded (path or hub id); "
-                                    "None for n-gram drafts")
-    dual: bool = Field(False, description="a dual engine host (python -m engine_host.router: a plain and a "
-                       "speculative engine behind one address); only there does the config's router section apply")
+    draft_model: str | None = Field(
+        None, description="draft model or head the engine loaded (path or hub id); None for n-gram drafts"
+    )
+    dual: bool = Field(
+        False,
+        description="a dual engine host (python -m engine_host.router: a plain and a "
+        "speculative engine behind one address); only there does the config's router section apply",
+    )
 
 
 class ConfigError(ValueError):
@@ -273,8 +289,16 @@ def apply_patch(current: LiveConfig, patch: dict[str, Any], limits: EngineLimits
             raise ConfigError([{"loc": ["engine", u], "msg": "unknown start-up setting"} for u in unknown])
         wrong_type = [k for k, v in engine.items() if not _same_type(v, getattr(limits, k))]
         if wrong_type:
-            raise ConfigError([{"loc": ["engine", k], "msg": f"must be {type(getattr(limits, k)).__name__}, "
-                                f"like the start-up value {getattr(limits, k)!r}"} for k in wrong_type])
+            raise ConfigError(
+                [
+                    {
+                        "loc": ["engine", k],
+                        "msg": f"must be {type(getattr(limits, k)).__name__}, "
+                        f"like the start-up value {getattr(limits, k)!r}",
+                    }
+                    for k in wrong_type
+                ]
+            )
         changed = [k for k, v in engine.items() if v != getattr(limits, k)]
         if changed:
             raise RestartRequired(
@@ -291,9 +315,7 @@ def apply_patch(current: LiveConfig, patch: dict[str, Any], limits: EngineLimits
         merged = _deep_merge(current.model_dump(mode="json"), patch)
         new = LiveConfig.model_validate(merged)
     except ValidationError as exc:
-        raise ConfigError(
-            [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors(include_url=False)]
-        ) from None
+        raise ConfigError([{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors(include_url=False)]) from None
     validate_against_limits(new, limits)
     return new
 
@@ -338,8 +360,13 @@ def validate_against_limits(config: LiveConfig, limits: EngineLimits) -> None:
     spec = config.speculation
     errors: list[dict[str, Any]] = []
     if config.router is not None and not limits.dual:
-        errors.append({"loc": ["router"], "msg": "routing settings apply only to a dual engine host "
-                       "(python -m engine_host.router); this engine host serves one engine"})
+        errors.append(
+            {
+                "loc": ["router"],
+                "msg": "routing settings apply only to a dual engine host "
+                "(python -m engine_host.router); this engine host serves one engine",
+            }
+        )
     if limits.k_max == 0 and spec.mode != "off":
         raise RestartRequired(
             [
@@ -365,8 +392,9 @@ def validate_against_limits(config: LiveConfig, limits: EngineLimits) -> None:
         value = getattr(th, name)
         # the defaults (2..8) are clamped to a smaller K_max unless the threshold policy is chosen
         if value > limits.k_max and (spec.mode == "threshold" or value != getattr(th_default, name)):
-            errors.append({"loc": ["speculation", "threshold", name],
-                           "msg": f"{name}={value} is above K_max: {restart_hint}"})
+            errors.append(
+                {"loc": ["speculation", "threshold", name], "msg": f"{name}={value} is above K_max: {restart_hint}"}
+            )
     if spec.mode == "heuristic" and (spec.k_max if spec.k_max is not None else limits.k_max) < 1:
         errors.append({"loc": ["speculation", "k_max"], "msg": "heuristic mode needs k_max >= 1"})
     b = config.batch

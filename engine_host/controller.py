@@ -136,8 +136,9 @@ class AcceptanceEstimator:
                 self.den[i] *= 1e100
         return 1.0 - f
 
-    def observe(self, k_drafted: int, batch_size: int, accepted_hist: list[int],
-                draft_hist: list[int] | None = None) -> None:
+    def observe(
+        self, k_drafted: int, batch_size: int, accepted_hist: list[int], draft_hist: list[int] | None = None
+    ) -> None:
         """Fold in one decode step.
 
         Args:
@@ -255,8 +256,15 @@ class StepTimeModel:
         prior_steps: weight of the prior on td, in steps.
     """
 
-    def __init__(self, alpha: float = 0.1, forget: float = 0.995, fresh_steps: int = 400,
-                 draft_passes: bool = False, draft_cost_ratio: float = 0.25, prior_steps: float = 4.0):
+    def __init__(
+        self,
+        alpha: float = 0.1,
+        forget: float = 0.995,
+        fresh_steps: int = 400,
+        draft_passes: bool = False,
+        draft_cost_ratio: float = 0.25,
+        prior_steps: float = 4.0,
+    ):
         self.alpha = alpha
         self.forget = forget
         self.fresh_steps = fresh_steps
@@ -274,8 +282,9 @@ class StepTimeModel:
         """Draft forward passes beyond the one every step runs, at depth ``k``."""
         return max(int(k or 0) - 1, 0)
 
-    def observe(self, batch_size: int, tokens: int, step_time_s: float, k: int | None = None,
-                k_proposed: int | None = None) -> None:
+    def observe(
+        self, batch_size: int, tokens: int, step_time_s: float, k: int | None = None, k_proposed: int | None = None
+    ) -> None:
         """Fold in one pure-decode step of ``batch_size`` requests verifying ``tokens``
         (drafts proposed at depth ``k``; None: no per-depth correction). ``k_proposed``:
         the depth the drafter ran at in this step (default ``k``)."""
@@ -669,8 +678,13 @@ class SpeculationController:
         draft_cost_ratio: prior of one draft pass over one target step, fraction.
     """
 
-    def __init__(self, k_engine: int, spec: SpeculationConfig | None = None, draft_passes: bool = False,
-                 draft_cost_ratio: float = 0.25):
+    def __init__(
+        self,
+        k_engine: int,
+        spec: SpeculationConfig | None = None,
+        draft_passes: bool = False,
+        draft_cost_ratio: float = 0.25,
+    ):
         self.k_engine = k_engine
         spec = spec or SpeculationConfig(mode="fixed", k=k_engine)
         self.acceptance = AcceptanceEstimator(max(k_engine, 1), alpha=spec.adaptive.ema_alpha)
@@ -702,8 +716,9 @@ class SpeculationController:
         teaches the step-time model only: see :class:`StepObservation`)."""
         self.total_steps += 1
         if obs.pure_decode:
-            self.step_time.observe(obs.batch_size, obs.batch_size + obs.num_draft_tokens, obs.step_time_s,
-                                   obs.k_drafted, obs.k_proposed)
+            self.step_time.observe(
+                obs.batch_size, obs.batch_size + obs.num_draft_tokens, obs.step_time_s, obs.k_drafted, obs.k_proposed
+            )
         if obs.warmup:
             return
         self.drafted_total += obs.num_draft_tokens
@@ -758,8 +773,11 @@ class SpeculationController:
         counts = list(acc.observed_request_steps[: self.k_engine])
 
         def measured(values: list[float]) -> list[float | None]:
-            return [round(v, 4) if i < len(counts) and counts[i] > 0 else None
-                    for i, v in enumerate(values[: self.k_engine])]
+            return [
+                round(v, 4) if i < len(counts) and counts[i] > 0 else None
+                for i, v in enumerate(values[: self.k_engine])
+            ]
+
         e = {str(k): round(acc.expected_tokens(k), 4) for k in ks}
         t = {str(k): round(times[k] * 1000.0, 3) for k in ks}
         g = {str(k): round(b * acc.expected_tokens(k) / times[k], 2) for k in ks}
@@ -778,9 +796,12 @@ class SpeculationController:
             "step_time_ms": t,
             "step_time_ms_by_batch": self._step_time_table_cached(),
             "step_time_measured_batch": self.measured_batch_sizes(),
-            "step_time_model": {"t0_ms": round(t0 * 1000, 4), "t1_ms_per_token": round(t1 * 1000, 5),
-                                "td_ms_per_draft_pass": round(td * 1000, 4),
-                                "draft_passes": self.step_time.draft_passes},
+            "step_time_model": {
+                "t0_ms": round(t0 * 1000, 4),
+                "t1_ms_per_token": round(t1 * 1000, 5),
+                "td_ms_per_draft_pass": round(td * 1000, 4),
+                "draft_passes": self.step_time.draft_passes,
+            },
             "predicted_goodput_tokens_per_s": g,
             "steps_at_k": list(self.steps_at_k),
             "total_steps": self.total_steps,

@@ -92,54 +92,98 @@ def build_parser() -> argparse.ArgumentParser:
         "$SPECPILOT_HOME (default ~/.specpilot).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default="default",
-                   help=f"'default' ({DEFAULT_MODEL_NAME}, prepared on first use), a local Hugging Face folder, or a hub id")
+    p.add_argument(
+        "--model",
+        default="default",
+        help=f"'default' ({DEFAULT_MODEL_NAME}, prepared on first use), a local Hugging Face folder, or a hub id",
+    )
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the folder name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--k-max", type=int, default=8,
-                   help="largest draft length K the engine is built for (tokens); 0 disables speculation")
-    p.add_argument("--speculation-mode", choices=SPECULATION_MODES, default="adaptive",
-                   help="initial speculation policy (changeable live)")
+    p.add_argument(
+        "--k-max",
+        type=int,
+        default=8,
+        help="largest draft length K the engine is built for (tokens); 0 disables speculation",
+    )
+    p.add_argument(
+        "--speculation-mode",
+        choices=SPECULATION_MODES,
+        default="adaptive",
+        help="initial speculation policy (changeable live)",
+    )
     p.add_argument("--k", type=int, default=None, help="initial K for --speculation-mode fixed (default: K_max)")
-    p.add_argument("--speculative-method", choices=METHODS, default=DEFAULT_METHOD,
-                   help="how drafts are made: ngram (prompt lookup), ngram_gpu (GPU build), draft_model (a smaller "
-                   "model with the target's tokenizer), eagle/eagle3 (a trained head), mtp (the target's own layers)")
-    p.add_argument("--draft-model", default=None,
-                   help="draft model or EAGLE head (folder or hub id); 'default' is the default model cut to its "
-                   "first layers (prepared on first use, see python -m engine_host.model --draft)")
+    p.add_argument(
+        "--speculative-method",
+        choices=METHODS,
+        default=DEFAULT_METHOD,
+        help="how drafts are made: ngram (prompt lookup), ngram_gpu (GPU build), draft_model (a smaller "
+        "model with the target's tokenizer), eagle/eagle3 (a trained head), mtp (the target's own layers)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft model or EAGLE head (folder or hub id); 'default' is the default model cut to its "
+        "first layers (prepared on first use, see python -m engine_host.model --draft)",
+    )
     p.add_argument("--draft-tensor-parallel-size", type=int, default=None, help="GPUs for the draft model")
     p.add_argument("--draft-quantization", default=None, help="quantization method of the draft (vLLM's names)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="ceiling on running sequences (default: vLLM's)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="ceiling on tokens per engine step (default: vLLM's)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="ceiling on tokens per engine step (default: vLLM's)"
+    )
     p.add_argument("--max-model-len", type=int, default=2048, help="context length (tokens)")
-    p.add_argument("--dtype", default="auto",
-                   help="model dtype. auto: the model's own on the GPU build; on the CPU build float16 where "
-                   "the CPU computes in it natively (AVX512-FP16/AMX-FP16), float32 elsewhere")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="model dtype. auto: the model's own on the GPU build; on the CPU build float16 where "
+        "the CPU computes in it natively (AVX512-FP16/AMX-FP16), float32 elsewhere",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (faster start)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (vLLM tensor parallelism)")
-    p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
-                   help="vLLM's executor for several GPUs")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="vLLM's async scheduling; the hook then subclasses AsyncScheduler, the class vLLM "
-                   "itself would use. Default: on with the GPU build when --k-max is 0 (as plain vLLM) and, on "
-                   "vLLM >= 0.32, with ngram_gpu, draft_model, eagle, eagle3 and mtp (Model Runner V2); off "
-                   "otherwise (vLLM refuses async scheduling with ngram drafts; the CPU build runs synchronously)")
-    p.add_argument("--api-key-file", default=None,
-                   help=f"require the key in this file on the OpenAI API (/v1/*); or set ${ENV_API_KEY} "
-                   f"(or ${VLLM_API_KEY_ENV}). The key reaches vLLM by environment, never on a command line")
-    p.add_argument("--api-key", default=None,
-                   help=f"deprecated: visible in 'ps' while this launcher starts; use --api-key-file or ${ENV_API_KEY}")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="fraction of device memory for vLLM (CPU build: of the NUMA node; default 0.3 there)")
+    p.add_argument(
+        "--distributed-executor-backend", choices=["mp", "ray"], default=None, help="vLLM's executor for several GPUs"
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's async scheduling; the hook then subclasses AsyncScheduler, the class vLLM "
+        "itself would use. Default: on with the GPU build when --k-max is 0 (as plain vLLM) and, on "
+        "vLLM >= 0.32, with ngram_gpu, draft_model, eagle, eagle3 and mtp (Model Runner V2); off "
+        "otherwise (vLLM refuses async scheduling with ngram drafts; the CPU build runs synchronously)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help=f"require the key in this file on the OpenAI API (/v1/*); or set ${ENV_API_KEY} "
+        f"(or ${VLLM_API_KEY_ENV}). The key reaches vLLM by environment, never on a command line",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"deprecated: visible in 'ps' while this launcher starts; use --api-key-file or ${ENV_API_KEY}",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of device memory for vLLM (CPU build: of the NUMA node; default 0.3 there)",
+    )
     p.add_argument("--kv-cache-space-gib", type=float, default=2.0, help="CPU build only: KV cache size (GiB)")
-    p.add_argument("--warmup", choices=["full", "quick", "off"], default="full",
-                   help="start-up warm-up before /ready: full covers every K in 0..K_max with short, long "
-                   "and batched prompts")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="vLLM's automatic prefix caching (benchmarks switch it off so that no cell "
-                   "reuses the prefills of the cell before)")
+    p.add_argument(
+        "--warmup",
+        choices=["full", "quick", "off"],
+        default="full",
+        help="start-up warm-up before /ready: full covers every K in 0..K_max with short, long and batched prompts",
+    )
+    p.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM's automatic prefix caching (benchmarks switch it off so that no cell "
+        "reuses the prefills of the cell before)",
+    )
     p.add_argument("--print-command", action="store_true", help="print the vllm serve command and exit")
     return p
 
@@ -159,8 +203,9 @@ def use_async_scheduling(args: argparse.Namespace) -> bool:
     if args.async_scheduling is not None:
         return bool(args.async_scheduling)
     dist = vllm_compat.installed_vllm()
-    return vllm_compat.async_scheduling_default(args.speculative_method, args.k_max,
-                                                version=dist[1] if dist else "0", cpu_build=is_cpu_build())
+    return vllm_compat.async_scheduling_default(
+        args.speculative_method, args.k_max, version=dist[1] if dist else "0", cpu_build=is_cpu_build()
+    )
 
 
 def speculation_spec(args: argparse.Namespace, model: str, draft: str | None = None) -> SpeculationSpec:
@@ -179,21 +224,37 @@ def vllm_command(args: argparse.Namespace, model: str, extra: list[str], draft: 
     is_path = Path(model).exists() or model.startswith(("/", ".", "~"))
     name = args.served_model_name or (Path(model).name if is_path else model)
     cmd = [
-        sys.executable, "-m", "engine_host.serve", "serve", model,
-        "--served-model-name", name,
-        "--host", args.host, "--port", str(args.port),
-        "--max-model-len", str(args.max_model_len),
-        "--dtype", resolve_dtype(args.dtype),
-        "--scheduler-cls", vllm_compat.scheduler_class(async_on),
-        "--tensor-parallel-size", str(args.tensor_parallel_size),
+        sys.executable,
+        "-m",
+        "engine_host.serve",
+        "serve",
+        model,
+        "--served-model-name",
+        name,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--dtype",
+        resolve_dtype(args.dtype),
+        "--scheduler-cls",
+        vllm_compat.scheduler_class(async_on),
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
         "--enable-prompt-tokens-details",
     ]
     if args.k_max > 0:
-        spec = speculative_config(speculation_spec(args, model, draft), args.draft_tensor_parallel_size,
-                                  args.draft_quantization)
+        spec = speculative_config(
+            speculation_spec(args, model, draft), args.draft_tensor_parallel_size, args.draft_quantization
+        )
         dist = vllm_compat.installed_vllm()
-        spec.update(vllm_compat.speculative_config_extra(args.speculative_method, args.k_max,
-                                                         version=dist[1] if dist else "0", cpu_build=is_cpu_build()))
+        spec.update(
+            vllm_compat.speculative_config_extra(
+                args.speculative_method, args.k_max, version=dist[1] if dist else "0", cpu_build=is_cpu_build()
+            )
+        )
         cmd += ["--speculative-config", json.dumps(spec)]
     if args.max_num_seqs:
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
@@ -238,8 +299,12 @@ def resolve_api_key(args: argparse.Namespace, env: Mapping[str, str] | None = No
         if env.get(name, "").strip():
             return env[name].strip()
     if args.api_key:
-        print(f"warning: --api-key is visible in 'ps' for this process until vLLM starts; use --api-key-file or "
-              f"${ENV_API_KEY} (the key reaches vLLM by environment either way)", file=sys.stderr, flush=True)
+        print(
+            f"warning: --api-key is visible in 'ps' for this process until vLLM starts; use --api-key-file or "
+            f"${ENV_API_KEY} (the key reaches vLLM by environment either way)",
+            file=sys.stderr,
+            flush=True,
+        )
         return args.api_key
     return None
 

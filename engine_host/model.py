@@ -96,8 +96,7 @@ def prepare_default_model(force: bool = False, quiet: bool = False) -> Path:
     if is_prepared(target) and not force:
         return target
     gguf_path = find_gguf()
-    return convert_gguf(gguf_path, target, quiet=quiet,
-                        extra_marker={"format": _FORMAT, "dtype": "float16"})
+    return convert_gguf(gguf_path, target, quiet=quiet, extra_marker={"format": _FORMAT, "dtype": "float16"})
 
 
 def convert_gguf(gguf_path: Path, target: Path, quiet: bool = False, extra_marker: dict | None = None) -> Path:
@@ -163,8 +162,12 @@ def convert_gguf(gguf_path: Path, target: Path, quiet: bool = False, extra_marke
     bar.update(1)
     bar.set_postfix_str(steps[4])
     tokenizer.save_pretrained(tmp)
-    marker = {"source": str(gguf_path), "format": _FORMAT, **(extra_marker or {}),
-              "seconds": round(time.monotonic() - t0, 1)}
+    marker = {
+        "source": str(gguf_path),
+        "format": _FORMAT,
+        **(extra_marker or {}),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
     (tmp / _DONE_MARKER).write_text(json.dumps(marker))
     bar.update(1)
     bar.close()
@@ -272,8 +275,11 @@ def prepare_truncated_draft(layers: int = DEFAULT_DRAFT_LAYERS, force: bool = Fa
     for f in target.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", _DONE_MARKER):
             shutil.copy2(f, tmp / f.name)
-    (tmp / _DONE_MARKER).write_text(json.dumps({"source": str(target), "layers": layers, "of": total,
-                                                "format": _FORMAT, "draft_format": _DRAFT_FORMAT}))
+    (tmp / _DONE_MARKER).write_text(
+        json.dumps(
+            {"source": str(target), "layers": layers, "of": total, "format": _FORMAT, "draft_format": _DRAFT_FORMAT}
+        )
+    )
     bar.close()
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -303,10 +309,12 @@ def resolve_draft(draft: str | None, target: str, method: str, prepare: bool = T
         return None
     if draft == "default" or draft.startswith("default-L"):
         if not is_default_target:
-            raise ModelError(f"--draft-model {draft} is the default model's truncated draft; it drafts only for "
-                             f"{DEFAULT_MODEL_NAME}, not {target}")
+            raise ModelError(
+                f"--draft-model {draft} is the default model's truncated draft; it drafts only for "
+                f"{DEFAULT_MODEL_NAME}, not {target}"
+            )
         try:
-            layers = DEFAULT_DRAFT_LAYERS if draft == "default" else int(draft[len("default-L"):])
+            layers = DEFAULT_DRAFT_LAYERS if draft == "default" else int(draft[len("default-L") :])
         except ValueError as exc:
             raise ModelError(f"--draft-model {draft}: expected default or default-L<layers>") from exc
         if not prepare:
@@ -324,8 +332,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--force", action="store_true", help="convert again even if prepared")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--draft", type=int, nargs="?", const=DEFAULT_DRAFT_LAYERS, default=None, metavar="LAYERS",
-                        help=f"also prepare the truncated draft with this many layers (default {DEFAULT_DRAFT_LAYERS})")
+    parser.add_argument(
+        "--draft",
+        type=int,
+        nargs="?",
+        const=DEFAULT_DRAFT_LAYERS,
+        default=None,
+        metavar="LAYERS",
+        help=f"also prepare the truncated draft with this many layers (default {DEFAULT_DRAFT_LAYERS})",
+    )
     args = parser.parse_args(argv)
     try:
         path = prepare_default_model(force=args.force, quiet=args.quiet)

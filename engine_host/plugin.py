@@ -227,11 +227,13 @@ async def check_prompt_lengths(config: LiveConfig, limits: EngineLimits) -> None
         for j, prompt in enumerate(hb.prompts):
             n = len(tok.encode(prompt)) if tok is not None else len(prompt)
             if n + hb.max_tokens > limits.max_model_len:
-                errors.append({
-                    "loc": ["warmup", "heartbeats", i, "prompts", j],
-                    "msg": f"prompt of {n} tokens + max_tokens {hb.max_tokens} exceeds the model's "
-                           f"context of {limits.max_model_len} tokens",
-                })
+                errors.append(
+                    {
+                        "loc": ["warmup", "heartbeats", i, "prompts", j],
+                        "msg": f"prompt of {n} tokens + max_tokens {hb.max_tokens} exceeds the model's "
+                        f"context of {limits.max_model_len} tokens",
+                    }
+                )
     if errors:
         raise ConfigError(errors)
 
@@ -256,7 +258,9 @@ async def apply_config(patch: dict[str, Any]) -> dict[str, Any]:
     """
     channel = HOST.channel
     if channel is None:
-        raise HTTPException(status_code=503, detail="no control channel: start the engine host with python -m engine_host")
+        raise HTTPException(
+            status_code=503, detail="no control channel: start the engine host with python -m engine_host"
+        )
     async with HOST.lock:
         core = _core_or_503()
         limits = EngineLimits.model_validate(core["limits"])
@@ -276,8 +280,10 @@ async def apply_config(patch: dict[str, Any]) -> dict[str, Any]:
             try:
                 channel.write_config(version, new_dump, warmup_k=warmup_k)
             except ChannelError as exc:
-                raise HTTPException(status_code=413, detail=f"the config does not fit the engine's control channel "
-                                    f"({CONFIG_BYTES} bytes): {exc}") from None
+                raise HTTPException(
+                    status_code=413,
+                    detail=f"the config does not fit the engine's control channel ({CONFIG_BYTES} bytes): {exc}",
+                ) from None
             seq = channel.config_seq()
         finally:
             channel.unlock()
@@ -313,8 +319,14 @@ async def apply_config(patch: dict[str, Any]) -> dict[str, Any]:
                 channel.write_config(old_version, old_dump, warmup_k=warmup_k, withdrawn=version)
             finally:
                 channel.unlock()
-            raise ConfigError([{"loc": ["config"], "msg": state.get("config_error")
-                                or f"version {version} refused by the engine core"}])
+            raise ConfigError(
+                [
+                    {
+                        "loc": ["config"],
+                        "msg": state.get("config_error") or f"version {version} refused by the engine core",
+                    }
+                ]
+            )
         return {
             "config_version": version,
             "previous_version": old_version,
@@ -417,8 +429,9 @@ async def get_state() -> dict[str, Any]:
     "/config",
     response_model=ApplyAnswer,
     responses=_REFUSALS,
-    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-        "schema": openapi_schema(ConfigPatch)}}}},
+    openapi_extra={
+        "requestBody": {"required": True, "content": {"application/json": {"schema": openapi_schema(ConfigPatch)}}}
+    },
 )
 async def put_config(request: Request) -> Any:
     """Apply a partial config live (within one engine step). 422 invalid, 409 needs a
@@ -498,48 +511,65 @@ class SpecPilotCollector:
             return g
 
         yield gauge("speculation_k", "Draft length K in force (tokens).", core.get("k_current"))
-        yield gauge("speculation_k_max", "Upper bound of K (tokens), engine K_max when unset.",
-                    spec.get("k_max") if spec.get("k_max") is not None else limits.get("k_max"))
+        yield gauge(
+            "speculation_k_max",
+            "Upper bound of K (tokens), engine K_max when unset.",
+            spec.get("k_max") if spec.get("k_max") is not None else limits.get("k_max"),
+        )
         yield gauge("speculation_k_max_engine", "K_max the engine was started with (tokens).", limits.get("k_max"))
-        info = GaugeMetricFamily("specpilot:speculation_info",
-                                 "Speculation method and draft the engine was started with (1 for the pair; "
-                                 "draft empty for n-gram drafts, method none without speculation).",
-                                 labels=["method", "draft"])
+        info = GaugeMetricFamily(
+            "specpilot:speculation_info",
+            "Speculation method and draft the engine was started with (1 for the pair; "
+            "draft empty for n-gram drafts, method none without speculation).",
+            labels=["method", "draft"],
+        )
         draft = limits.get("draft_model")
         info.add_metric([str(limits.get("speculative_method") or "none"), Path(draft).name if draft else ""], 1.0)
         yield info
-        mode = GaugeMetricFamily("specpilot:speculation_mode_info", "Speculation mode in force (1 for the mode).", labels=["mode"])
+        mode = GaugeMetricFamily(
+            "specpilot:speculation_mode_info", "Speculation mode in force (1 for the mode).", labels=["mode"]
+        )
         mode.add_metric([str(spec.get("mode"))], 1.0)
         yield mode
         yield gauge("max_num_seqs", "Cap on running sequences in force.", caps.get("max_num_seqs"))
-        yield gauge("max_num_batched_tokens", "Cap on tokens per engine step in force.", caps.get("max_num_batched_tokens"))
+        yield gauge(
+            "max_num_batched_tokens", "Cap on tokens per engine step in force.", caps.get("max_num_batched_tokens")
+        )
         yield gauge("config_version", "Config version in force on the engine core.", core.get("config_version"))
         yield gauge("num_requests_running", "Running requests seen by the scheduler hook.", core.get("running"))
         yield gauge("engine_start_time_seconds", "Unix time the API process started.", HOST.started_at)
         yield gauge("ready", "1 when warmed up and ready.", 1.0 if HOST.phase == "ready" else 0.0)
         if HOST.warmup.get("seconds") is not None:
             yield gauge("warmup_duration_seconds", "Duration of the start-up warm-up (s).", HOST.warmup["seconds"])
-        wr = CounterMetricFamily("specpilot:warmup_runs", "Warm-up and heartbeat runs by kind and outcome.",
-                                 labels=["kind", "outcome"])
+        wr = CounterMetricFamily(
+            "specpilot:warmup_runs", "Warm-up and heartbeat runs by kind and outcome.", labels=["kind", "outcome"]
+        )
         for (kind, outcome), n in sorted(RUNS.counts.items()):
             wr.add_metric([kind, outcome], float(n))
         yield wr
-        ws = CounterMetricFamily("specpilot:warmup_steps", "Engine steps run at each K during the start-up warm-up.",
-                                 labels=["k"])
+        ws = CounterMetricFamily(
+            "specpilot:warmup_steps", "Engine steps run at each K during the start-up warm-up.", labels=["k"]
+        )
         for k, n in enumerate(core.get("warmup_steps_at_k") or []):
             ws.add_metric([str(k)], float(n))
         yield ws
         yield from SAMPLES.metric_families()
         ov = (core.get("overhead") or {}).get("fraction")
         yield gauge("controller_overhead_perc", "Scheduler-hook time / step time (fraction 0..1).", ov)
-        acc = GaugeMetricFamily("specpilot:acceptance_per_position",
-                                "Estimated P(draft positions 1..i all accepted) per decode request-step.", labels=["position"])
+        acc = GaugeMetricFamily(
+            "specpilot:acceptance_per_position",
+            "Estimated P(draft positions 1..i all accepted) per decode request-step.",
+            labels=["position"],
+        )
         for i, v in enumerate(ctl.get("acceptance_per_position") or [], start=1):
             if v is not None:  # None: position not measured yet
                 acc.add_metric([str(i)], float(v))
         yield acc
-        cond = GaugeMetricFamily("specpilot:conditional_acceptance",
-                                 "Estimated conditional acceptance a_j at draft position j.", labels=["position"])
+        cond = GaugeMetricFamily(
+            "specpilot:conditional_acceptance",
+            "Estimated conditional acceptance a_j at draft position j.",
+            labels=["position"],
+        )
         for i, v in enumerate(ctl.get("conditional_acceptance") or [], start=1):
             if v is not None:  # None: position not measured yet
                 cond.add_metric([str(i)], float(v))
@@ -547,7 +577,12 @@ class SpecPilotCollector:
         for key, name, doc, scale in (
             ("expected_tokens_per_step", "expected_tokens_per_step", "E(K): tokens per request per step.", 1.0),
             ("step_time_ms", "step_time_seconds", "Learned step time T(B, K) at the current batch size (s).", 0.001),
-            ("predicted_goodput_tokens_per_s", "predicted_goodput_tokens_per_second", "G(K) = B*E(K)/T(B,K) (tokens/s).", 1.0),
+            (
+                "predicted_goodput_tokens_per_s",
+                "predicted_goodput_tokens_per_second",
+                "G(K) = B*E(K)/T(B,K) (tokens/s).",
+                1.0,
+            ),
         ):
             fam = GaugeMetricFamily(f"specpilot:{name}", doc, labels=["k"])
             for k, v in (ctl.get(key) or {}).items():

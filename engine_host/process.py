@@ -106,7 +106,11 @@ class EngineHostProcess:
         self._log = open(self.log_path, "ab")
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
-            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            self.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
             preexec_fn=_default_sigint,
         )
         return self
@@ -133,7 +137,9 @@ class EngineHostProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
-                raise EngineHostError(f"engine host exited with {self.proc and self.proc.returncode}:\n{self.log_tail()}")
+                raise EngineHostError(
+                    f"engine host exited with {self.proc and self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 r = httpx.get(self.url + "/ready", timeout=2.0)
                 if r.status_code == 200:

@@ -55,8 +55,14 @@ class RequestDraftGate:
         ValueError: a parameter out of range.
     """
 
-    def __init__(self, prior_accepted: float = 1.0, prior_rejected: float = 1.0, decay: float = 0.9,
-                 margin: float = 0.0, probe_every: int = 16):
+    def __init__(
+        self,
+        prior_accepted: float = 1.0,
+        prior_rejected: float = 1.0,
+        decay: float = 0.9,
+        margin: float = 0.0,
+        probe_every: int = 16,
+    ):
         if prior_accepted < 0 or prior_rejected < 0 or prior_accepted + prior_rejected <= 0:
             raise ValueError("the prior's pseudo-counts must be >= 0 and not both 0")
         if not 0.0 < decay <= 1.0:
@@ -109,7 +115,7 @@ class RequestDraftGate:
             return 0.0
         if a >= 1.0:
             return float(k)
-        return a * (1.0 - a ** k) / (1.0 - a)
+        return a * (1.0 - a**k) / (1.0 - a)
 
     def pays(self, req_id: str, k: int, draft_token_cost: float) -> bool:
         """True when verifying a k-token draft of this request beats plain decoding.

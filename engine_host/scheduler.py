@@ -129,8 +129,9 @@ class _SpecPilotHook:
         self._applied_at = time.time()
         self._ack_step: int | None = None
         passes, ratio = _draft_cost(vcfg)
-        self.controller = SpeculationController(self._k_engine, self._config.speculation, draft_passes=passes,
-                                                draft_cost_ratio=ratio)
+        self.controller = SpeculationController(
+            self._k_engine, self._config.speculation, draft_passes=passes, draft_cost_ratio=ratio
+        )
         self._gate = RequestDraftGate()
         self._gate_on = False
         self._cap_seqs = self._startup_max_seqs
@@ -157,7 +158,11 @@ class _SpecPilotHook:
             self.dynamic_sd_lookup = _LiveLookup(self)  # type: ignore[assignment]
         self._poll_config(force=True)
         self._publish(time.monotonic())
-        logger.info("SpecPilot scheduler hook active (K_max=%d, channel=%s)", self._k_engine, self._channel and self._channel.path)
+        logger.info(
+            "SpecPilot scheduler hook active (K_max=%d, channel=%s)",
+            self._k_engine,
+            self._channel and self._channel.path,
+        )
 
     # -- config ------------------------------------------------------------
     def _poll_config(self, force: bool = False) -> bool:

@@ -27,9 +27,24 @@ from .config import EngineLimits, LiveConfig, SpeculationConfig
 from .sample import Sample
 
 __all__ = [
-    "ApplyAnswer", "BatchState", "ConfigPatch", "ControlState", "CoreState", "DiffEntry", "EngineIdentity",
-    "EngineLimits", "EnginePatch", "ErrorAnswer", "ErrorItem", "LiveConfig", "Sample",
-    "SamplesAnswer", "SpeculationConfig", "SpeculationState", "WarmupRunsAnswer", "openapi_schema",
+    "ApplyAnswer",
+    "BatchState",
+    "ConfigPatch",
+    "ControlState",
+    "CoreState",
+    "DiffEntry",
+    "EngineIdentity",
+    "EngineLimits",
+    "EnginePatch",
+    "ErrorAnswer",
+    "ErrorItem",
+    "LiveConfig",
+    "Sample",
+    "SamplesAnswer",
+    "SpeculationConfig",
+    "SpeculationState",
+    "WarmupRunsAnswer",
+    "openapi_schema",
 ]
 
 Number = int | float
@@ -48,6 +63,7 @@ class _Open(BaseModel):
 
 
 # --------------------------------------------------------------------------- requests
+
 
 class EnginePatch(_Body):
     """Start-up settings named in a config patch: each must equal the engine's (else 409)."""
@@ -68,6 +84,7 @@ class ConfigPatch(LiveConfig):
 
 
 # --------------------------------------------------------------------------- engine core -> API
+
 
 class CoreState(_Open):
     """What the engine core publishes on the control channel (scheduler hook), a few
@@ -98,6 +115,7 @@ class CoreState(_Open):
 
 
 # --------------------------------------------------------------------------- GET /control/state
+
 
 class SpeculationState(_Body):
     """``speculation`` section of :class:`ControlState`."""
@@ -159,6 +177,7 @@ class ControlState(_Open):
 
 # --------------------------------------------------------------------------- PUT /control/config
 
+
 class DiffEntry(_Body):
     """One changed field: ``{"field": "speculation.k", "old": 2, "new": 4}``."""
 
@@ -198,6 +217,7 @@ class ErrorAnswer(_Body):
 
 
 # --------------------------------------------------------------------------- samples and runs
+
 
 class SamplesAnswer(_Body):
     """``GET /control/samples``."""

@@ -144,15 +144,19 @@ def check_same_vocabulary(target: Path, draft: Path) -> None:
     if tv is not None and dv is not None and tv != dv:
         raise SpeculationError(
             f"draft {draft} has a vocabulary of {dv} tokens, the target {target} {tv}: a draft model must "
-            "share the target's tokenizer (same tokens and ids)")
+            "share the target's tokenizer (same tokens and ids)"
+        )
     tf, df = tokenizer_fingerprint(target), tokenizer_fingerprint(draft)
     if tf is not None and df is None:
-        raise SpeculationError(f"draft {draft} has no tokenizer files (tokenizer.json or vocab.json) to compare "
-                               "with the target's; copy the tokenizer the draft was trained with into it")
+        raise SpeculationError(
+            f"draft {draft} has no tokenizer files (tokenizer.json or vocab.json) to compare "
+            "with the target's; copy the tokenizer the draft was trained with into it"
+        )
     if tf is not None and tf != df:
         raise SpeculationError(
             f"draft {draft} has another tokenizer than the target {target} (vocabulary, merges or special "
-            "tokens differ): its token ids would mean other text; use a draft of the target's model family")
+            "tokens differ): its token ids would mean other text; use a draft of the target's model family"
+        )
 
 
 def _is_eagle_head(cfg: dict) -> bool:
@@ -160,8 +164,9 @@ def _is_eagle_head(cfg: dict) -> bool:
     return "eagle" in archs or "speculators_config" in cfg or "eagle_config" in cfg
 
 
-def check(method: str, target: str, draft: str | None, *, cpu_build: bool,
-          vllm_methods: set[str] | None = None) -> None:
+def check(
+    method: str, target: str, draft: str | None, *, cpu_build: bool, vllm_methods: set[str] | None = None
+) -> None:
     """Refuse speculation settings that cannot run, before vLLM starts.
 
     Args:
@@ -177,28 +182,36 @@ def check(method: str, target: str, draft: str | None, *, cpu_build: bool,
         raise SpeculationError(f"unknown speculative method {method!r}; choose from {', '.join(METHODS)}")
     known = installed_vllm_methods() if vllm_methods is None else vllm_methods
     if known and method not in known:
-        raise SpeculationError(f"the installed vLLM does not know the speculative method {method!r} "
-                               f"(it knows: {', '.join(sorted(m for m in known if m in METHODS))})")
+        raise SpeculationError(
+            f"the installed vLLM does not know the speculative method {method!r} "
+            f"(it knows: {', '.join(sorted(m for m in known if m in METHODS))})"
+        )
     if cpu_build and method not in CPU_METHODS:
         raise SpeculationError(
             f"--speculative-method {method} needs a GPU: vLLM's CPU build runs n-gram drafting as 'ngram' "
-            "(ngram_gpu uses GPU kernels and pinned memory); use --speculative-method ngram here")
+            "(ngram_gpu uses GPU kernels and pinned memory); use --speculative-method ngram here"
+        )
     target_dir = Path(target)
     if method in ("eagle", "eagle3") and not draft:
         raise SpeculationError(
             f"--speculative-method {method} needs a trained {method.upper()} head for the target: pass "
             f"--draft-model PATH (a folder with the head's config.json and weights, trained for {target_dir.name}). "
-            "No such head exists for the default model; use draft_model or ngram instead")
+            "No such head exists for the default model; use draft_model or ngram instead"
+        )
     if method == "draft_model" and not draft:
-        raise SpeculationError("--speculative-method draft_model needs --draft-model PATH (or 'default' for the "
-                               "default model's truncated draft)")
+        raise SpeculationError(
+            "--speculative-method draft_model needs --draft-model PATH (or 'default' for the "
+            "default model's truncated draft)"
+        )
     if method in ("ngram", "ngram_gpu", "mtp") and draft:
         raise SpeculationError(f"--speculative-method {method} takes no --draft-model")
     if method == "mtp" and target_dir.is_dir():
         cfg = _text_config(_config(target_dir))
         if not any(cfg.get(k) for k in _MTP_KEYS):
-            raise SpeculationError(f"--speculative-method mtp needs a target with multi-token-prediction layers; "
-                                   f"{target_dir.name}'s config has none ({', '.join(_MTP_KEYS)})")
+            raise SpeculationError(
+                f"--speculative-method mtp needs a target with multi-token-prediction layers; "
+                f"{target_dir.name}'s config has none ({', '.join(_MTP_KEYS)})"
+            )
     if not draft:
         return
     draft_dir = Path(draft).expanduser()
@@ -210,15 +223,18 @@ def check(method: str, target: str, draft: str | None, *, cpu_build: bool,
         raise SpeculationError(f"{draft} is not a model folder (no config.json)")
     if method in ("eagle", "eagle3"):
         if not _is_eagle_head(_config(draft_dir)):
-            raise SpeculationError(f"{draft} is not an EAGLE head (its config names no Eagle architecture): "
-                                   f"--speculative-method {method} needs a head trained for the target")
+            raise SpeculationError(
+                f"{draft} is not an EAGLE head (its config names no Eagle architecture): "
+                f"--speculative-method {method} needs a head trained for the target"
+            )
         return
     if target_dir.is_dir():
         check_same_vocabulary(target_dir, draft_dir)
 
 
-def speculative_config(spec: SpeculationSpec, draft_tensor_parallel_size: int | None = None,
-                       draft_quantization: str | None = None) -> dict:
+def speculative_config(
+    spec: SpeculationSpec, draft_tensor_parallel_size: int | None = None, draft_quantization: str | None = None
+) -> dict:
     """vLLM's ``--speculative-config`` JSON for ``spec`` (K_max > 0)."""
     out: dict[str, typing.Any] = {"method": spec.method, "num_speculative_tokens": spec.k_max}
     if spec.method in ("ngram", "ngram_gpu"):
@@ -244,7 +260,11 @@ def from_env(environ: typing.Mapping[str, str]) -> SpeculationSpec | None:
         return None
     try:
         d = json.loads(raw)
-        return SpeculationSpec(method=str(d["method"]), draft=str(d.get("draft", "")),
-                               draft_name=str(d.get("draft_name", "")), k_max=int(d.get("k_max", 0)))
+        return SpeculationSpec(
+            method=str(d["method"]),
+            draft=str(d.get("draft", "")),
+            draft_name=str(d.get("draft_name", "")),
+            k_max=int(d.get("k_max", 0)),
+        )
     except (ValueError, KeyError, TypeError):
         return None

@@ -148,12 +148,17 @@ def scheduler_class(async_on: bool) -> str:
 # -- shape of vLLM's scheduler sources ----------------------------------------------------
 
 EXPECTED_SHAPE: dict[str, Any] = {
-    "scheduler_init_sets": ["dynamic_sd_lookup", "max_num_running_reqs", "max_num_scheduled_tokens",
-                            "num_spec_tokens"],
+    "scheduler_init_sets": ["dynamic_sd_lookup", "max_num_running_reqs", "max_num_scheduled_tokens", "num_spec_tokens"],
     "schedule_indexes_dynamic_sd_lookup": True,
     "scheduler_methods": ["has_requests", "make_spec_decoding_stats", "schedule", "update_from_output"],
-    "make_spec_decoding_stats_params": ["self", "spec_decoding_stats", "num_draft_tokens", "num_accepted_tokens",
-                                        "num_invalid_spec_tokens", "request_id"],
+    "make_spec_decoding_stats_params": [
+        "self",
+        "spec_decoding_stats",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "num_invalid_spec_tokens",
+        "request_id",
+    ],
     "async_scheduler_bases": ["Scheduler"],
     "async_placeholders_follow_step_k": True,
     "default_class_with_async": "AsyncScheduler",
@@ -178,8 +183,9 @@ def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
 def _self_attrs_assigned(fn: ast.FunctionDef) -> set[str]:
     out = set()
     for node in ast.walk(fn):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         for t in targets:
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
                 out.add(t.attr)
@@ -187,8 +193,14 @@ def _self_attrs_assigned(fn: ast.FunctionDef) -> set[str]:
 
 
 def _indexes_self_attr(fn: ast.FunctionDef, attr: str) -> bool:
-    return any(isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute) and n.value.attr == attr
-               and isinstance(n.value.value, ast.Name) and n.value.value.id == "self" for n in ast.walk(fn))
+    return any(
+        isinstance(n, ast.Subscript)
+        and isinstance(n.value, ast.Attribute)
+        and n.value.attr == attr
+        and isinstance(n.value.value, ast.Name)
+        and n.value.value.id == "self"
+        for n in ast.walk(fn)
+    )
 
 
 def scheduler_shape(sources: dict[str, str]) -> dict:
@@ -222,7 +234,8 @@ def scheduler_shape(sources: dict[str, str]) -> dict:
     a = _class(asched, "AsyncScheduler")
     upd = _method(a, "_update_after_schedule")
     follows = upd is not None and any(
-        isinstance(n, ast.Attribute) and n.attr == "num_spec_tokens_to_schedule" for n in ast.walk(upd))
+        isinstance(n, ast.Attribute) and n.attr == "num_spec_tokens_to_schedule" for n in ast.walk(upd)
+    )
     default_async = None
     gsc = _method(_class(cfg, "SchedulerConfig"), "get_scheduler_cls")
     if gsc is not None:

@@ -75,7 +75,8 @@ def check_shape(cls: type[Any]) -> None:
     params = list(inspect.signature(cls.propose).parameters)
     if params[:3] != ["self", "num_speculative_tokens", "sampled_token_ids"]:
         raise VllmShapeError(
-            f"{cls.__name__}.propose{tuple(params)}: expected (self, num_speculative_tokens, sampled_token_ids, ...)")
+            f"{cls.__name__}.propose{tuple(params)}: expected (self, num_speculative_tokens, sampled_token_ids, ...)"
+        )
 
 
 class _Trace:
@@ -119,8 +120,11 @@ def patch_ngram_proposer(cls: type[Any]) -> bool:
     try:
         check_shape(cls)
     except VllmShapeError as e:
-        logger.warning("SpecPilot: n-gram proposer left unpatched (%s); checked against vLLM %s",
-                       e, ", ".join(CHECKED_VLLM_VERSIONS))
+        logger.warning(
+            "SpecPilot: n-gram proposer left unpatched (%s); checked against vLLM %s",
+            e,
+            ", ".join(CHECKED_VLLM_VERSIONS),
+        )
         return False
 
     original_propose = cls.propose
@@ -137,14 +141,23 @@ def patch_ngram_proposer(cls: type[Any]) -> bool:
             return [[] for _ in sampled_token_ids]
         return original_propose(self, num_speculative_tokens, sampled_token_ids, *args, **kwargs)
 
-    def batch_propose(self: Any, num_requests: int, valid_ngram_requests: list, num_tokens_no_spec: Any,
-                      token_ids_cpu: Any, k: int, *args: Any, **kwargs: Any):
+    def batch_propose(
+        self: Any,
+        num_requests: int,
+        valid_ngram_requests: list,
+        num_tokens_no_spec: Any,
+        token_ids_cpu: Any,
+        k: int,
+        *args: Any,
+        **kwargs: Any,
+    ):
         if trace is not None:
             trace.add("batch_propose")
             if k <= 0:
                 trace.add("batch_propose_k0")
-        return original_batch(self, num_requests, valid_ngram_requests, num_tokens_no_spec, token_ids_cpu, k,
-                              *args, **kwargs)
+        return original_batch(
+            self, num_requests, valid_ngram_requests, num_tokens_no_spec, token_ids_cpu, k, *args, **kwargs
+        )
 
     propose.__doc__ = original_propose.__doc__
     cls.propose = propose

@@ -104,7 +104,9 @@ def _served_name(args: Any) -> str:
 _seq = itertools.count(1)
 
 
-async def timed_request(client: httpx.AsyncClient, args: Any, kind: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+async def timed_request(
+    client: httpx.AsyncClient, args: Any, kind: str, prompt: str, max_tokens: int
+) -> dict[str, Any]:
     """One streamed completion; returns ``{"ttft_s", "duration_s", "output_tokens"}``.
 
     Raises:
@@ -168,26 +170,66 @@ async def run_startup_warmup(host_state: Any, args: Any, k_max: int, level: str 
                     jobs = [(SHORT_PROMPT, 8), (LONG_PROMPT, 24)]
                     for prompt, n in jobs:
                         res = await timed_request(client, args, "warmup", prompt, n)
-                        RUNS.add({"kind": "warmup", "schedule": "startup", "started_at": time.time() - res["duration_s"],
-                                  "k": k, "outcome": "ok", "detail": f"{len(prompt)} chars", **res})
+                        RUNS.add(
+                            {
+                                "kind": "warmup",
+                                "schedule": "startup",
+                                "started_at": time.time() - res["duration_s"],
+                                "k": k,
+                                "outcome": "ok",
+                                "detail": f"{len(prompt)} chars",
+                                **res,
+                            }
+                        )
                         host_state.warmup["runs"] += 1
-                    batch = await asyncio.gather(*(timed_request(client, args, "warmup", LONG_PROMPT, 12) for _ in range(4)))
+                    batch = await asyncio.gather(
+                        *(timed_request(client, args, "warmup", LONG_PROMPT, 12) for _ in range(4))
+                    )
                     for res in batch:
-                        RUNS.add({"kind": "warmup", "schedule": "startup", "started_at": time.time() - res["duration_s"],
-                                  "k": k, "outcome": "ok", "detail": "batch of 4", **res})
+                        RUNS.add(
+                            {
+                                "kind": "warmup",
+                                "schedule": "startup",
+                                "started_at": time.time() - res["duration_s"],
+                                "k": k,
+                                "outcome": "ok",
+                                "detail": "batch of 4",
+                                **res,
+                            }
+                        )
                         host_state.warmup["runs"] += 1
                 await host_state.set_warmup_k(None)
             elif level == "quick":
                 res = await timed_request(client, args, "warmup", SHORT_PROMPT, 4)
-                RUNS.add({"kind": "warmup", "schedule": "startup", "started_at": time.time() - res["duration_s"],
-                          "k": None, "outcome": "ok", "detail": "quick", **res})
+                RUNS.add(
+                    {
+                        "kind": "warmup",
+                        "schedule": "startup",
+                        "started_at": time.time() - res["duration_s"],
+                        "k": None,
+                        "outcome": "ok",
+                        "detail": "quick",
+                        **res,
+                    }
+                )
                 host_state.warmup["runs"] += 1
         except Exception as exc:
             await host_state.set_warmup_k(None)
             host_state.warmup["error"] = f"{type(exc).__name__}: {exc}"
             host_state.phase = "warmup_failed"
-            RUNS.add({"kind": "warmup", "schedule": "startup", "started_at": time.time(), "duration_s": None,
-                      "ttft_s": None, "output_tokens": 0, "k": None, "outcome": "error", "detail": str(exc)})
+            RUNS.add(
+                {
+                    "kind": "warmup",
+                    "schedule": "startup",
+                    "started_at": time.time(),
+                    "duration_s": None,
+                    "ttft_s": None,
+                    "output_tokens": 0,
+                    "k": None,
+                    "outcome": "error",
+                    "detail": str(exc),
+                }
+            )
             logger.error("SpecPilot warm-up failed: %s", exc)
             return
     host_state.warmup["seconds"] = round(time.monotonic() - t0, 3)
@@ -267,21 +309,52 @@ class HeartbeatRunner:
             idle_s = h.get("idle_s") or 0
             quiet_for = now - SAMPLES.last_user_activity
             if idle_s and quiet_for < idle_s:
-                RUNS.add({"kind": "heartbeat", "schedule": h["name"], "started_at": now, "duration_s": 0.0,
-                          "ttft_s": None, "output_tokens": 0, "k": None, "outcome": "skipped",
-                          "detail": f"real traffic {quiet_for:.1f} s ago (idle condition {idle_s:g} s)"})
+                RUNS.add(
+                    {
+                        "kind": "heartbeat",
+                        "schedule": h["name"],
+                        "started_at": now,
+                        "duration_s": 0.0,
+                        "ttft_s": None,
+                        "output_tokens": 0,
+                        "k": None,
+                        "outcome": "skipped",
+                        "detail": f"real traffic {quiet_for:.1f} s ago (idle condition {idle_s:g} s)",
+                    }
+                )
                 continue
             prompt = h["prompts"][next(self.counter) % len(h["prompts"])]
             core = self.host.core_state() or {}
             try:
-                res = await timed_request(client, self.args, f"heartbeat-{h['name']}", prompt, int(h.get("max_tokens", 8)))
-                RUNS.add({"kind": "heartbeat", "schedule": h["name"], "started_at": now, "k": core.get("k_current"),
-                          "outcome": "ok", "detail": "", **res})
+                res = await timed_request(
+                    client, self.args, f"heartbeat-{h['name']}", prompt, int(h.get("max_tokens", 8))
+                )
+                RUNS.add(
+                    {
+                        "kind": "heartbeat",
+                        "schedule": h["name"],
+                        "started_at": now,
+                        "k": core.get("k_current"),
+                        "outcome": "ok",
+                        "detail": "",
+                        **res,
+                    }
+                )
                 self.host.warmup["runs"] += 1
             except Exception as exc:
-                RUNS.add({"kind": "heartbeat", "schedule": h["name"], "started_at": now, "duration_s": time.time() - now,
-                          "ttft_s": None, "output_tokens": 0, "k": core.get("k_current"), "outcome": "error",
-                          "detail": f"{type(exc).__name__}: {exc}"})
+                RUNS.add(
+                    {
+                        "kind": "heartbeat",
+                        "schedule": h["name"],
+                        "started_at": now,
+                        "duration_s": time.time() - now,
+                        "ttft_s": None,
+                        "output_tokens": 0,
+                        "k": core.get("k_current"),
+                        "outcome": "error",
+                        "detail": f"{type(exc).__name__}: {exc}",
+                    }
+                )
 
 
 def start_background_tasks(host_state: Any, args: Any, k_max: int, level: str) -> None:

@@ -43,8 +43,19 @@ def engine_host(default_model, tmp_path_factory, artifacts_dir):
     home = tmp_path_factory.mktemp("engine-home")
     eh = EngineHostProcess(
         model=default_model,
-        extra_args=["--enforce-eager", "--k-max", "8", "--max-num-seqs", "8", "--max-model-len", "1024",
-                    "--speculation-mode", "fixed", "--k", "0"],
+        extra_args=[
+            "--enforce-eager",
+            "--k-max",
+            "8",
+            "--max-num-seqs",
+            "8",
+            "--max-model-len",
+            "1024",
+            "--speculation-mode",
+            "fixed",
+            "--k",
+            "0",
+        ],
         env={"SPECPILOT_HOME": str(home), "SPECPILOT_NGRAM_TRACE": str(home / "ngram-trace.json")},
         log_path=artifacts_dir / "engine-host.log",
     )
@@ -70,6 +81,8 @@ def restore_config(control):
     yield
     control.put(
         "/control/config",
-        json={"speculation": {"mode": "fixed", "k": 0, "k_min": 0, "k_max": None},
-              "batch": {"max_num_seqs": None, "max_num_batched_tokens": None}},
+        json={
+            "speculation": {"mode": "fixed", "k": 0, "k_min": 0, "k_max": None},
+            "batch": {"max_num_seqs": None, "max_num_batched_tokens": None},
+        },
     )

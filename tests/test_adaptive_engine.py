@@ -74,7 +74,9 @@ def test_copy_traffic_drives_adaptive_k_up(engine_host, control, restore_config)
     assert r.status_code == 200, r.text
     before = control.get("/control/state").json()["controller"]["steps_at_k"]
     c0 = _spec_counters(engine_host)
-    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 64, "temperature": 0, "ignore_eos": True} for p in COPY_PROMPTS]
+    bodies = [
+        {"model": MODEL, "prompt": p, "max_tokens": 64, "temperature": 0, "ignore_eos": True} for p in COPY_PROMPTS
+    ]
     _drive(engine_host, bodies, seconds=14)
     st = control.get("/control/state").json()
     c1 = _spec_counters(engine_host)
@@ -99,8 +101,10 @@ def test_open_ended_sampled_traffic_drives_k_to_at_most_1(engine_host, control, 
     r = control.put("/control/config", json={"speculation": {"mode": "adaptive", "k_min": 0, "k_max": 8}})
     assert r.status_code == 200, r.text
     chat = [p for p in prompt_pool("chat")][:16]
-    bodies = [{"model": MODEL, "messages": p.messages, "max_tokens": 64, "temperature": 0.7, "seed": i,
-               "ignore_eos": True} for i, p in enumerate(chat)]
+    bodies = [
+        {"model": MODEL, "messages": p.messages, "max_tokens": 64, "temperature": 0.7, "seed": i, "ignore_eos": True}
+        for i, p in enumerate(chat)
+    ]
     _drive(engine_host, bodies, seconds=8)  # let the estimates follow the new traffic
     before = control.get("/control/state").json()["controller"]["steps_at_k"]
     _drive(engine_host, bodies, seconds=10)

@@ -69,11 +69,14 @@ def test_lockout_survives_a_dashboard_restart(users_path, tmp_path):
     for _ in range(auth.MAX_FAILURES):
         with pytest.raises(auth.AuthError):
             auth.authenticate("alice", "bad-password")
-    code = ("from control import auth\n"
-            "try:\n    auth.authenticate('alice', 'correct horse')\nexcept auth.AuthError as e:\n    print(e)\n"
-            "else:\n    print('logged in')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ})
+    code = (
+        "from control import auth\n"
+        "try:\n    auth.authenticate('alice', 'correct horse')\nexcept auth.AuthError as e:\n    print(e)\n"
+        "else:\n    print('logged in')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**__import__("os").environ}
+    )
     assert "too many failed logins" in out.stdout, out.stderr
 
 
@@ -109,8 +112,9 @@ def test_add_refuses_bad_input_and_duplicates(users_path):
 
 
 def test_users_from_environment(users_path, monkeypatch):
-    monkeypatch.setenv(auth.ENV_USERS, json.dumps(
-        {"envop": {"role": "operator", "password_hash": auth.hash_password("from-env-pw")}}))
+    monkeypatch.setenv(
+        auth.ENV_USERS, json.dumps({"envop": {"role": "operator", "password_hash": auth.hash_password("from-env-pw")}})
+    )
     assert auth.authenticate("envop", "from-env-pw").role == "operator"
     monkeypatch.setenv(auth.ENV_USERS, json.dumps({"x": {"role": "operator", "password_hash": "plain"}}))
     with pytest.raises(auth.AuthError, match="Argon2"):
@@ -118,18 +122,33 @@ def test_users_from_environment(users_path, monkeypatch):
 
 
 def test_cli_adds_user_with_password_from_env(users_path, tmp_path):
-    env = {"PATH": "/usr/bin:/bin", auth.ENV_USERS_FILE: str(users_path),
-           auth.ENV_NEW_PASSWORD: "cli-password-1", "SPECPILOT_HOME": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "dashboard", "users", "add", "carol", "--role", "operator"],
-                       env=env, capture_output=True, text=True, timeout=60)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        auth.ENV_USERS_FILE: str(users_path),
+        auth.ENV_NEW_PASSWORD: "cli-password-1",
+        "SPECPILOT_HOME": str(tmp_path),
+    }
+    r = subprocess.run(
+        [sys.executable, "-m", "dashboard", "users", "add", "carol", "--role", "operator"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "cli-password-1" not in r.stdout + r.stderr
     assert auth.load_users()["carol"].role == "operator"
-    r = subprocess.run([sys.executable, "-m", "dashboard", "users", "list"],
-                       env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "dashboard", "users", "list"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and "carol" in r.stdout and "operator" in r.stdout and "argon2" not in r.stdout
-    r = subprocess.run([sys.executable, "-m", "dashboard", "users", "add", "dave", "--role", "boss"],
-                       env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "dashboard", "users", "add", "dave", "--role", "boss"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and "role" in r.stderr
 
 

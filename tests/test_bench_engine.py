@@ -17,11 +17,41 @@ pytestmark = pytest.mark.engine
 def test_bench_run_two_modes_writes_sane_results(engine_host, control, restore_config, tmp_path):
     out = tmp_path / "bench"
     env = dict(os.environ, BENCH_TEST_TOKEN=engine_host.token)
-    cmd = [sys.executable, "-m", "bench", "run", "--url", engine_host.url, "--token-env", "BENCH_TEST_TOKEN",
-           "--workload", "shift", "--shift-period", "2", "--mode", "fixed:4,adaptive", "--concurrency", "2",
-           "--duration", "5", "--ramp", "1", "--max-tokens", "32", "--settle", "0.5", "--warmup", "1", "--out", str(out), "--no-png", "--quiet"]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
-                          timeout=240)
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        "run",
+        "--url",
+        engine_host.url,
+        "--token-env",
+        "BENCH_TEST_TOKEN",
+        "--workload",
+        "shift",
+        "--shift-period",
+        "2",
+        "--mode",
+        "fixed:4,adaptive",
+        "--concurrency",
+        "2",
+        "--duration",
+        "5",
+        "--ramp",
+        "1",
+        "--max-tokens",
+        "32",
+        "--settle",
+        "0.5",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+        "--no-png",
+        "--quiet",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Output tokens/s" in proc.stdout
 
@@ -67,11 +97,37 @@ def test_bench_run_two_modes_writes_sane_results(engine_host, control, restore_c
 def test_bench_fixed_work_sends_the_same_requests_and_waits_for_all(engine_host, control, restore_config, tmp_path):
     out = tmp_path / "bench"
     env = dict(os.environ, BENCH_TEST_TOKEN=engine_host.token)
-    cmd = [sys.executable, "-m", "bench", "run", "--url", engine_host.url, "--token-env", "BENCH_TEST_TOKEN",
-           "--workload", "code", "--mode", "fixed:0,fixed:2", "--concurrency", "2", "--requests-per-client", "2",
-           "--max-tokens", "24", "--settle", "0.2", "--warmup", "0", "--out", str(out), "--no-png", "--quiet"]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
-                          timeout=240)
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        "run",
+        "--url",
+        engine_host.url,
+        "--token-env",
+        "BENCH_TEST_TOKEN",
+        "--workload",
+        "code",
+        "--mode",
+        "fixed:0,fixed:2",
+        "--concurrency",
+        "2",
+        "--requests-per-client",
+        "2",
+        "--max-tokens",
+        "24",
+        "--settle",
+        "0.2",
+        "--warmup",
+        "0",
+        "--out",
+        str(out),
+        "--no-png",
+        "--quiet",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads((out / "results.json").read_text())["runs"]
     sources = []

@@ -21,7 +21,9 @@ def test_backfill_writes_every_sample_into_blocks(tmp_path):
         pytest.skip("promtool is not installed (Debian package prometheus)")
     f = FakeEngineHost(token="t").start()
     try:
-        f.metrics.serve(requests=1, output_tokens=60, drafts=20, draft_tokens=40, accepted=25, accepted_per_pos=[15, 10])
+        f.metrics.serve(
+            requests=1, output_tokens=60, drafts=20, draft_tokens=40, accepted=25, accepted_per_pos=[15, 10]
+        )
         template = httpx.get(f"{f.url}/metrics", timeout=10).text
     finally:
         f.stop()

@@ -17,6 +17,7 @@ from bench.report import group_ratios, markdown_tables, write_summary
 
 # --- percentiles -----------------------------------------------------------------------
 
+
 def test_percentiles_match_numpy_linear_interpolation():
     vals = list(range(1, 101))  # 1..100
     p = bm.percentiles(vals)
@@ -39,6 +40,7 @@ def test_percentiles_single_value():
 
 
 # --- request records, ITL, goodput -------------------------------------------------------
+
 
 def _rec(sent, chunks, done=None, tokens=None, **kw):
     r = bm.RequestRecord(index=0, workload="code", source="t", sent_s=sent, chunks=list(chunks), done_s=done, **kw)
@@ -65,7 +67,7 @@ def test_cancelled_record_has_no_e2e_but_counts_tokens_in_window():
 
 
 def test_goodput_counts_only_requests_meeting_the_slo():
-    fast = _rec(0.0, [(0.1, 1), (0.2, 9)], done=0.2)      # TTFT 100 ms, TPOT 11 ms
+    fast = _rec(0.0, [(0.1, 1), (0.2, 9)], done=0.2)  # TTFT 100 ms, TPOT 11 ms
     slow_ttft = _rec(0.0, [(3.0, 1), (3.1, 9)], done=3.1)  # TTFT 3000 ms
     slow_tpot = _rec(0.0, [(0.1, 1), (5.1, 1)], done=5.1)  # TPOT 5000 ms
     slo = bm.SLO(ttft_ms=2000, tpot_ms=100)
@@ -101,6 +103,7 @@ def test_summarize_is_json_serialisable_and_has_all_fields():
 
 
 # --- acceptance from counters -------------------------------------------------------------
+
 
 def test_acceptance_from_counter_deltas():
     before = {"drafts": 10, "draft_tokens": 40, "accepted_tokens": 20, "accepted_per_pos": [8, 6, 4, 2]}
@@ -140,6 +143,7 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",pos
 
 # --- Poisson arrivals ---------------------------------------------------------------------
 
+
 def test_poisson_arrivals_deterministic_sorted_and_in_range():
     a = bm.poisson_arrivals(5.0, 20.0, seed=3)
     assert a == bm.poisson_arrivals(5.0, 20.0, seed=3)
@@ -166,6 +170,7 @@ def test_poisson_arrivals_rejects_bad_rate():
 
 # --- workloads ----------------------------------------------------------------------------
 
+
 def test_prompt_sources_are_the_documented_files():
     he = wl.humaneval_prompts()
     assert len(he) == 164
@@ -184,7 +189,9 @@ def test_prompt_sources_are_the_documented_files():
 
 def test_each_base_workload_has_the_documented_settings():
     code = wl.prompt_pool("code")
-    assert all(p.endpoint == "completions" and p.temperature == 0 and 0 < len(p.stop) <= 4 for p in code)  # vLLM: <= 4 stops
+    assert all(
+        p.endpoint == "completions" and p.temperature == 0 and 0 < len(p.stop) <= 4 for p in code
+    )  # vLLM: <= 4 stops
     docs = wl.prompt_pool("docs")
     assert len(docs) == len(wl.doc_documents()) * len(wl.DOC_TASKS)
     assert all(p.endpoint == "chat" and p.temperature == 0 for p in docs)
@@ -238,17 +245,21 @@ def test_request_bodies_stream_with_usage():
 
 # --- mode strings -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode,spec", [
-    ("off", {"mode": "off"}),
-    ("fixed:4", {"mode": "fixed", "k": 4}),
-    ("adaptive", {"mode": "adaptive", "k_min": 0, "k_max": None}),
-    ("adaptive:1-6", {"mode": "adaptive", "k_min": 1, "k_max": 6}),
-    ("heuristic", {"mode": "heuristic", "k_min": 1, "k_max": None}),
-    ("threshold", {"mode": "threshold", "k_min": 0, "k_max": None}),
-    ("batch_table", {"mode": "batch_table", "table": ec.DEFAULT_BATCH_TABLE}),
-    ("batch_table:1-4=6,5-16=2", {"mode": "batch_table", "table": [[1, 4, 6], [5, 16, 2]]}),
-    ("plain", {"mode": "off"}),
-])
+
+@pytest.mark.parametrize(
+    "mode,spec",
+    [
+        ("off", {"mode": "off"}),
+        ("fixed:4", {"mode": "fixed", "k": 4}),
+        ("adaptive", {"mode": "adaptive", "k_min": 0, "k_max": None}),
+        ("adaptive:1-6", {"mode": "adaptive", "k_min": 1, "k_max": 6}),
+        ("heuristic", {"mode": "heuristic", "k_min": 1, "k_max": None}),
+        ("threshold", {"mode": "threshold", "k_min": 0, "k_max": None}),
+        ("batch_table", {"mode": "batch_table", "table": ec.DEFAULT_BATCH_TABLE}),
+        ("batch_table:1-4=6,5-16=2", {"mode": "batch_table", "table": [[1, 4, 6], [5, 16, 2]]}),
+        ("plain", {"mode": "off"}),
+    ],
+)
 def test_mode_patch(mode, spec):
     assert ec.mode_patch(mode) == {"speculation": spec}
 
@@ -269,23 +280,50 @@ def test_mode_patches_are_valid_live_configs():
 
 def test_static_modes_and_mean_k():
     assert ec.static_k("fixed:3") == 3 and ec.static_k("off") == 0 and ec.static_k("adaptive") is None
-    assert ec.steps_at_k_delta({"controller": {"steps_at_k": [1, 2]}}, {"controller": {"steps_at_k": [3, 2, 4]}}) == [2, 0, 4]
+    assert ec.steps_at_k_delta({"controller": {"steps_at_k": [1, 2]}}, {"controller": {"steps_at_k": [3, 2, 4]}}) == [
+        2,
+        0,
+        4,
+    ]
     assert ec.mean_k([2, 0, 2]) == pytest.approx(1.0)
     assert ec.mean_k([]) is None
 
 
 # --- reports ------------------------------------------------------------------------------
 
+
 def _row(wl_, load, mode, tps, itl=10.0):
-    return {"workload": wl_, "load": load, "mode": mode, "output_tokens_per_s": tps, "goodput_tokens_per_s": tps,
-            "ttft_p50_ms": 1.0, "ttft_p95_ms": 2.0, "ttft_p99_ms": 3.0, "itl_mean_ms": itl, "itl_p50_ms": itl,
-            "itl_p95_ms": itl, "itl_p99_ms": itl, "e2e_p50_ms": 1.0, "e2e_p95_ms": 1.0, "e2e_p99_ms": 1.0,
-            "requests_finished": 3, "acceptance_rate": 0.5, "mean_acceptance_length": 2.0, "mean_k": 2.0}
+    return {
+        "workload": wl_,
+        "load": load,
+        "mode": mode,
+        "output_tokens_per_s": tps,
+        "goodput_tokens_per_s": tps,
+        "ttft_p50_ms": 1.0,
+        "ttft_p95_ms": 2.0,
+        "ttft_p99_ms": 3.0,
+        "itl_mean_ms": itl,
+        "itl_p50_ms": itl,
+        "itl_p95_ms": itl,
+        "itl_p99_ms": itl,
+        "e2e_p50_ms": 1.0,
+        "e2e_p95_ms": 1.0,
+        "e2e_p99_ms": 1.0,
+        "requests_finished": 3,
+        "acceptance_rate": 0.5,
+        "mean_acceptance_length": 2.0,
+        "mean_k": 2.0,
+    }
 
 
 def test_group_ratios_against_best_static_k0_and_plain():
-    rows = [_row("code", "low", "fixed:0", 50), _row("code", "low", "fixed:4", 100), _row("code", "low", "adaptive", 96),
-            _row("code", "low", "threshold", 80), _row("code", "low", "plain", 60)]
+    rows = [
+        _row("code", "low", "fixed:0", 50),
+        _row("code", "low", "fixed:4", 100),
+        _row("code", "low", "adaptive", 96),
+        _row("code", "low", "threshold", 80),
+        _row("code", "low", "plain", 60),
+    ]
     (g,) = group_ratios(rows)
     assert g["best_static_mode"] == "fixed:4"
     assert g["adaptive_vs_best_static"] == pytest.approx(0.96)
@@ -310,13 +348,26 @@ def test_markdown_and_summary_files(tmp_path):
     md = markdown_tables(rows, group_ratios(rows))
     assert "| code | low | 50.0 | 40.0 |" in md
     assert "**no**" in md  # 0.8 x K=0 misses the target and says so
-    results = [{"spec": {"workload": r["workload"], "load": {"label": r["load"], "rate_per_s": None, "concurrency": 1},
-                         "mode": r["mode"]},
-                "client": {"output_tokens_per_s": r["output_tokens_per_s"], "goodput_tokens_per_s": 1.0,
-                           "ttft_ms": bm.percentiles([1.0]), "itl_ms": bm.percentiles([1.0]), "e2e_ms": bm.percentiles([]),
-                           "requests": {"finished": 1}},
-                "acceptance": {"acceptance_rate": None, "mean_acceptance_length": None},
-                "k": {"mean_k_steps": 0.0}} for r in rows]
+    results = [
+        {
+            "spec": {
+                "workload": r["workload"],
+                "load": {"label": r["load"], "rate_per_s": None, "concurrency": 1},
+                "mode": r["mode"],
+            },
+            "client": {
+                "output_tokens_per_s": r["output_tokens_per_s"],
+                "goodput_tokens_per_s": 1.0,
+                "ttft_ms": bm.percentiles([1.0]),
+                "itl_ms": bm.percentiles([1.0]),
+                "e2e_ms": bm.percentiles([]),
+                "requests": {"finished": 1},
+            },
+            "acceptance": {"acceptance_rate": None, "mean_acceptance_length": None},
+            "k": {"mean_k_steps": 0.0},
+        }
+        for r in rows
+    ]
     paths = write_summary(results, tmp_path, {"command": "python -m bench matrix"})
     assert paths["md"].read_text().startswith("Command: `python -m bench matrix`")
     assert paths["csv"].read_text().splitlines()[0].startswith("workload,load,mode,output_tokens_per_s")
@@ -328,11 +379,21 @@ def test_report_command_rebuilds_summary_from_cell_files(tmp_path):
     from bench.__main__ import main
 
     for i, (mode, tps) in enumerate((("fixed:0", 50.0), ("adaptive", 60.0))):
-        doc = {"label": f"code-low-{mode}", "started_at_unix": 100.0 + i,
-               "spec": {"workload": "code", "load": {"label": "low", "rate_per_s": None, "concurrency": 1}, "mode": mode},
-               "client": {"output_tokens_per_s": tps, "goodput_tokens_per_s": tps, "ttft_ms": bm.percentiles([1.0]),
-                          "itl_ms": bm.percentiles([2.0]), "e2e_ms": bm.percentiles([3.0]), "requests": {"finished": 1}},
-               "acceptance": {"acceptance_rate": 0.5, "mean_acceptance_length": 2.0}, "k": {"mean_k_steps": 1.0}}
+        doc = {
+            "label": f"code-low-{mode}",
+            "started_at_unix": 100.0 + i,
+            "spec": {"workload": "code", "load": {"label": "low", "rate_per_s": None, "concurrency": 1}, "mode": mode},
+            "client": {
+                "output_tokens_per_s": tps,
+                "goodput_tokens_per_s": tps,
+                "ttft_ms": bm.percentiles([1.0]),
+                "itl_ms": bm.percentiles([2.0]),
+                "e2e_ms": bm.percentiles([3.0]),
+                "requests": {"finished": 1},
+            },
+            "acceptance": {"acceptance_rate": 0.5, "mean_acceptance_length": 2.0},
+            "k": {"mean_k_steps": 1.0},
+        }
         (tmp_path / f"{doc['label']}.json").write_text(json.dumps(doc))
     assert main(["report", str(tmp_path), "--no-png"]) == 0
     data = json.loads((tmp_path / "summary.json").read_text())
@@ -353,9 +414,10 @@ def test_shift_by_request_count_gives_every_mode_the_same_sequence():
     w2 = wl.Workload("shift", seed=3, period_requests=2)
     bases = [w1.next_prompt(elapsed_s=t).workload for t in (0, 50, 100, 0, 3, 9, 1)]
     assert bases == ["code", "code", "docs", "docs", "chat", "chat", "code"]
-    assert [w2.next_prompt(0).source for _ in range(7)] == [wl.Workload("shift", seed=3, period_requests=2).prompt(b, i).source
-                                                            for b, i in [("code", 0), ("code", 1), ("docs", 0), ("docs", 1),
-                                                                         ("chat", 0), ("chat", 1), ("code", 2)]]
+    assert [w2.next_prompt(0).source for _ in range(7)] == [
+        wl.Workload("shift", seed=3, period_requests=2).prompt(b, i).source
+        for b, i in [("code", 0), ("code", 1), ("docs", 0), ("docs", 1), ("chat", 0), ("chat", 1), ("code", 2)]
+    ]
     with pytest.raises(ValueError):
         wl.Workload("shift", period_requests=0)
 
@@ -418,12 +480,22 @@ def test_host_overhead_engine_specs_and_refusal(tmp_path):
 def test_host_overhead_table_gives_ratio_of_medians_and_per_round_ratios():
     from bench.host_overhead import summarize
 
-    res = {"rows": [
-        {"name": "bare", "loads": {"chat@c64": [100.0, 300.0, 200.0]}, "rounds": {"chat@c64": [0, 1, 2]},
-         "ttft_ms": [20.0, 30.0, 25.0]},
-        {"name": "dual/auto", "loads": {"chat@c64": [150.0, 190.0, 170.0]}, "rounds": {"chat@c64": [0, 2, 3]},
-         "ttft_ms": [22.0]},
-    ]}
+    res = {
+        "rows": [
+            {
+                "name": "bare",
+                "loads": {"chat@c64": [100.0, 300.0, 200.0]},
+                "rounds": {"chat@c64": [0, 1, 2]},
+                "ttft_ms": [20.0, 30.0, 25.0],
+            },
+            {
+                "name": "dual/auto",
+                "loads": {"chat@c64": [150.0, 190.0, 170.0]},
+                "rounds": {"chat@c64": [0, 2, 3]},
+                "ttft_ms": [22.0],
+            },
+        ]
+    }
     lines = summarize(res).splitlines()
     assert "x bare (medians)" in lines[0]
     assert lines[2] == "| bare | chat@c64 | 200 (100, 300, 200) | 1.000 | - | 25.00 |"
@@ -449,8 +521,12 @@ def test_host_overhead_keeps_engines_for_a_later_call_and_stops_them_at_the_end(
             self.proc = None
 
         def command(self):  # SIGINT restored: a shell's background job starts with it ignored
-            return [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                    "print('up', flush=True); time.sleep(300)"]
+            return [
+                sys.executable,
+                "-c",
+                "import signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                "print('up', flush=True); time.sleep(300)",
+            ]
 
         def start(self):
             self.log_path.write_text("engine log\n")
@@ -517,10 +593,20 @@ def test_host_overhead_modes_carry_split_settings_per_row():
     for bad in ("fastest", "auto:margin=1", "auto:tpot_margin", "auto:tpot_margin=x"):
         with pytest.raises(ValueError):
             parse_mode(bad)
-    res = {"rows": [{"name": "d/plain", "loads": {"chat@c8": [100.0]}, "rounds": {"chat@c8": [0]}, "ttft_ms": []},
-                    {"name": "d/auto", "loads": {"chat@c8": [90.0]}, "rounds": {"chat@c8": [0]}, "ttft_ms": [],
-                     "router": {"chat@c8": [{"p_speculative": 0.2, "spec_requests": 0},
-                                            {"p_speculative": 0.01, "spec_requests": 7}]}}]}
+    res = {
+        "rows": [
+            {"name": "d/plain", "loads": {"chat@c8": [100.0]}, "rounds": {"chat@c8": [0]}, "ttft_ms": []},
+            {
+                "name": "d/auto",
+                "loads": {"chat@c8": [90.0]},
+                "rounds": {"chat@c8": [0]},
+                "ttft_ms": [],
+                "router": {
+                    "chat@c8": [{"p_speculative": 0.2, "spec_requests": 0}, {"p_speculative": 0.01, "spec_requests": 7}]
+                },
+            },
+        ]
+    }
     text = summarize(res)
     assert "| d/auto | chat@c8 | 0.900 |" not in text  # the share table is separate from the ratios
     assert "| d/auto | chat@c8 | 0.105 [0.010, 0.200] (2) | 1 of 2 (0, 7) |" in text
@@ -535,8 +621,7 @@ def test_every_benchmark_entry_point_is_a_command_of_python_m_bench(capsys):
     from bench.__main__ import TOOLS, build_parser, main
 
     root = Path(__file__).resolve().parent.parent / "bench"
-    entry_points = {p.stem for p in root.glob("*.py")
-                    if re.search(r'^if __name__ == "__main__":', p.read_text(), re.M)}
+    entry_points = {p.stem for p in root.glob("*.py") if re.search(r'^if __name__ == "__main__":', p.read_text(), re.M)}
     # run/matrix/report/workloads/fleet are parsed by bench/__main__ itself; the GPU payload has its own runner
     assert entry_points - {"__main__", "bench_fleet", "gpu_bench", "gpu_payload"} == {m for m, _ in TOOLS.values()}
     text = build_parser().format_help()

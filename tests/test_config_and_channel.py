@@ -9,12 +9,12 @@ import pytest
 from engine_host.channel import ACK_APPLIED, CONFIG_BYTES, Channel, ChannelError
 from engine_host.config import (
     ConfigError,
-    min_batched_tokens,
     EngineLimits,
     LiveConfig,
     RestartRequired,
     apply_patch,
     diff_configs,
+    min_batched_tokens,
 )
 
 LIMITS = EngineLimits(model="m", k_max=8, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=2048)
@@ -114,21 +114,29 @@ def test_channel_readers_never_see_torn_writes(tmp_path):
     [
         ({"speculation": {"threshold": {"interval_s": float("inf")}}}, ["speculation", "threshold", "interval_s"]),
         ({"speculation": {"adaptive": {"margin": float("nan")}}}, ["speculation", "adaptive", "margin"]),
-        ({"warmup": {"heartbeats": [{"name": "h", "interval_s": float("inf")}]}},
-         ["warmup", "heartbeats", "0", "interval_s"]),
-        ({"warmup": {"heartbeats": [{"name": "h", "interval_s": 5, "idle_s": float("inf")}]}},
-         ["warmup", "heartbeats", "0", "idle_s"]),
+        (
+            {"warmup": {"heartbeats": [{"name": "h", "interval_s": float("inf")}]}},
+            ["warmup", "heartbeats", "0", "interval_s"],
+        ),
+        (
+            {"warmup": {"heartbeats": [{"name": "h", "interval_s": 5, "idle_s": float("inf")}]}},
+            ["warmup", "heartbeats", "0", "idle_s"],
+        ),
         ({"speculation": {"k": "4"}}, ["speculation", "k"]),
         ({"speculation": {"k": True}}, ["speculation", "k"]),
         ({"speculation": {"k": 4.0}}, ["speculation", "k"]),
         ({"batch": {"max_num_seqs": "8"}}, ["batch", "max_num_seqs"]),
-        ({"warmup": {"heartbeats": [{"name": "h", "interval_s": 5, "enabled": "yes"}]}},
-         ["warmup", "heartbeats", "0", "enabled"]),
+        (
+            {"warmup": {"heartbeats": [{"name": "h", "interval_s": 5, "enabled": "yes"}]}},
+            ["warmup", "heartbeats", "0", "enabled"],
+        ),
         ({"speculation": {"mode": "batch_table", "table": [[1, 4, 50]]}}, ["speculation", "table", "0"]),
         ({"speculation": {"mode": "batch_table", "table": [[1, 4, "2"]]}}, ["speculation", "table"]),
         ({"speculation": {"threshold": {"k_high": 100}}}, ["speculation", "threshold", "k_high"]),
-        ({"speculation": {"mode": "threshold", "threshold": {"k_low": 9, "k_high": 9}}},
-         ["speculation", "threshold", "k_low"]),
+        (
+            {"speculation": {"mode": "threshold", "threshold": {"k_low": 9, "k_high": 9}}},
+            ["speculation", "threshold", "k_low"],
+        ),
         ({"batch": {"max_num_batched_tokens": 1}}, ["batch", "max_num_batched_tokens"]),
         ({"batch": {"max_num_batched_tokens": 255}}, ["batch", "max_num_batched_tokens"]),
         ({"engine": {"k_max": "8"}}, ["engine", "k_max"]),
@@ -146,7 +154,10 @@ def test_json_rows_of_a_batch_table_and_the_floor_itself_are_accepted():
     assert new.speculation.table == [(1, 4, 8), (5, 16, 2)]
     # floor: max_num_seqs x (1 + K_max) = 16 x 9 = 144 -> at least 256
     assert min_batched_tokens(LIMITS) == 256
-    assert apply_patch(LiveConfig(), {"batch": {"max_num_batched_tokens": 256}}, LIMITS).batch.max_num_batched_tokens == 256
+    assert (
+        apply_patch(LiveConfig(), {"batch": {"max_num_batched_tokens": 256}}, LIMITS).batch.max_num_batched_tokens
+        == 256
+    )
     big = LIMITS.model_copy(update={"max_num_seqs": 64})  # 64 x 9 = 576
     assert min_batched_tokens(big) == 576 and min_batched_tokens(big, max_num_seqs=8) == 256
     with pytest.raises(ConfigError):
@@ -220,12 +231,31 @@ def test_fake_engine_state_has_every_key_of_the_real_state(tmp_path, monkeypatch
     from tests.support import FakeEngineHost
 
     ch = Channel(tmp_path / "c.chan", create=True)
-    limits = {"model": "m", "k_max": 8, "max_num_seqs": 8, "max_num_batched_tokens": 2048, "max_model_len": 1024,
-              "speculative_method": "ngram", "draft_model": None}
-    ch.write_state({"core_pid": 2, "core_started_at": 1.0, "published_at": 2.0, "limits": limits,
-                    "config_version": 1, "config": LiveConfig().model_dump(mode="json"), "k_current": 0, "k_next": 0,
-                    "caps_in_force": {"max_num_seqs": 8, "max_num_batched_tokens": 2048}, "controller": {},
-                    "running": 0, "waiting": 0})
+    limits = {
+        "model": "m",
+        "k_max": 8,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 2048,
+        "max_model_len": 1024,
+        "speculative_method": "ngram",
+        "draft_model": None,
+    }
+    ch.write_state(
+        {
+            "core_pid": 2,
+            "core_started_at": 1.0,
+            "published_at": 2.0,
+            "limits": limits,
+            "config_version": 1,
+            "config": LiveConfig().model_dump(mode="json"),
+            "k_current": 0,
+            "k_next": 0,
+            "caps_in_force": {"max_num_seqs": 8, "max_num_batched_tokens": 2048},
+            "controller": {},
+            "running": 0,
+            "waiting": 0,
+        }
+    )
     monkeypatch.setattr(plugin.HOST, "channel", ch)
     real = ControlState.model_validate(plugin.build_state()).model_dump(mode="json")
     fake = FakeEngineHost(limits=limits)._state()

@@ -31,8 +31,13 @@ def cli(tmp_path):
     env.pop("SPECPILOT_DB_URL", None)
 
     def run(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "control", "--db", db, *args], capture_output=True, text=True,
-                              env={**env, **(env_extra or {})}, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "control", "--db", db, *args],
+            capture_output=True,
+            text=True,
+            env={**env, **(env_extra or {})},
+            timeout=120,
+        )
 
     return run
 
@@ -110,7 +115,17 @@ def test_errors_are_one_clear_line(cli, fake):
         r = cli(*args)
         assert r.returncode == code, (args, r.stdout, r.stderr)
         assert text in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
-    r = cli("config", "apply", "--host", "gpu1", "--k", "1", "--reason", "test", env_extra={"SPECPILOT_CONTROL_TOKEN": "bad"})
+    r = cli(
+        "config",
+        "apply",
+        "--host",
+        "gpu1",
+        "--k",
+        "1",
+        "--reason",
+        "test",
+        env_extra={"SPECPILOT_CONTROL_TOKEN": "bad"},
+    )
     assert r.returncode == 1 and "refused the control token (401)" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -128,6 +143,7 @@ def test_engine_down_apply_fails_and_retry_succeeds(cli, fake):
 
 
 # --------------------------------------------------------------------------- as an on-call engineer uses it
+
 
 def _run_main(capsys, argv: list[str]) -> SimpleNamespace:
     """``python -m control ARGS`` in this process (much faster than a subprocess)."""
@@ -155,10 +171,11 @@ def cli_fast(tmp_path, monkeypatch, capsys):
     return run
 
 
-
 def _versions(cli_fast) -> int:
-    return len(cli_fast("config", "history", "--json").stdout and __import__("json").loads(cli_fast("config", "history",
-                                                                                          "--json").stdout))
+    return len(
+        cli_fast("config", "history", "--json").stdout
+        and __import__("json").loads(cli_fast("config", "history", "--json").stdout)
+    )
 
 
 def test_host_defaults_to_the_only_host_and_several_hosts_are_listed(cli_fast, fake):
@@ -171,8 +188,12 @@ def test_host_defaults_to_the_only_host_and_several_hosts_are_listed(cli_fast, f
     assert cli_fast("config", "show").returncode == 0
     assert cli_fast("config", "history").stdout.splitlines()[1].split()[0] == "2"
     cli_fast("hosts", "add", "gpu2", fake.url)
-    for args in (("config", "show"), ("config", "apply", "--k", "3", "--reason", "which host?"),
-                 ("config", "history"), ("config", "rollback", "1", "--reason", "which host?")):
+    for args in (
+        ("config", "show"),
+        ("config", "apply", "--k", "3", "--reason", "which host?"),
+        ("config", "history"),
+        ("config", "rollback", "1", "--reason", "which host?"),
+    ):
         r = cli_fast(*args)
         assert r.returncode == 1, (args, r.stdout, r.stderr)
         assert "--host is required: 2 hosts are registered (gpu1, gpu2)" in r.stderr, args

@@ -20,8 +20,8 @@ from control.apply import ConfigRefused, apply_change, reconcile, rollback
 from control.collector import Collector
 from control.samples import gaps, samples
 from control.store import Store, add_host, audit_events, get_host
-from tests.support import TcpRelay, free_port
 from control.versions import history
+from tests.support import TcpRelay, free_port
 
 pytestmark = pytest.mark.engine
 
@@ -59,8 +59,12 @@ def test_apply_and_rollback_change_the_live_engine(store, engine_host, control, 
     assert reconcile(store, "local").imported == 1
     start = history(store, "local")[0].config
 
-    res = apply_change(store, "local", {"speculation": {"mode": "fixed", "k": 4}, "batch": {"max_num_seqs": 2}},
-                       reason="copy-heavy traffic")
+    res = apply_change(
+        store,
+        "local",
+        {"speculation": {"mode": "fixed", "k": 4}, "batch": {"max_num_seqs": 2}},
+        reason="copy-heavy traffic",
+    )
     assert res.ok, res.message
     state = control.get("/control/state").json()
     assert state["config"] == res.config and state["config_version"] == res.engine_version
@@ -76,8 +80,12 @@ def test_apply_and_rollback_change_the_live_engine(store, engine_host, control, 
 
     def operator(k: int) -> None:
         for i in range(3):
-            apply_change(store, "local", {"speculation": {"k": k}, "batch": {"max_num_seqs": 1 + i}},
-                         reason=f"operator {k}, change {i}")
+            apply_change(
+                store,
+                "local",
+                {"speculation": {"k": k}, "batch": {"max_num_seqs": 1 + i}},
+                reason=f"operator {k}, change {i}",
+            )
 
     threads = [threading.Thread(target=operator, args=(k,)) for k in (2, 6)]
     for t in threads:
@@ -92,8 +100,9 @@ def test_apply_and_rollback_change_the_live_engine(store, engine_host, control, 
     assert control.get("/control/state").json()["config"] == versions[-1].config
 
 
-def test_collector_stores_real_samples_and_records_a_gap_while_unreachable(store, engine_host, restore_config,
-                                                                           monkeypatch):
+def test_collector_stores_real_samples_and_records_a_gap_while_unreachable(
+    store, engine_host, restore_config, monkeypatch
+):
     monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", engine_host.token)
     relay = TcpRelay(engine_host.port).start()
     add_host(store, "local", relay.url)
@@ -102,9 +111,14 @@ def test_collector_stores_real_samples_and_records_a_gap_while_unreachable(store
     load = threading.Thread(target=_load, args=(engine_host.url, stop))
     try:
         load.start()
-        busy = wait_for("samples with generated tokens", lambda: [
-            r for r in samples(store, "local", 0, time.time() + 10)
-            if r["output_tokens"] > 0 and r["ttft_p50_ms"] and r["e2e_p99_ms"]])  # a request started and one ended
+        busy = wait_for(
+            "samples with generated tokens",
+            lambda: [
+                r
+                for r in samples(store, "local", 0, time.time() + 10)
+                if r["output_tokens"] > 0 and r["ttft_p50_ms"] and r["e2e_p99_ms"]
+            ],
+        )  # a request started and one ended
         stop.set()
         load.join()
         r = busy[-1]
@@ -135,16 +149,35 @@ def test_collector_stores_real_samples_and_records_a_gap_while_unreachable(store
         relay.cut()
 
 
-def test_engine_restart_is_detected_and_the_last_version_reapplied(store, default_model, tmp_path, artifacts_dir,
-                                                                    monkeypatch):
+def test_engine_restart_is_detected_and_the_last_version_reapplied(
+    store, default_model, tmp_path, artifacts_dir, monkeypatch
+):
     from engine_host.process import EngineHostProcess
 
     port, token = free_port(), "restart-test-token"
     monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", token)
-    args = dict(port=port, model=default_model, token=token, env={"SPECPILOT_HOME": str(tmp_path / "home")},
-                extra_args=["--enforce-eager", "--k-max", "4", "--max-num-seqs", "4", "--max-model-len", "512",
-                            "--speculation-mode", "fixed", "--k", "0", "--warmup", "quick"],
-                log_path=artifacts_dir / "engine-host-restart.log")
+    args = dict(
+        port=port,
+        model=default_model,
+        token=token,
+        env={"SPECPILOT_HOME": str(tmp_path / "home")},
+        extra_args=[
+            "--enforce-eager",
+            "--k-max",
+            "4",
+            "--max-num-seqs",
+            "4",
+            "--max-model-len",
+            "512",
+            "--speculation-mode",
+            "fixed",
+            "--k",
+            "0",
+            "--warmup",
+            "quick",
+        ],
+        log_path=artifacts_dir / "engine-host-restart.log",
+    )
     first = EngineHostProcess(**args).start()
     second = None
     collector = None
@@ -153,8 +186,9 @@ def test_engine_restart_is_detected_and_the_last_version_reapplied(store, defaul
         add_host(store, "local", first.url)
         collector = Collector(store, interval_s=1.0, hosts_refresh_s=0.5).start()
         wait_for("first contact", lambda: history(store, "local"), 30)
-        assert apply_change(store, "local", {"speculation": {"k": 3}, "batch": {"max_num_seqs": 2}},
-                            reason="tuned for this workload").ok
+        assert apply_change(
+            store, "local", {"speculation": {"k": 3}, "batch": {"max_num_seqs": 2}}, reason="tuned for this workload"
+        ).ok
 
         os.killpg(first.proc.pid, signal.SIGKILL)  # a crash, not a clean stop
         first.proc.wait()
@@ -162,8 +196,11 @@ def test_engine_restart_is_detected_and_the_last_version_reapplied(store, defaul
 
         second = EngineHostProcess(**args).start()
         second.wait_ready(timeout_s=float(os.environ.get("SPECPILOT_TEST_READY_TIMEOUT", "400")))
-        top = wait_for("the re-apply", lambda: [v for v in history(store, "local", limit=1)
-                                                 if v.source == "reapply" and v.status != "pending"], 60)[0]
+        top = wait_for(
+            "the re-apply",
+            lambda: [v for v in history(store, "local", limit=1) if v.source == "reapply" and v.status != "pending"],
+            60,
+        )[0]
         assert top.status == "applied" and top.rollback_of == 2 and "restarted" in top.reason
         state = httpx.get(second.url + "/control/state", headers=second.control_headers).json()
         assert state["config"]["speculation"]["k"] == 3 and state["batch"]["max_num_seqs"] == 2
@@ -177,8 +214,7 @@ def test_engine_restart_is_detected_and_the_last_version_reapplied(store, defaul
                 eh.stop()
 
 
-def _start_up(default_model, tmp_path, port: int, *engine_args: str, dashboard_port: int | None = None,
-              **popen_kwargs):
+def _start_up(default_model, tmp_path, port: int, *engine_args: str, dashboard_port: int | None = None, **popen_kwargs):
     """``python -m control up`` (no dashboard unless ``dashboard_port``) in its own process
     group, output piped."""
     import subprocess
@@ -188,10 +224,27 @@ def _start_up(default_model, tmp_path, port: int, *engine_args: str, dashboard_p
     env.pop("SPECPILOT_CONTROL_TOKEN", None)
     dash = ["--dashboard-port", str(dashboard_port)] if dashboard_port else ["--no-dashboard"]
     return subprocess.Popen(
-        [sys.executable, "-m", "control", "--db", f"sqlite:///{tmp_path / 'up.db'}", "up", "--port", str(port),
-         "--model", default_model, *dash, *(f"--engine-arg={a}" for a in engine_args)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-        **popen_kwargs)
+        [
+            sys.executable,
+            "-m",
+            "control",
+            "--db",
+            f"sqlite:///{tmp_path / 'up.db'}",
+            "up",
+            "--port",
+            str(port),
+            "--model",
+            default_model,
+            *dash,
+            *(f"--engine-arg={a}" for a in engine_args),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+        **popen_kwargs,
+    )
 
 
 def _read_until(proc, marker: str) -> str:
@@ -256,8 +309,9 @@ def test_up_stops_on_ctrl_c_during_start_up_even_with_sigint_inherited_as_ignore
     """A job started in the background by a non-interactive shell inherits SIGINT as
     ignored; Ctrl-C (SIGINT to the group) must still stop the engine host it started."""
     port = free_port()
-    proc = _start_up(default_model, tmp_path, port, "--warmup=quick",
-                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = _start_up(
+        default_model, tmp_path, port, "--warmup=quick", preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
+    )
     try:
         _read_until(proc, "engine host: ")  # the engine host is starting, not ready yet
         assert _engine_host_running(port)
@@ -296,8 +350,9 @@ def test_up_supervises_the_engine_host_and_everything_dies_with_it(default_model
     db = f"sqlite:///{tmp_path / 'up.db'}"
     store = Store.open(db)
     add_host(store, "local", f"http://127.0.0.1:{port}", usd_per_hour=2.5, gpu_kind="H100")
-    proc = _start_up(default_model, tmp_path, port, "--warmup=quick", "--max-model-len=512", "--k-max=4",
-                     dashboard_port=dport)
+    proc = _start_up(
+        default_model, tmp_path, port, "--warmup=quick", "--max-model-len=512", "--k-max=4", dashboard_port=dport
+    )
     try:
         _read_until(proc, "Ctrl-C stops everything")
         host = get_host(store, "local")
@@ -307,21 +362,32 @@ def test_up_supervises_the_engine_host_and_everything_dies_with_it(default_model
         applied = apply_change(store, "local", {"speculation": {"mode": "fixed", "k": 3}}, reason="tuned")
         assert applied.ok
         wait_for("the dashboard", lambda: _get_ok(f"http://127.0.0.1:{dport}/_stcore/health"), 120)
-        (engine_pid,) = [p for p, cmd in _children(proc.pid).items()
-                         if {"engine_host", "engine_host.serve"} & set(cmd.split())]
+        (engine_pid,) = [
+            p for p, cmd in _children(proc.pid).items() if {"engine_host", "engine_host.serve"} & set(cmd.split())
+        ]
         dashboard_pids = {p for p, cmd in _children(proc.pid).items() if "streamlit" in cmd or "dashboard" in cmd}
 
         os.kill(engine_pid, signal.SIGKILL)
         t_kill = time.time()
-        down = wait_for("host-down", lambda: [e for e in events(store, host="local", open_only=True)
-                                              if e["rule"] == "host_down"], 15, every_s=0.1)
+        down = wait_for(
+            "host-down",
+            lambda: [e for e in events(store, host="local", open_only=True) if e["rule"] == "host_down"],
+            15,
+            every_s=0.1,
+        )
         assert down[0]["started_at"] - t_kill < 5.0 and time.time() - t_kill < 6.0
         assert proc.poll() is None and _get_ok(f"http://127.0.0.1:{dport}/_stcore/health")
         assert dashboard_pids <= set(_children(proc.pid))  # the same dashboard, still up
-        wait_for("the restart in the audit trail",
-                 lambda: [e for e in audit_events(store, host="local") if e.action == "engine_host.restart"], 30)
-        top = wait_for("the re-apply", lambda: [v for v in history(store, "local", limit=1)
-                                                 if v.source == "reapply" and v.status == "applied"], 400)[0]
+        wait_for(
+            "the restart in the audit trail",
+            lambda: [e for e in audit_events(store, host="local") if e.action == "engine_host.restart"],
+            30,
+        )
+        top = wait_for(
+            "the re-apply",
+            lambda: [v for v in history(store, "local", limit=1) if v.source == "reapply" and v.status == "applied"],
+            400,
+        )[0]
         assert top.rollback_of == applied.version and top.config["speculation"]["k"] == 3
         assert version_in_force(store, "local").version == top.version
         wait_for("host-down to close", lambda: not events(store, host="local", open_only=True), 30)

@@ -29,22 +29,31 @@ def test_control_routes_never_answer_5xx(engine_host, capsys):
                 op = result.ok()
 
                 @given(case=op.as_strategy())
-                @settings(max_examples=MAX_EXAMPLES, deadline=None, phases=[Phase.explicit, Phase.generate],
-                          suppress_health_check=list(HealthCheck), database=None)
+                @settings(
+                    max_examples=MAX_EXAMPLES,
+                    deadline=None,
+                    phases=[Phase.explicit, Phase.generate],
+                    suppress_health_check=list(HealthCheck),
+                    database=None,
+                )
                 def run(case):
                     response = case.call(base_url=engine_host.url, headers=engine_host.control_headers, timeout=60)
                     key = f"{case.method} {case.path}" + (" with body" if _has_body(case) else "")
                     seen[key] = seen.get(key, 0) + 1
                     if response.status_code >= 500:
-                        failures.append(f"{case.method} {case.path} -> {response.status_code}: "
-                                        f"{response.text[:200]} (body {case.body!r:.200}, query {case.query!r})")
+                        failures.append(
+                            f"{case.method} {case.path} -> {response.status_code}: "
+                            f"{response.text[:200]} (body {case.body!r:.200}, query {case.query!r})"
+                        )
 
                 run()
         finally:
             c.put("/control/config", json=before).raise_for_status()
     with capsys.disabled():
-        print(f"\nschemathesis: requests per operation {seen}; PUT /control/config declares a request body: "
-              f"{'requestBody' in paths['/control/config'].get('put', {})}")
+        print(
+            f"\nschemathesis: requests per operation {seen}; PUT /control/config declares a request body: "
+            f"{'requestBody' in paths['/control/config'].get('put', {})}"
+        )
     assert sum(seen.values()) > 0
     assert not failures, "\n".join(failures[:10])
 

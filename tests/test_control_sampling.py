@@ -109,9 +109,18 @@ def test_sample_rows_have_throughput_windowed_percentiles_and_acceptance():
     m = FakeEngineMetrics(k_max=4)
     b = SampleBuilder(window_s=3.0)
     assert _feed(b, m, 1000.0) is None  # the first scrape is the baseline
-    m.serve(requests=2, output_tokens=50, ttft_s=0.3, itl_s=0.03, queue_s=0.7,
-            drafts=10, draft_tokens=30, accepted=20, accepted_per_pos=[8, 6, 4, 2],
-            draft_tokens_per_pos=[10, 10, 5, 5])  # half the drafts stopped after 2 tokens
+    m.serve(
+        requests=2,
+        output_tokens=50,
+        ttft_s=0.3,
+        itl_s=0.03,
+        queue_s=0.7,
+        drafts=10,
+        draft_tokens=30,
+        accepted=20,
+        accepted_per_pos=[8, 6, 4, 2],
+        draft_tokens_per_pos=[10, 10, 5, 5],
+    )  # half the drafts stopped after 2 tokens
     m.running.set(2)
     m.kv.set(0.5)
     m.k.set(4)
@@ -163,8 +172,15 @@ def test_rollup_sums_weights_and_merges_histograms_exactly():
     _feed(b, m, 0.0)
     rows = []
     for i, (ttft, kv, k) in enumerate([(0.05, 0.2, 0), (0.3, 0.6, 2), (0.05, 0.4, 2)], start=1):
-        m.serve(requests=2, ttft_s=ttft, drafts=4, draft_tokens=8, accepted=6, accepted_per_pos=[4, 2],
-                draft_tokens_per_pos=[4, 4])
+        m.serve(
+            requests=2,
+            ttft_s=ttft,
+            drafts=4,
+            draft_tokens=8,
+            accepted=6,
+            accepted_per_pos=[4, 2],
+            draft_tokens_per_pos=[4, 4],
+        )
         m.kv.set(kv)
         m.k.set(k)
         rows.append(_feed(b, m, float(i)))

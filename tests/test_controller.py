@@ -131,7 +131,7 @@ def test_estimate_weighs_request_steps_so_batch_one_is_not_one_request():
         for _ in range(64):
             est.observe(8, 1, [1] * 8 if hit else [0] * 8, [1] * 8 if hit else [0] * 8)
             r1.append(est.expected_tokens(8))
-    tail = r1[-3 * 64 * 5:]
+    tail = r1[-3 * 64 * 5 :]
     # true mean E(8) = 1 + 8/3; a per-step EMA (memory 20 steps) swings between 1 and 9
     assert 2.0 < min(tail) and max(tail) < 6.0, (min(tail), max(tail))
 

@@ -23,8 +23,15 @@ import pytest
 pytestmark = [pytest.mark.engine, pytest.mark.browser]
 
 CHROMIUM = os.environ.get("SPECPILOT_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
-                 "--no-first-run", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-component-update",
+    "--disable-sync",
+]
 HOST = "local"
 TOKEN_ENV = "SPECPILOT_BROWSER_TEST_TOKEN"
 OPERATOR = ("olga", "operator-pass-1")
@@ -68,8 +75,13 @@ def stack(engine_host, tmp_path_factory, artifacts_dir):
     env = dict(os.environ, SPECPILOT_HOME=str(home), SPECPILOT_USERS_FILE=str(users))
     env[TOKEN_ENV] = engine_host.token
     log = open(artifacts_dir / "dashboard.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "dashboard", "--port", str(port), "--db", db],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dashboard", "--port", str(port), "--db", db],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -92,9 +104,15 @@ def stack(engine_host, tmp_path_factory, artifacts_dir):
             proc.kill()
         log.close()
         collector.stop()
-        httpx.put(engine_host.url + "/control/config", headers=engine_host.control_headers, timeout=30,
-                  json={"speculation": {"mode": "fixed", "k": 0, "k_min": 0, "k_max": None},
-                        "batch": {"max_num_seqs": None, "max_num_batched_tokens": None}})
+        httpx.put(
+            engine_host.url + "/control/config",
+            headers=engine_host.control_headers,
+            timeout=30,
+            json={
+                "speculation": {"mode": "fixed", "k": 0, "k_min": 0, "k_max": None},
+                "batch": {"max_num_seqs": None, "max_num_batched_tokens": None},
+            },
+        )
         store.close()
 
 
@@ -149,8 +167,15 @@ def _load(engine_host, seconds: float, concurrency: int = 2) -> None:
         with httpx.Client(base_url=engine_host.url, timeout=60) as c:
             n = 0
             while time.monotonic() < stop:
-                c.post("/v1/completions", json={"model": model, "max_tokens": 24, "temperature": 0,
-                                                "prompt": f"List the planets of the solar system, number {i}.{n}:"})
+                c.post(
+                    "/v1/completions",
+                    json={
+                        "model": model,
+                        "max_tokens": 24,
+                        "temperature": 0,
+                        "prompt": f"List the planets of the solar system, number {i}.{n}:",
+                    },
+                )
                 n += 1
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
@@ -217,7 +242,9 @@ def _versions(stack):
 
 def _speculation_form(pg):
     go(pg, "Control")
-    return visible(pg.get_by_test_id("stForm")).filter(has=pg.get_by_role("spinbutton", name="K (fixed mode)", exact=True))
+    return visible(pg.get_by_test_id("stForm")).filter(
+        has=pg.get_by_role("spinbutton", name="K (fixed mode)", exact=True)
+    )
 
 
 def test_invalid_k_shows_inline_error_and_applies_nothing(page, stack, engine_host, artifacts_dir):
@@ -300,8 +327,9 @@ def test_cost_review_csv_download(page, stack, artifacts_dir):
     shot(page, artifacts_dir, "cost-printable")
 
 
-@pytest.mark.parametrize("title,name", [("Fleet", "fleet"), ("Alerts", "alerts"), ("Planner", "planner"),
-                                        ("Control", "control")])
+@pytest.mark.parametrize(
+    "title,name", [("Fleet", "fleet"), ("Alerts", "alerts"), ("Planner", "planner"), ("Control", "control")]
+)
 def test_every_page_screenshot(page, stack, artifacts_dir, title, name):
     login(page, stack, OPERATOR)
     go(page, title)
@@ -352,16 +380,37 @@ def test_live_tiles_never_cut_a_number_under_high_latency(browser, stack, artifa
     from control.store import add_host, remove_host
 
     store = stack["store"]
-    h = add_host(store, "slow", f"http://127.0.0.1:{_free_port()}", usd_per_hour=1.0, token_env=TOKEN_ENV,
-                 actor="test")
+    h = add_host(store, "slow", f"http://127.0.0.1:{_free_port()}", usd_per_hour=1.0, token_env=TOKEN_ENV, actor="test")
     now = int(time.time())
-    insert_samples(store, h.id, [{"resolution_s": 1, "t": t, "covered_s": 1.0, "busy_s": 1.0, "output_tokens": 47620.0,
-                                  "prompt_tokens": 0.0, "requests_finished": 1.0, "output_tokens_per_s": 47620.0,
-                                  "ttft_p50_ms": 9870.0, "ttft_p95_ms": 19904.0, "ttft_p99_ms": 24900.0,
-                                  "itl_p50_ms": 4762.0, "itl_p95_ms": 12000.0, "itl_p99_ms": 19904.0,
-                                  "kv_cache_usage": 0.973, "running": 128.0, "waiting": 4762.0,
-                                  "acceptance_rate": 0.999, "k": 8.0, "config_version": 1}
-                                 for t in range(now - 60, now)])
+    insert_samples(
+        store,
+        h.id,
+        [
+            {
+                "resolution_s": 1,
+                "t": t,
+                "covered_s": 1.0,
+                "busy_s": 1.0,
+                "output_tokens": 47620.0,
+                "prompt_tokens": 0.0,
+                "requests_finished": 1.0,
+                "output_tokens_per_s": 47620.0,
+                "ttft_p50_ms": 9870.0,
+                "ttft_p95_ms": 19904.0,
+                "ttft_p99_ms": 24900.0,
+                "itl_p50_ms": 4762.0,
+                "itl_p95_ms": 12000.0,
+                "itl_p99_ms": 19904.0,
+                "kv_cache_usage": 0.973,
+                "running": 128.0,
+                "waiting": 4762.0,
+                "acceptance_rate": 0.999,
+                "k": 8.0,
+                "config_version": 1,
+            }
+            for t in range(now - 60, now)
+        ],
+    )
     time.sleep(10.5)  # the dashboard's host list is cached for 10 s
     try:
         for width in (1280, 800):

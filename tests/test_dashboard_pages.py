@@ -4,8 +4,8 @@ inline validation errors, a down host shown as DOWN."""
 
 from __future__ import annotations
 
-from pathlib import Path
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -14,16 +14,23 @@ from streamlit.testing.v1 import AppTest
 from control import auth
 from control import versions as versions_mod
 from control.auth import User
-from tests.support import FakeEngineHost
 from control.views import common
 from control.views import control as control_views
 from control.views import history as history_views
 from control.views import live as live_views
 from control.views import planner as planner_views
+from tests.support import FakeEngineHost
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
-PAGES = ["pages/live.py", "pages/control.py", "pages/history.py", "pages/fleet.py", "pages/alerts.py",
-         "pages/cost.py", "pages/planner.py"]
+PAGES = [
+    "pages/live.py",
+    "pages/control.py",
+    "pages/history.py",
+    "pages/fleet.py",
+    "pages/alerts.py",
+    "pages/cost.py",
+    "pages/planner.py",
+]
 
 
 class StateEngine(FakeEngineHost):
@@ -38,10 +45,12 @@ class StateEngine(FakeEngineHost):
         self.extra_limits: dict = {}
         self.extra_spec: dict = {}
         self.config["speculation"]["mode"] = "adaptive"
-        self.controller = {"acceptance_per_position": [0.8, 0.6, 0.45, 0.3],
-                           "predicted_goodput_tokens_per_s": {str(k): 100 + 10 * k - k * k for k in range(9)},
-                           "expected_tokens_per_step": {str(k): 1 + 0.5 * k for k in range(9)},
-                           "step_time_ms": {str(k): 20 + k for k in range(9)}}
+        self.controller = {
+            "acceptance_per_position": [0.8, 0.6, 0.45, 0.3],
+            "predicted_goodput_tokens_per_s": {str(k): 100 + 10 * k - k * k for k in range(9)},
+            "expected_tokens_per_step": {str(k): 1 + 0.5 * k for k in range(9)},
+            "step_time_ms": {str(k): 20 + k for k in range(9)},
+        }
 
     def _state(self):
         s = super()._state()
@@ -62,8 +71,14 @@ class Stack:
 
         self.url = f"sqlite:///{home / 'specpilot.db'}"
         self.engines = {"gpu-a": StateEngine("token-a").start(), "gpu-b": StateEngine("token-b").start()}
-        seed_store(self.url, [("gpu-a", self.engines["gpu-a"].url, "DASH_TOKEN_A"),
-                              ("gpu-b", self.engines["gpu-b"].url, "DASH_TOKEN_B")], days=0.3)
+        seed_store(
+            self.url,
+            [
+                ("gpu-a", self.engines["gpu-a"].url, "DASH_TOKEN_A"),
+                ("gpu-b", self.engines["gpu-b"].url, "DASH_TOKEN_B"),
+            ],
+            days=0.3,
+        )
         self.store = common.open_store(self.url)
 
     @property
@@ -241,8 +256,9 @@ def test_planner_display_points_are_binned_but_fit_uses_all():
     import numpy as np
 
     rates = np.linspace(0.1, 3.0, 1000)
-    pts = pd.DataFrame({"k": 2, "rate_rps": rates, "latency_s": 1.0 / (1 - rates * 0.25),
-                        "t_start": 0.0, "n_requests": 10})
+    pts = pd.DataFrame(
+        {"k": 2, "rate_rps": rates, "latency_s": 1.0 / (1 - rates * 0.25), "t_start": 0.0, "n_requests": 10}
+    )
     view = planner_views.PlannerView(fits={}, problems={}, points=pts, days=7, window_s=60)
     shown = planner_views.planner_points_for_display(view, max_per_k=50)
     assert len(shown) == 50 and shown["n"].sum() == 1000
@@ -252,31 +268,49 @@ def test_planner_display_points_are_binned_but_fit_uses_all():
 
 
 def test_live_page_shows_a_dual_hosts_routing(backend):
-    backend.engines["gpu-a"].extra["router"] = {"mode": "auto", "p_speculative": 0.01, "resting": True,
-                      "settings": {"probe_every_s": 20.0, "probe_s": 1.0, "p_probe": 0.1},
-                      "probes": {"every_s": 80.0, "next_in_s": 31.2},
-                      "tpot_ms": {"plain": 4.13, "speculative": 10.64}}
+    backend.engines["gpu-a"].extra["router"] = {
+        "mode": "auto",
+        "p_speculative": 0.01,
+        "resting": True,
+        "settings": {"probe_every_s": 20.0, "probe_s": 1.0, "p_probe": 0.1},
+        "probes": {"every_s": 80.0, "next_in_s": 31.2},
+        "tpot_ms": {"plain": 4.13, "speculative": 10.64},
+    }
     at = _app(VIEWER, "pages/live.py")
     assert not at.exception, at.exception
-    assert ("routing auto · speculative engine resting: probes of 1 s every 80 s at 10%, next in 31 s · "
-            "TPOT plain 4.1 ms, speculative 10.6 ms") in _texts(at)
+    assert (
+        "routing auto · speculative engine resting: probes of 1 s every 80 s at 10%, next in 31 s · "
+        "TPOT plain 4.1 ms, speculative 10.6 ms"
+    ) in _texts(at)
 
 
 def test_routing_summary_says_the_share_when_not_resting_and_nothing_for_one_engine():
     assert live_views.routing_summary({}) is None
-    r = {"mode": "auto", "p_speculative": 0.62, "resting": False, "settings": {"probe_every_s": 20.0},
-         "tpot_ms": {"plain": 6.0, "speculative": None}}
+    r = {
+        "mode": "auto",
+        "p_speculative": 0.62,
+        "resting": False,
+        "settings": {"probe_every_s": 20.0},
+        "tpot_ms": {"plain": 6.0, "speculative": None},
+    }
     assert live_views.routing_summary(r) == "routing auto · 62% to the speculative engine · TPOT plain 6.0 ms"
     assert live_views.routing_summary({"mode": "plain", "p_speculative": 0.62}) == "routing plain"
-    probing = {"mode": "auto", "p_speculative": 0.01, "resting": True, "probes": {"every_s": 20.0, "next_in_s": 0.0},
-               "settings": {"probe_every_s": 20.0, "probe_s": 1.0, "p_probe": 0.1}}
-    assert live_views.routing_summary(probing) == ("routing auto · speculative engine resting: probes of 1 s every "
-                                              "20 s at 10% (probing now)")
+    probing = {
+        "mode": "auto",
+        "p_speculative": 0.01,
+        "resting": True,
+        "probes": {"every_s": 20.0, "next_in_s": 0.0},
+        "settings": {"probe_every_s": 20.0, "probe_s": 1.0, "p_probe": 0.1},
+    }
+    assert live_views.routing_summary(probing) == (
+        "routing auto · speculative engine resting: probes of 1 s every 20 s at 10% (probing now)"
+    )
 
 
 def test_live_page_names_the_speculation_method_and_draft(backend):
-    backend.engines["gpu-a"].extra_limits.update({"speculative_method": "draft_model",
-                                                  "draft_model": "/h/models/SmolLM2-135M-Instruct-draft-L8"})
+    backend.engines["gpu-a"].extra_limits.update(
+        {"speculative_method": "draft_model", "draft_model": "/h/models/SmolLM2-135M-Instruct-draft-L8"}
+    )
     at = _app(VIEWER, "pages/live.py")
     assert not at.exception, at.exception
     assert "engine K_max 8, draft_model · draft SmolLM2-135M-Instruct-draft-L8" in _texts(at)
@@ -352,11 +386,32 @@ def test_history_lists_heartbeat_runs_with_skips(backend):
 
     h = store_mod.get_host(backend.store, "gpu-a")
     now = time.time()
-    warmup.record_runs(backend.store, h.id, now - 100, [
-        {"id": 1, "kind": "heartbeat", "schedule": "nightly", "started_at": now - 60, "duration_s": 0.4,
-         "ttft_s": 0.05, "output_tokens": 8, "k": 2, "outcome": "ok"},
-        {"id": 2, "kind": "heartbeat", "schedule": "nightly", "started_at": now - 30, "outcome": "skipped",
-         "detail": "not idle for 30 s"}])
+    warmup.record_runs(
+        backend.store,
+        h.id,
+        now - 100,
+        [
+            {
+                "id": 1,
+                "kind": "heartbeat",
+                "schedule": "nightly",
+                "started_at": now - 60,
+                "duration_s": 0.4,
+                "ttft_s": 0.05,
+                "output_tokens": 8,
+                "k": 2,
+                "outcome": "ok",
+            },
+            {
+                "id": 2,
+                "kind": "heartbeat",
+                "schedule": "nightly",
+                "started_at": now - 30,
+                "outcome": "skipped",
+                "detail": "not idle for 30 s",
+            },
+        ],
+    )
     runs = history_views.heartbeat_runs(backend.store, "gpu-a")
     assert list(runs["outcome"]) == ["skipped", "ok"] and runs.iloc[0]["detail"] == "not idle for 30 s"
     at = _app(VIEWER, "pages/history.py")
@@ -386,14 +441,21 @@ def test_cost_review_says_when_no_price_is_set_and_takes_a_new_price_at_once(bac
     from control import store as store_mod
 
     for name in ("gpu-a", "gpu-b"):
-        store_mod.add_host(backend.store, name, backend.engines[name].url, usd_per_hour=0.0,
-                           token_env="DASH_TOKEN_A" if name == "gpu-a" else "DASH_TOKEN_B", update=True)
+        store_mod.add_host(
+            backend.store,
+            name,
+            backend.engines[name].url,
+            usd_per_hour=0.0,
+            token_env="DASH_TOKEN_A" if name == "gpu-a" else "DASH_TOKEN_B",
+            update=True,
+        )
     at = _app(VIEWER, "pages/cost.py")
     assert not at.exception
     text = _texts(at)
     assert "set a price with" in text.lower() and "No served time" not in text
-    store_mod.add_host(backend.store, "gpu-a", backend.engines["gpu-a"].url, usd_per_hour=4.0,
-                       token_env="DASH_TOKEN_A", update=True)
+    store_mod.add_host(
+        backend.store, "gpu-a", backend.engines["gpu-a"].url, usd_per_hour=4.0, token_env="DASH_TOKEN_A", update=True
+    )
     _click(at, "Refresh")
     assert not at.exception
     cost = next(m for m in at.metric if m.label == "Cost of the week").value
@@ -413,8 +475,9 @@ def test_live_header_shows_the_control_planes_version_and_the_engines_as_a_detai
 
 def test_controller_prior_is_not_shown_as_a_measured_acceptance():
     series = common.samples_frame([])
-    df = live_views.acceptance_table(series, {"acceptance_per_position": [0.5, 0.5, 0.5],
-                                              "acceptance_measured": [False, False, False]})
+    df = live_views.acceptance_table(
+        series, {"acceptance_per_position": [0.5, 0.5, 0.5], "acceptance_measured": [False, False, False]}
+    )
     assert df["estimated"].isna().all()
     df = live_views.acceptance_table(series, {"acceptance_per_position": [0.7, None, None]})
     assert df["estimated"].iloc[0] == 0.7 and df["estimated"].iloc[1:].isna().all()

@@ -27,9 +27,25 @@ def draft_host(default_model, tmp_path_factory, artifacts_dir):
     draft = prepare_truncated_draft(quiet=True)
     eh = EngineHostProcess(
         model=default_model,
-        extra_args=["--enforce-eager", "--k-max", str(K_MAX), "--max-num-seqs", "4", "--max-model-len", "1024",
-                    "--speculation-mode", "fixed", "--k", "0", "--warmup", "quick",
-                    "--speculative-method", "draft_model", "--draft-model", str(draft)],
+        extra_args=[
+            "--enforce-eager",
+            "--k-max",
+            str(K_MAX),
+            "--max-num-seqs",
+            "4",
+            "--max-model-len",
+            "1024",
+            "--speculation-mode",
+            "fixed",
+            "--k",
+            "0",
+            "--warmup",
+            "quick",
+            "--speculative-method",
+            "draft_model",
+            "--draft-model",
+            str(draft),
+        ],
         env={"SPECPILOT_HOME": str(tmp_path_factory.mktemp("draft-home"))},
         log_path=artifacts_dir / "engine-host-draft.log",
     )

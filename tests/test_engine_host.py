@@ -29,7 +29,9 @@ def metric_values(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            key = s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("engine", "model_name"))
+            key = s.name + "".join(
+                f"|{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("engine", "model_name")
+            )
             out[key] = s.value
     return out
 
@@ -74,7 +76,9 @@ def test_streaming_yields_chunks_and_final_usage(engine_host):
 
 
 def test_completions_endpoint_answers(engine_host):
-    r = client(engine_host).completions.create(model=MODEL, prompt="The alphabet starts with A, B, C,", max_tokens=8, temperature=0)
+    r = client(engine_host).completions.create(
+        model=MODEL, prompt="The alphabet starts with A, B, C,", max_tokens=8, temperature=0
+    )
     assert r.choices[0].text
     assert r.usage.completion_tokens > 0
 
@@ -142,8 +146,16 @@ def test_lower_running_cap_limits_concurrency_then_raise(engine_host, control, r
     c = client(engine_host)
     try:
         with cf.ThreadPoolExecutor(8) as pool:
-            futs = [pool.submit(c.completions.create, model=MODEL, prompt=f"Count from {i} to {i + 20}:",
-                                max_tokens=24, temperature=0) for i in range(8)]
+            futs = [
+                pool.submit(
+                    c.completions.create,
+                    model=MODEL,
+                    prompt=f"Count from {i} to {i + 20}:",
+                    max_tokens=24,
+                    temperature=0,
+                )
+                for i in range(8)
+            ]
             results = [f.result() for f in futs]
     finally:
         stop.set()
@@ -162,12 +174,18 @@ def _ok_request(engine_host):
 
 
 def test_control_without_token_is_401_and_engine_keeps_serving(engine_host):
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"},
-                    {"Authorization": "Bearer tökén".encode()}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": "Basic abc"},
+        {"Authorization": "Bearer tökén".encode()},
+    ):
         r = httpx.get(engine_host.url + "/control/state", headers=headers)
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-        assert httpx.put(engine_host.url + "/control/config", headers=headers,
-                         json={"speculation": {"k": 1}}).status_code == 401
+        assert (
+            httpx.put(engine_host.url + "/control/config", headers=headers, json={"speculation": {"k": 1}}).status_code
+            == 401
+        )
     _ok_request(engine_host)
 
 
@@ -230,10 +248,18 @@ def test_bad_inference_requests_get_openai_400(engine_host):
 
 def test_metrics_keep_vllm_names_and_add_specpilot_series(engine_host):
     m = metric_values(engine_host.url)
-    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:generation_tokens_total",
-                 "specpilot:speculation_k", "specpilot:max_num_seqs", "specpilot:max_num_batched_tokens",
-                 "specpilot:config_version", "specpilot:speculation_mode_info|mode=fixed",
-                 "specpilot:user_time_to_first_token_seconds_count", "specpilot:user_inter_token_latency_seconds_bucket"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:generation_tokens_total",
+        "specpilot:speculation_k",
+        "specpilot:max_num_seqs",
+        "specpilot:max_num_batched_tokens",
+        "specpilot:config_version",
+        "specpilot:speculation_mode_info|mode=fixed",
+        "specpilot:user_time_to_first_token_seconds_count",
+        "specpilot:user_inter_token_latency_seconds_bucket",
+    ):
         assert any(k == name or k.startswith(name + "|") for k in m), name
 
 
@@ -267,8 +293,11 @@ def test_ready_only_after_startup_warmup_covering_each_k(engine_host, control):
 
 
 def _runs_after(control, after_id: int, name: str) -> list[dict]:
-    return [r for r in control.get("/control/warmup/runs", params={"after_id": after_id}).json()["runs"]
-            if r["kind"] == "heartbeat" and r["schedule"] == name]
+    return [
+        r
+        for r in control.get("/control/warmup/runs", params={"after_id": after_id}).json()["runs"]
+        if r["kind"] == "heartbeat" and r["schedule"] == name
+    ]
 
 
 def _last_run_id(control) -> int:
@@ -279,8 +308,14 @@ def _last_run_id(control) -> int:
 def test_heartbeat_fires_is_recorded_excluded_from_user_figures_and_stops(engine_host, control, restore_config):
     t0 = time.time()
     mark = _last_run_id(control)
-    r = control.put("/control/config", json={"warmup": {"heartbeats": [
-        {"name": "hb1", "interval_s": 1.0, "idle_s": 0, "max_tokens": 6, "prompts": ["Say hi."]}]}})
+    r = control.put(
+        "/control/config",
+        json={
+            "warmup": {
+                "heartbeats": [{"name": "hb1", "interval_s": 1.0, "idle_s": 0, "max_tokens": 6, "prompts": ["Say hi."]}]
+            }
+        },
+    )
     assert r.status_code == 200, r.text
     time.sleep(4.5)
     runs = _runs_after(control, mark, "hb1")
@@ -314,8 +349,10 @@ def test_heartbeat_skips_while_real_traffic_flows(engine_host, control, restore_
     try:
         time.sleep(1.0)
         mark = _last_run_id(control)
-        r = control.put("/control/config", json={"warmup": {"heartbeats": [
-            {"name": "hb-idle", "interval_s": 1.0, "idle_s": 3.0, "max_tokens": 4}]}})
+        r = control.put(
+            "/control/config",
+            json={"warmup": {"heartbeats": [{"name": "hb-idle", "interval_s": 1.0, "idle_s": 3.0, "max_tokens": 4}]}},
+        )
         assert r.status_code == 200, r.text
         time.sleep(3.5)
     finally:
@@ -354,8 +391,11 @@ def test_invalid_heartbeat_schedules_are_refused(engine_host, control, hb, field
         (b'{"warmup": {"heartbeats": [{"name": "h", "interval_s": 5, "idle_s": NaN}]}}', 422, "idle_s"),
         (b"[" * 100_000 + b"]" * 100_000, 422, "nested deeper"),
         (b'{"speculation": ' * 40 + b"1" + b"}" * 40, 422, "nested deeper"),
-        (b'{"warmup": {"heartbeats": [{"name": "h", "interval_s": 5, "prompts": ["' + b"x" * (2 << 20) + b'"]}]}}',
-         413, "1048576 bytes"),
+        (
+            b'{"warmup": {"heartbeats": [{"name": "h", "interval_s": 5, "prompts": ["' + b"x" * (2 << 20) + b'"]}]}}',
+            413,
+            "1048576 bytes",
+        ),
     ],
 )
 def test_odd_bodies_are_refused_naming_the_cause(engine_host, control, raw, status, cause):
@@ -411,8 +451,9 @@ def test_k_next_is_the_k_in_force_on_an_idle_engine_right_after_an_apply(engine_
 # --- an apply answered as failed never takes effect later (issue 18, item 3) ------------------
 
 
-def test_an_apply_the_paused_core_never_acknowledged_is_withdrawn_not_applied_later(engine_host, control,
-                                                                                   restore_config):
+def test_an_apply_the_paused_core_never_acknowledged_is_withdrawn_not_applied_later(
+    engine_host, control, restore_config
+):
     before = control.get("/control/state").json()
     core_pid = before["engine"]["core_pid"]
     k_before = before["config"]["speculation"]["k"]

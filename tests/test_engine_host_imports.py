@@ -93,8 +93,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_engine_host_imports_nothing_from_control():
-    upward = {_module_name(p): sorted(i for i in _imports(p) if i == "control" or i.startswith("control."))
-              for p in (ROOT / PACKAGE).rglob("*.py")}
+    upward = {
+        _module_name(p): sorted(i for i in _imports(p) if i == "control" or i.startswith("control."))
+        for p in (ROOT / PACKAGE).rglob("*.py")
+    }
     assert {m: i for m, i in upward.items() if i} == {}
 
 
@@ -106,6 +108,11 @@ def test_engine_host_modules_import_one_another_without_a_circle():
 
 def test_the_circle_finder_finds_the_circle_through_the_endpoint_plugin():
     # the shape before the router became a package: plugin -> front -> router -> launcher -> plugin
-    graph = {"plugin": {"front"}, "front": {"router"}, "router": {"launcher", "routing"}, "launcher": {"plugin"},
-             "routing": set()}
+    graph = {
+        "plugin": {"front"},
+        "front": {"router"},
+        "router": {"launcher", "routing"},
+        "launcher": {"plugin"},
+        "routing": set(),
+    }
     assert cycles(graph) == [["front", "launcher", "plugin", "router"]]

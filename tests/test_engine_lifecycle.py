@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import httpx
 import psutil
@@ -21,8 +20,17 @@ def test_kill_9_of_the_api_process_leaves_no_engine_core_or_worker(default_model
 
     eh = EngineHostProcess(
         model=default_model,
-        extra_args=["--enforce-eager", "--k-max", "2", "--max-num-seqs", "4", "--max-model-len", "512",
-                    "--warmup", "off"],
+        extra_args=[
+            "--enforce-eager",
+            "--k-max",
+            "2",
+            "--max-num-seqs",
+            "4",
+            "--max-model-len",
+            "512",
+            "--warmup",
+            "off",
+        ],
         env={"SPECPILOT_HOME": str(tmp_path), "SPECPILOT_API_KEY": API_KEY},
         log_path=artifacts_dir / "engine-host-kill9.log",
     )

@@ -34,9 +34,15 @@ def test_one_query_table_equals_host_by_host_reading_and_shows_a_down_host(up_ho
     a = add_host(store, "a", up_host.url, usd_per_hour=2.5, gpu_kind="H100")
     b = add_host(store, "b", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     # host a: 30 s at 100 tokens/s then 30 s at 200 with a slower TTFT, and an older minute outside the window
-    insert_samples(store, a.id, [synthetic_sample(now - 200 + i, tokens_per_s=900.0, ttft_s=2.0) for i in range(60)]
-                   + [synthetic_sample(now - 59 + i, tokens_per_s=100.0 if i < 30 else 200.0,
-                                       ttft_s=0.05 if i < 30 else 0.3) for i in range(60)])
+    insert_samples(
+        store,
+        a.id,
+        [synthetic_sample(now - 200 + i, tokens_per_s=900.0, ttft_s=2.0) for i in range(60)]
+        + [
+            synthetic_sample(now - 59 + i, tokens_per_s=100.0 if i < 30 else 200.0, ttft_s=0.05 if i < 30 else 0.3)
+            for i in range(60)
+        ],
+    )
     insert_samples(store, b.id, [synthetic_sample(now - 30 + i, tokens_per_s=40.0) for i in range(29)])
     with store.writer() as s:
         rule = s.scalars(select(AlertRule)).first()
@@ -70,8 +76,11 @@ def test_hosts_are_asked_for_their_state_in_parallel(tmp_path, monkeypatch):
     class _Client:
         def state(self):
             barrier.wait()
-            return {"speculation": {"mode": "fixed", "k_current": 2, "k_next": 2},
-                    "batch": {"running": 1, "max_num_seqs": 8}, "engine": {"phase": "ready"}}
+            return {
+                "speculation": {"mode": "fixed", "k_current": 2, "k_next": 2},
+                "batch": {"running": 1, "max_num_seqs": 8},
+                "engine": {"phase": "ready"},
+            }
 
     monkeypatch.setattr(common, "engine_client", lambda store, name: _Client())
     df = fleet_views.fleet_overview(store)

@@ -54,8 +54,13 @@ def as_grafana_would(expr: str) -> str:
 def test_dashboard_json_is_well_formed():
     dash = json.loads(DASHBOARD.read_text())
     titles = {p["title"] for p in dash["panels"]}
-    for want in ("Draft length K in force", "Acceptance per draft position", "E(K): tokens per request per step",
-                 "Goodput: predicted vs measured", "Controller overhead"):
+    for want in (
+        "Draft length K in force",
+        "Acceptance per draft position",
+        "E(K): tokens per request per step",
+        "Goodput: predicted vs measured",
+        "Controller overhead",
+    ):
         assert want in titles
     assert any(a.get("name") == "Config versions" for a in dash["annotations"]["list"])
     ids = [p["id"] for p in dash["panels"]]
@@ -92,9 +97,18 @@ def test_every_panel_returns_data_and_both_sources_agree(engine_host, restore_co
     export_port = free_port()
     exporter, _ = serve_exporter(store, export_port, addr="127.0.0.1")
     inst = instance_of(engine_host.url)
-    prom = PrometheusServer([inst], scrape_interval_s=1.0, rule_files=[RULES], extra_scrape_configs=[
-        {"job_name": "specpilot_control", "honor_labels": True,
-         "static_configs": [{"targets": [f"127.0.0.1:{export_port}"]}]}])
+    prom = PrometheusServer(
+        [inst],
+        scrape_interval_s=1.0,
+        rule_files=[RULES],
+        extra_scrape_configs=[
+            {
+                "job_name": "specpilot_control",
+                "honor_labels": True,
+                "static_configs": [{"targets": [f"127.0.0.1:{export_port}"]}],
+            }
+        ],
+    )
     collector = Collector(store, interval_s=1.0, hosts_refresh_s=0.5)
     stop = threading.Event()
     loaders = [threading.Thread(target=_load, args=(engine_host.url, stop)) for _ in range(2)]
@@ -107,8 +121,13 @@ def test_every_panel_returns_data_and_both_sources_agree(engine_host, restore_co
         assert f'engine_instance="{inst}"' in exported, exported
         prom.wait_scraped("specpilot:control_config_version", n=1)
         src = PrometheusSource(prom.url)
-        _wait("Prometheus to see the new config version", lambda: src.window(
-            [inst], window_s=5, figures=["config_version"])[inst]["config_version"] == float(res.engine_version))
+        _wait(
+            "Prometheus to see the new config version",
+            lambda: (
+                src.window([inst], window_s=5, figures=["config_version"])[inst]["config_version"]
+                == float(res.engine_version)
+            ),
+        )
         time.sleep(2.5)
         t0 = math.floor(time.time()) - 1
         for t in loaders:
@@ -126,16 +145,31 @@ def test_every_panel_returns_data_and_both_sources_agree(engine_host, restore_co
         from_prom = src.window([inst], end, end - t0)[inst]
         from_store = store_window(store, "local", end, end - t0)
         assert from_store["output_tokens"] > 0 and from_store["draft_tokens"] > 0
-        for f in ("output_tokens", "requests_finished", "draft_tokens", "accepted_tokens", "acceptance_rate",
-                  "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p95_ms", "queue_p99_ms", "k",
-                  "config_version"):
+        for f in (
+            "output_tokens",
+            "requests_finished",
+            "draft_tokens",
+            "accepted_tokens",
+            "acceptance_rate",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "itl_p50_ms",
+            "itl_p99_ms",
+            "e2e_p95_ms",
+            "queue_p99_ms",
+            "k",
+            "config_version",
+        ):
             a, b = from_store[f], from_prom[f]
             assert a is not None and b == pytest.approx(a, rel=1e-6, abs=1e-6), (f, a, b)
         # every panel returns data over the test's span
         empty = []
         for where, expr in dashboard_queries():
-            res = httpx.get(f"{prom.url}/api/v1/query_range", params={
-                "query": as_grafana_would(expr), "start": t0 - 10, "end": time.time(), "step": "1s"}, timeout=30).json()
+            res = httpx.get(
+                f"{prom.url}/api/v1/query_range",
+                params={"query": as_grafana_would(expr), "start": t0 - 10, "end": time.time(), "step": "1s"},
+                timeout=30,
+            ).json()
             assert res["status"] == "success", (where, res)
             values = [float(v) for s in res["data"]["result"] for _, v in s["values"]]
             if not any(math.isfinite(v) for v in values):

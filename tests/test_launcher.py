@@ -21,7 +21,11 @@ def value(cmd: list[str], flag: str) -> str:
 def test_speculative_engine_runs_ngram_with_the_synchronous_hook():
     cmd = command("--k-max", "6")
     assert json.loads(value(cmd, "--speculative-config")) == {
-        "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        "method": "ngram",
+        "num_speculative_tokens": 6,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+    }
     assert value(cmd, "--scheduler-cls") == "engine_host.scheduler.SpecPilotScheduler"
     assert "--no-async-scheduling" in cmd
     assert value(cmd, "--served-model-name") == "SmolLM2-135M-Instruct"
@@ -43,8 +47,16 @@ def test_plain_engine_keeps_the_scheduling_vllm_would_choose(monkeypatch, cpu_bu
 
 def test_explicit_flags_win(monkeypatch):
     monkeypatch.setattr(launcher, "is_cpu_build", lambda: False)
-    cmd = command("--k-max", "0", "--no-async-scheduling", "--no-prefix-caching", "--tensor-parallel-size", "2",
-                  "--distributed-executor-backend", "mp")
+    cmd = command(
+        "--k-max",
+        "0",
+        "--no-async-scheduling",
+        "--no-prefix-caching",
+        "--tensor-parallel-size",
+        "2",
+        "--distributed-executor-backend",
+        "mp",
+    )
     assert "--no-async-scheduling" in cmd and "--no-enable-prefix-caching" in cmd
     assert value(cmd, "--tensor-parallel-size") == "2" and value(cmd, "--distributed-executor-backend") == "mp"
     assert "--async-scheduling" in command("--k-max", "4", "--async-scheduling")
@@ -53,9 +65,9 @@ def test_explicit_flags_win(monkeypatch):
 @pytest.mark.parametrize(
     "cpu_build,native_fp16,flag,expect",
     [
-        (True, False, "auto", "float32"),   # CPU without float16 arithmetic: float32
+        (True, False, "auto", "float32"),  # CPU without float16 arithmetic: float32
         (True, True, "auto", "float16"),
-        (False, False, "auto", "auto"),     # GPU build: vLLM's own choice
+        (False, False, "auto", "auto"),  # GPU build: vLLM's own choice
         (True, False, "bfloat16", "bfloat16"),  # an explicit dtype always wins
     ],
 )
@@ -77,7 +89,10 @@ def test_api_key_comes_from_a_file_then_the_environment_then_the_flag(tmp_path, 
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
     parse = launcher.build_parser().parse_args
-    assert launcher.resolve_api_key(parse(["--api-key-file", str(key_file)]), env={"SPECPILOT_API_KEY": "x"}) == "from-file"
+    assert (
+        launcher.resolve_api_key(parse(["--api-key-file", str(key_file)]), env={"SPECPILOT_API_KEY": "x"})
+        == "from-file"
+    )
     assert launcher.resolve_api_key(parse([]), env={"SPECPILOT_API_KEY": "from-env"}) == "from-env"
     assert launcher.resolve_api_key(parse([]), env={"VLLM_API_KEY": "vllm-env"}) == "vllm-env"
     assert launcher.resolve_api_key(parse([]), env={}) is None

@@ -128,8 +128,9 @@ def test_points_skip_idle_and_mixed_windows():
 
 def test_points_from_downsampled_rate_samples():
     t0 = 1_700_000_000
-    samples = [{"t": t0 + 60 * i, "interval_s": 60, "k": 3, "requests_per_s": 0.5, "e2e_ms_mean": 700.0}
-               for i in range(10)]
+    samples = [
+        {"t": t0 + 60 * i, "interval_s": 60, "k": 3, "requests_per_s": 0.5, "e2e_ms_mean": 700.0} for i in range(10)
+    ]
     pts = points_from_samples(samples, window_s=300)
     assert len(pts) == 2
     assert pts[0].rate_rps == pytest.approx(0.5)
@@ -156,22 +157,29 @@ from control.planner import (  # noqa: E402
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
-def _state(t0_ms=20.0, t1_ms=2.0, accept=0.6, k_max=4, mode="adaptive", k=0, cap=16, measured_positions=None,
-           margin=0.05):
+def _state(
+    t0_ms=20.0, t1_ms=2.0, accept=0.6, k_max=4, mode="adaptive", k=0, cap=16, measured_positions=None, margin=0.05
+):
     """A /control/state document whose controller measured T(B, K) = t0 + t1 * B * (1 + K)
     (ms) and r_i = accept**i."""
-    e = {str(kk): 1.0 + sum(accept ** i for i in range(1, kk + 1)) for kk in range(k_max + 1)}
+    e = {str(kk): 1.0 + sum(accept**i for i in range(1, kk + 1)) for kk in range(k_max + 1)}
     table = {str(b): [t0_ms + t1_ms * b * (1 + kk) for kk in range(k_max + 1)] for b in GRID}
     n_meas = k_max if measured_positions is None else measured_positions
     return {
-        "config": {"speculation": {"mode": mode, "k": k, "adaptive": {"margin": margin}},
-                   "batch": {"max_num_seqs": None}},
+        "config": {
+            "speculation": {"mode": mode, "k": k, "adaptive": {"margin": margin}},
+            "batch": {"max_num_seqs": None},
+        },
         "speculation": {"mode": mode, "k": k, "k_min": 0, "k_max": k_max},
         "batch": {"max_num_seqs": cap},
         "limits": {"max_num_seqs": cap},
-        "controller": {"step_time_ms_by_batch": table, "expected_tokens_per_step": e,
-                       "acceptance_measured_request_steps": [500] * n_meas + [0] * (k_max - n_meas),
-                       "step_time_measured_batch": [1, 7], "k_bounds": [0, k_max]},
+        "controller": {
+            "step_time_ms_by_batch": table,
+            "expected_tokens_per_step": e,
+            "acceptance_measured_request_steps": [500] * n_meas + [0] * (k_max - n_meas),
+            "step_time_measured_batch": [1, 7],
+            "k_bounds": [0, k_max],
+        },
     }
 
 
@@ -218,8 +226,18 @@ def _bad_fit_samples(k=2, n=16, seed=0):
         rate = 0.1 + 0.05 * (w % 8)
         lat_ms = float(rng.uniform(2000, 14000))
         for i in range(60):
-            out.append({"t": t0 + 60 * w + i, "k": k, "requests_per_s": rate, "e2e_ms_mean": lat_ms,
-                        "interval_s": 1.0, "output_tokens": 120 * rate, "ttft_p50_ms": 300.0, "waiting": 0})
+            out.append(
+                {
+                    "t": t0 + 60 * w + i,
+                    "k": k,
+                    "requests_per_s": rate,
+                    "e2e_ms_mean": lat_ms,
+                    "interval_s": 1.0,
+                    "output_tokens": 120 * rate,
+                    "ttft_p50_ms": 300.0,
+                    "waiting": 0,
+                }
+            )
     return out
 
 
@@ -278,8 +296,19 @@ def test_a_down_host_or_an_old_engine_is_not_enough_data_for_the_engine_model():
 
 
 def test_answers_beyond_measured_rates_or_batches_are_marked_extrapolation():
-    samples = [{"t": 1_700_000_000 + i, "k": 0, "requests_per_s": 0.5, "interval_s": 1.0, "e2e_ms_mean": 900.0,
-                "output_tokens": 50.0, "ttft_p50_ms": 100.0, "waiting": 0} for i in range(120)]
+    samples = [
+        {
+            "t": 1_700_000_000 + i,
+            "k": 0,
+            "requests_per_s": 0.5,
+            "interval_s": 1.0,
+            "e2e_ms_mean": 900.0,
+            "output_tokens": 50.0,
+            "ttft_p50_ms": 100.0,
+            "waiting": 0,
+        }
+        for i in range(120)
+    ]
     low = plan(samples, _state(mode="fixed", k=0), rate_rps=0.4)
     assert low.workload.output_tokens == pytest.approx(100.0)
     assert low.workload.prefill_s == pytest.approx(0.1)
@@ -300,8 +329,12 @@ def test_planner_answer_from_a_real_controllers_state():
         b = 1 + step % 8
         hist = [int(b * 0.7), int(b * 0.49), 0, 0]
         ctl.observe(StepObservation(b, 2, 2 * b, hist[0] + hist[1], hist, 0.02 + 0.001 * b * 3, True, float(step)))
-    state = {"controller": ctl.snapshot(), "config": {"speculation": {"mode": "fixed", "k": 2}},
-             "speculation": {"mode": "fixed"}, "batch": {"max_num_seqs": 8}}
+    state = {
+        "controller": ctl.snapshot(),
+        "config": {"speculation": {"mode": "fixed", "k": 2}},
+        "speculation": {"mode": "fixed"},
+        "batch": {"max_num_seqs": 8},
+    }
     rep = plan([], state, output_tokens=100, prefill_s=0.05)
     assert rep.engine_problem is None and rep.default_label == "K=2"
     assert set(rep.unmeasured) == {3, 4}
@@ -343,11 +376,26 @@ def _store_with_bad_fit(url: str, engine_url: str, now: float) -> None:
         for w in range(16):
             rate, e2e = 0.1 + 0.05 * (w % 8), float(rng.uniform(2.0, 14.0))
             n = rate * 60
-            rows.append({"host_id": h.id, "resolution_s": 60, "t": int(now) // 60 * 60 - 60 * (16 - w),
-                         "covered_s": 60.0, "busy_s": 30.0, "output_tokens": 120 * n, "user_output_tokens": 120 * n,
-                         "prompt_tokens": 200 * n, "requests_finished": n, "ttft_p50_ms": 300.0, "waiting": 0.0,
-                         "running": 1.0, "k": 2.0, "mode": "fixed", "max_num_seqs": 8,
-                         "hist": {"e2e": {f"{0.99 * e2e!r}:{1.01 * e2e!r}": n}}})
+            rows.append(
+                {
+                    "host_id": h.id,
+                    "resolution_s": 60,
+                    "t": int(now) // 60 * 60 - 60 * (16 - w),
+                    "covered_s": 60.0,
+                    "busy_s": 30.0,
+                    "output_tokens": 120 * n,
+                    "user_output_tokens": 120 * n,
+                    "prompt_tokens": 200 * n,
+                    "requests_finished": n,
+                    "ttft_p50_ms": 300.0,
+                    "waiting": 0.0,
+                    "running": 1.0,
+                    "k": 2.0,
+                    "mode": "fixed",
+                    "max_num_seqs": 8,
+                    "hist": {"e2e": {f"{0.99 * e2e!r}:{1.01 * e2e!r}": n}},
+                }
+            )
         s.execute(insert(MetricSample), rows)
     engine.dispose()
 
@@ -422,17 +470,21 @@ def test_planner_page_with_the_host_down_says_not_enough_data(tmp_path, monkeypa
 
 
 @pytest.mark.engine
-def test_real_engine_state_gives_an_answer_and_no_data_beyond_measured_positions(engine_host, control,
-                                                                                   restore_config):
+def test_real_engine_state_gives_an_answer_and_no_data_beyond_measured_positions(engine_host, control, restore_config):
     import httpx
 
     before = control.get("/control/state").json()["controller"]["acceptance_measured_request_steps"]
     assert control.put("/control/config", json={"speculation": {"mode": "fixed", "k": 2}}).status_code == 200
-    prompt = ("Copy this list exactly, then copy it again: red apple, green pear, yellow banana, purple plum, "
-              "orange mango, red apple, green pear, yellow banana, purple plum, orange mango, red apple,")
+    prompt = (
+        "Copy this list exactly, then copy it again: red apple, green pear, yellow banana, purple plum, "
+        "orange mango, red apple, green pear, yellow banana, purple plum, orange mango, red apple,"
+    )
     for _ in range(2):
-        r = httpx.post(engine_host.url + "/v1/completions", timeout=120,
-                       json={"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 48, "temperature": 0})
+        r = httpx.post(
+            engine_host.url + "/v1/completions",
+            timeout=120,
+            json={"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 48, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
     state = control.get("/control/state").json()
     ctl = state["controller"]

@@ -44,8 +44,9 @@ def test_a_child_stops_on_sigint_even_when_started_with_sigint_ignored(tmp_path)
 
 
 def test_a_child_that_ignores_sigint_gets_sigterm(tmp_path):
-    script = ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('up', flush=True)\n"
-              "time.sleep(60)\n")
+    script = (
+        "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(60)\n"
+    )
     c = Child(script, tmp_path).start()
     wait_for_log(c, "up")
     c.stop(timeout_s=0.5)

@@ -41,8 +41,13 @@ def test_rules_unit_tests_pass():
 
 def test_every_required_alert_is_shipped():
     text = (DEPLOY / "specpilot-rules.yml").read_text()
-    for name in ("SpecPilotLowAcceptance", "SpecPilotKVCacheFull", "SpecPilotQueueTimeHigh", "SpecPilotHostDown",
-                 "SpecPilotConfigDrift"):
+    for name in (
+        "SpecPilotLowAcceptance",
+        "SpecPilotKVCacheFull",
+        "SpecPilotQueueTimeHigh",
+        "SpecPilotHostDown",
+        "SpecPilotConfigDrift",
+    ):
         assert f"alert: {name}" in text
         assert name in (DEPLOY / "specpilot-rules.test.yml").read_text()
 
@@ -50,16 +55,21 @@ def test_every_required_alert_is_shipped():
 def test_a_broken_rule_is_caught(tmp_path):
     """The check is real: a rule with a PromQL error fails it."""
     bad = tmp_path / "bad.yml"
-    bad.write_text((DEPLOY / "specpilot-rules.yml").read_text().replace("vllm:kv_cache_usage_perc > 0.9",
-                                                                        "vllm:kv_cache_usage_perc >> 0.9"))
+    bad.write_text(
+        (DEPLOY / "specpilot-rules.yml")
+        .read_text()
+        .replace("vllm:kv_cache_usage_perc > 0.9", "vllm:kv_cache_usage_perc >> 0.9")
+    )
     assert _promtool("check", "rules", str(bad)).returncode != 0
 
 
 def test_a_wrong_threshold_fails_the_unit_tests(tmp_path):
     shutil.copy(DEPLOY / "specpilot-rules.test.yml", tmp_path)
     (tmp_path / "specpilot-rules.yml").write_text(
-        (DEPLOY / "specpilot-rules.yml").read_text().replace("specpilot:acceptance_rate:rate1m < 0.5",
-                                                             "specpilot:acceptance_rate:rate1m < 0.2"))
+        (DEPLOY / "specpilot-rules.yml")
+        .read_text()
+        .replace("specpilot:acceptance_rate:rate1m < 0.5", "specpilot:acceptance_rate:rate1m < 0.2")
+    )
     assert _promtool("test", "rules", "specpilot-rules.test.yml", cwd=tmp_path).returncode != 0
 
 

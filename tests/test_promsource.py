@@ -88,11 +88,29 @@ def test_prometheus_and_collector_give_the_same_window_figures(fake, tmp_path, m
         prom.wait_scraped("vllm:generation_tokens_total")
         time.sleep(2.5)  # both have a flat baseline
         t0 = math.floor(time.time()) - 1
-        m.serve(requests=7, output_tokens=40, ttft_s=0.03, itl_s=0.015, queue_s=0.002, drafts=50, draft_tokens=100,
-                accepted=62, accepted_per_pos=[40, 22])
+        m.serve(
+            requests=7,
+            output_tokens=40,
+            ttft_s=0.03,
+            itl_s=0.015,
+            queue_s=0.002,
+            drafts=50,
+            draft_tokens=100,
+            accepted=62,
+            accepted_per_pos=[40, 22],
+        )
         time.sleep(2.2)
-        m.serve(requests=5, output_tokens=90, ttft_s=0.3, itl_s=0.07, queue_s=0.2, drafts=30, draft_tokens=60,
-                accepted=18, accepted_per_pos=[12, 6])
+        m.serve(
+            requests=5,
+            output_tokens=90,
+            ttft_s=0.3,
+            itl_s=0.07,
+            queue_s=0.2,
+            drafts=30,
+            draft_tokens=60,
+            accepted=18,
+            accepted_per_pos=[12, 6],
+        )
         time.sleep(3.5)  # both scraped the final values at least twice
         end = math.floor(time.time()) - 1
         window = end - t0

@@ -12,8 +12,13 @@ from bench import qwen_models as qm
 
 CHUNKS = [b"GGUF" + b"a" * 100, b"b" * 50, b"c" * 7]
 BLOB = b"".join(CHUNKS)
-MODEL = qm.PackedModel(name="Tiny", packages=("tiny-part1==0.1.0", "tiny-part2==0.1.0"), module_prefix="tiny_part",
-                       sha256=hashlib.sha256(BLOB).hexdigest(), size=len(BLOB))
+MODEL = qm.PackedModel(
+    name="Tiny",
+    packages=("tiny-part1==0.1.0", "tiny-part2==0.1.0"),
+    module_prefix="tiny_part",
+    sha256=hashlib.sha256(BLOB).hexdigest(),
+    size=len(BLOB),
+)
 
 
 def wheel(folder: Path, pkg: int, parts: dict[int, bytes]) -> None:

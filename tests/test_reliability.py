@@ -22,9 +22,9 @@ from control.apply import apply_change, reconcile, rollback
 from control.collector import COLLECTOR_DOWN, HostCollector
 from control.samples import gaps, insert_samples
 from control.store import Store, add_host, audit_events, get_host
-from tests.support import FakeEngineHost, synthetic_sample
 from control.up import Backoff, register_host
 from control.versions import ApplyBusy, acquire_lease, history, release_lease, version_in_force
+from tests.support import FakeEngineHost, synthetic_sample
 
 
 @pytest.fixture
@@ -68,8 +68,9 @@ time.sleep(60)
 
 def test_a_lease_whose_holder_died_is_released_at_once(store, db):
     add_host(store, "h", "http://127.0.0.1:9")
-    p = subprocess.run([sys.executable, "-c", _HOLDER, db, "die"], capture_output=True, text=True, env=_env(),
-                       timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-c", _HOLDER, db, "die"], capture_output=True, text=True, env=_env(), timeout=60
+    )
     assert p.returncode == -signal.SIGKILL and "held" in p.stdout
     t0 = time.monotonic()
     token = acquire_lease(store, get_host(store, "h").id, wait_s=5.0)  # the old code waited out the 60 s lease
@@ -81,8 +82,9 @@ def test_a_lease_whose_holder_died_is_released_at_once(store, db):
 
 def test_a_waiting_apply_says_whom_it_waits_for(store, db):
     add_host(store, "h", "http://127.0.0.1:9")
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, db, "live"], stdout=subprocess.PIPE, text=True,
-                              env=_env())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, db, "live"], stdout=subprocess.PIPE, text=True, env=_env()
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         told: list[str] = []
@@ -96,6 +98,7 @@ def test_a_waiting_apply_says_whom_it_waits_for(store, db):
 
 
 # --------------------------------------------------------------------------- drift
+
 
 def _put(fake: FakeEngineHost, body: dict) -> dict:
     """A change made straight on the engine, behind the control plane's back."""
@@ -186,6 +189,7 @@ def test_dashboard_drift_action_requires_an_operator_and_a_reason(store, fake):
 
 # --------------------------------------------------------------------------- gaps, alerts
 
+
 def test_collector_downtime_is_recorded_as_a_gap(store, fake):
     h = add_host(store, "h", fake.url)
     t0 = int(time.time()) - 600
@@ -225,6 +229,7 @@ def test_open_now_opens_host_down_without_waiting_for_the_rule(store):
 
 
 # --------------------------------------------------------------------------- control up
+
 
 def test_control_up_keeps_a_recorded_price_and_gpu_kind(store):
     add_host(store, "local", "http://127.0.0.1:8000", usd_per_hour=2.5, gpu_kind="H100")
@@ -300,7 +305,9 @@ def test_cli_shows_a_drift_with_both_sides_and_adopts_it(store, db, fake, capsys
     drift.check(store, "h", fake._state())
     assert main(["--db", db, "config", "drift", "--host", "h"]) == 0
     out = capsys.readouterr().out
-    assert "store:  version 1" in out and "engine: config version 2" in out and "speculation.k: store 0 / engine 4" in out
+    assert (
+        "store:  version 1" in out and "engine: config version 2" in out and "speculation.k: store 0 / engine 4" in out
+    )
     assert main(["--db", db, "config", "adopt", "--host", "h", "--reason", "keep it"]) == 0
     assert "version 2 applied (adopted the engine's config version 2)" in capsys.readouterr().out
     assert main(["--db", db, "config", "reapply", "--host", "h", "--reason", "nothing to do"]) == 1
@@ -310,9 +317,8 @@ def test_cli_shows_a_drift_with_both_sides_and_adopts_it(store, db, fake, capsys
 def test_alerts_page_shows_a_drift_and_an_operator_adopts_it(store, db, fake, monkeypatch, tmp_path):
     from pathlib import Path
 
-    from streamlit.testing.v1 import AppTest
-
     import streamlit as st
+    from streamlit.testing.v1 import AppTest
 
     from control import auth
     from control.auth import User
@@ -328,8 +334,7 @@ def test_alerts_page_shows_a_drift_and_an_operator_adopts_it(store, db, fake, mo
     st.cache_data.clear()
     st.cache_resource.clear()
     try:
-        at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py"),
-                               default_timeout=60)
+        at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py"), default_timeout=60)
         at.session_state["user"] = User("olga", "operator")
         at.run()
         at.switch_page("pages/alerts.py").run()
@@ -352,9 +357,25 @@ def test_fault_summary_counts_orphans_losses_and_misses_per_case():
 
     ps = {10: (1, "up", True), 11: (10, "engine_host", True), 12: (11, "VLLM::EngineCore", True), 13: (1, "x", True)}
     assert _descendants(10, ps) == {11, 12}
-    cases = [{"process": "engine-host", "signal": "KILL", "recovery_s": 40.0, "orphans": [], "lost": 0,
-              "misrecorded": 0, "integrity": "ok"},
-             {"process": "engine-host", "signal": "KILL", "recovery_s": None, "orphans": ["13 x"], "lost": 1,
-              "misrecorded": 2, "integrity": "ok"}]
+    cases = [
+        {
+            "process": "engine-host",
+            "signal": "KILL",
+            "recovery_s": 40.0,
+            "orphans": [],
+            "lost": 0,
+            "misrecorded": 0,
+            "integrity": "ok",
+        },
+        {
+            "process": "engine-host",
+            "signal": "KILL",
+            "recovery_s": None,
+            "orphans": ["13 x"],
+            "lost": 1,
+            "misrecorded": 2,
+            "integrity": "ok",
+        },
+    ]
     row = summarise(cases, 38.0).splitlines()[2].split()
     assert row[:7] == ["engine-host", "KILL", "2", "1", "1", "2", "ok"] and row[-1] == "1"

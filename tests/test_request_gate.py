@@ -73,10 +73,19 @@ def test_summary_reports_drafted_counts_and_acceptance_distribution_and_forgets_
 
 
 def test_live_page_line_says_how_many_requests_drafted():
-    st = common.HostStatus(name="h", url="u", up=True, k_max_engine=8,
-                          per_request={"enabled": True, "requests_with_drafts": 5, "requests_verified": 2,
-                                       "acceptance_bins": [0.0, 0.2, 0.4, 0.6, 0.8],
-                                       "acceptance_hist": [3, 0, 0, 0, 2]})
+    st = common.HostStatus(
+        name="h",
+        url="u",
+        up=True,
+        k_max_engine=8,
+        per_request={
+            "enabled": True,
+            "requests_with_drafts": 5,
+            "requests_verified": 2,
+            "acceptance_bins": [0.0, 0.2, 0.4, 0.6, 0.8],
+            "acceptance_hist": [3, 0, 0, 0, 2],
+        },
+    )
     line = live_views.per_request_line(st)
     assert "2 of 5" in line and "3 at 0%-20%" in line and "2 at 80%-100%" in line
     st.per_request = {"enabled": False}

@@ -21,14 +21,15 @@ from control.collector import Collector
 from control.models import Rollout
 from control.rollout import RolloutError, parse_guard
 from control.store import Store, add_host
-from tests.support import FakeEngineHost
 from control.versions import history
+from tests.support import FakeEngineHost
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = ("a", "b", "c")
 
 
 # --------------------------------------------------------------------------- guards
+
 
 def test_guards_parse_without_eval():
     g = parse_guard("ttft_p99_ms <= 1.1 * baseline")
@@ -38,13 +39,19 @@ def test_guards_parse_without_eval():
     assert parse_guard("k < baseline").factor == 1.0
     assert g.check(100.0, 95.0)[0] and not g.check(120.0, 100.0)[0]
     assert not g.check(None, 100.0)[0]  # no data fails
-    for bad in ("__import__('os').system('id')", "ttft_p99_ms <= 1.1 * baseline or 1", "nope <= baseline",
-                "ttft_p99_ms == baseline", ""):
+    for bad in (
+        "__import__('os').system('id')",
+        "ttft_p99_ms <= 1.1 * baseline or 1",
+        "nope <= baseline",
+        "ttft_p99_ms == baseline",
+        "",
+    ):
         with pytest.raises(RolloutError):
             parse_guard(bad)
 
 
 # --------------------------------------------------------------------------- fleet of stand-ins
+
 
 class Fleet:
     """Three stand-in hosts whose TTFT depends on their live K (K=4 is slow when ``bad``),
@@ -98,15 +105,19 @@ CHANGE = {"speculation": {"mode": "fixed", "k": 4}}
 def test_a_failed_guard_rolls_the_canary_back_and_leaves_the_others(tmp_path):
     with Fleet(tmp_path, bad=True) as fleet:
         puts_before = {h: len(f.puts) for h, f in fleet.fakes.items()}
-        rid = rollout.create(fleet.store, hosts=["a", "b", "c"], canary="b", patch=CHANGE, watch_s=4, guards=GUARDS,
-                             reason="try K=4")
+        rid = rollout.create(
+            fleet.store, hosts=["a", "b", "c"], canary="b", patch=CHANGE, watch_s=4, guards=GUARDS, reason="try K=4"
+        )
         r = rollout.run(fleet.store, rid)
         assert r.status == rollout.ROLLED_BACK and "ttft_p99_ms" in r.message
         assert fleet.k("b") == 0  # back where it was
         assert fleet.k("a") == 0 and fleet.k("c") == 0
         assert len(fleet.fakes["a"].puts) == puts_before["a"] and len(fleet.fakes["c"].puts) == puts_before["c"]
         assert [(s["host"], s["action"], s["outcome"]) for s in r.steps] == [
-            ("b", "apply", "applied"), ("b", "watch", "failed"), ("b", "rollback", "applied")]
+            ("b", "apply", "applied"),
+            ("b", "watch", "failed"),
+            ("b", "rollback", "applied"),
+        ]
         versions = history(fleet.store, "b")
         assert [v.source for v in versions[:2]] == ["rollback", "apply"]
         assert versions[0].rollback_of == 1 and all(v.status == "applied" for v in versions[:2])
@@ -115,8 +126,15 @@ def test_a_failed_guard_rolls_the_canary_back_and_leaves_the_others(tmp_path):
 
 def test_a_passing_rollout_brings_every_host_to_the_new_version_in_order(tmp_path):
     with Fleet(tmp_path, bad=False) as fleet:
-        rid = rollout.create(fleet.store, hosts=["a", "b", "c"], canary="c", patch=CHANGE, watch_s=4, guards=GUARDS,
-                             reason="K=4 everywhere")
+        rid = rollout.create(
+            fleet.store,
+            hosts=["a", "b", "c"],
+            canary="c",
+            patch=CHANGE,
+            watch_s=4,
+            guards=GUARDS,
+            reason="K=4 everywhere",
+        )
         r = rollout.run(fleet.store, rid)
         assert r.status == rollout.SUCCEEDED, r.message
         assert [fleet.k(h) for h in HOSTS] == [4, 4, 4]
@@ -133,11 +151,22 @@ def test_bad_rollouts_are_refused_before_anything_changes(tmp_path):
     store = Store.open(f"sqlite:///{tmp_path / 'specpilot.db'}")
     with FakeEngineHost(token="secret-token") as f:
         add_host(store, "a", f.url)
-        for kwargs, match in (({"canary": "z"}, "not one of the hosts"), ({"guards": ["x <= 1"]}, "unknown figure"),
-                              ({"watch_s": 0}, "at least 1 s"), ({"patch": {"speculation": {"k": -1}}}, "invalid"),
-                              ({"baseline": "others"}, "baseline")):
-            args = {"hosts": ["a"], "canary": "a", "patch": CHANGE, "watch_s": 5, "guards": GUARDS, "reason": "r",
-                    **kwargs}
+        for kwargs, match in (
+            ({"canary": "z"}, "not one of the hosts"),
+            ({"guards": ["x <= 1"]}, "unknown figure"),
+            ({"watch_s": 0}, "at least 1 s"),
+            ({"patch": {"speculation": {"k": -1}}}, "invalid"),
+            ({"baseline": "others"}, "baseline"),
+        ):
+            args = {
+                "hosts": ["a"],
+                "canary": "a",
+                "patch": CHANGE,
+                "watch_s": 5,
+                "guards": GUARDS,
+                "reason": "r",
+                **kwargs,
+            }
             with pytest.raises(RolloutError, match=match):
                 rollout.create(store, **args)
         assert f.puts == [] and rollout.list_rollouts(store) == []
@@ -146,9 +175,15 @@ def test_bad_rollouts_are_refused_before_anything_changes(tmp_path):
 
 def _cli(fleet: Fleet, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECPILOT_CONTROL_TOKEN": "secret-token"}
-    return subprocess.Popen([sys.executable, "-m", "control", "--db", fleet.url, "config", "rollout", *args],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "control", "--db", fleet.url, "config", "rollout", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _wait_phase(store: Store, phase: str, timeout_s: float = 60.0) -> Rollout:
@@ -163,8 +198,25 @@ def _wait_phase(store: Store, phase: str, timeout_s: float = 60.0) -> Rollout:
 
 def test_a_rollout_killed_in_its_watch_is_resumed_on_restart(tmp_path):
     with Fleet(tmp_path, bad=False) as fleet:
-        proc = _cli(fleet, "--hosts", "a,b,c", "--canary", "a", "--watch", "5", "--guard", GUARDS[0],
-                    "--guard", GUARDS[1], "--k", "4", "--mode", "fixed", "--reason", "K=4, killed midway")
+        proc = _cli(
+            fleet,
+            "--hosts",
+            "a,b,c",
+            "--canary",
+            "a",
+            "--watch",
+            "5",
+            "--guard",
+            GUARDS[0],
+            "--guard",
+            GUARDS[1],
+            "--k",
+            "4",
+            "--mode",
+            "fixed",
+            "--reason",
+            "K=4, killed midway",
+        )
         try:
             _wait_phase(fleet.store, "watch")
             time.sleep(1.0)
@@ -176,9 +228,14 @@ def test_a_rollout_killed_in_its_watch_is_resumed_on_restart(tmp_path):
         with pytest.raises(RolloutError, match="another process"):  # not yet abandoned: no double runner
             rollout.run(fleet.store, r.id)
         time.sleep(rollout.STALE_S)
-        out = subprocess.run([sys.executable, "-m", "control", "--db", fleet.url, "config", "rollout", "--resume"],
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "control", "--db", fleet.url, "config", "rollout", "--resume"],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         assert "resumed its watch" in out.stdout
         r = rollout.get(fleet.store, r.id)
@@ -189,8 +246,9 @@ def test_a_rollout_killed_in_its_watch_is_resumed_on_restart(tmp_path):
 
 def test_a_rollout_killed_while_changing_the_canary_is_rolled_back_on_restart(tmp_path):
     with Fleet(tmp_path, bad=False) as fleet:
-        rid = rollout.create(fleet.store, hosts=["a", "b"], canary="a", patch=CHANGE, watch_s=5, guards=GUARDS,
-                             reason="died mid-apply")
+        rid = rollout.create(
+            fleet.store, hosts=["a", "b"], canary="a", patch=CHANGE, watch_s=5, guards=GUARDS, reason="died mid-apply"
+        )
         # what a process killed just after its PUT leaves behind: the canary changed, phase still "canary"
         with fleet.store.writer() as s:
             row = s.get(Rollout, rid)
@@ -212,8 +270,7 @@ def test_the_dashboard_starts_a_rollout_for_operators_only_and_shows_its_status(
     from control.views import fleet as fleet_views
 
     with Fleet(tmp_path, bad=False) as fleet:
-        args = dict(hosts=["a", "b"], canary="a", patch=CHANGE, watch_s=3, guards=GUARDS,
-                    reason="from the dashboard")
+        args = dict(hosts=["a", "b"], canary="a", patch=CHANGE, watch_s=3, guards=GUARDS, reason="from the dashboard")
         with pytest.raises(common.PermissionDenied):
             fleet_views.start_rollout(fleet.store, User("vera", "viewer"), **args)
         with pytest.raises(common.ViewError, match="not a guard"):

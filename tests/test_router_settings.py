@@ -17,16 +17,29 @@ ONE_ENGINE = EngineLimits(model="m", k_max=8, max_num_seqs=16, max_num_batched_t
 DUAL = ONE_ENGINE.model_copy(update={"dual": True})
 
 
-@pytest.mark.parametrize("patch, named", [
-    ({"p_min": -0.1}, "p_min"), ({"p_max": 1.5}, "p_max"), ({"p_min": 0.9, "p_max": 0.5}, "p_min <= p_max"),
-    ({"eta": 0}, "eta"), ({"eta": 6}, "eta"), ({"tpot_margin": -1}, "tpot_margin"), ({"p_probe": 2}, "p_probe"),
-    ({"probe_every_s": -1}, "probe_every_s"), ({"probe_s": 0}, "probe_s"),
-    ({"probe_every_s": 5, "probe_s": 6}, "probe_s must be in (0, probe_every_s]"),
-    ({"probe_backoff": 0.5}, "probe_backoff"), ({"probe_every_max_s": -5}, "probe_every_max_s"),
-    ({"mode": "fastest"}, "mode"), ({"speed": 1}, "unknown router setting"),
-    ({"p_min": True}, "must be a number"), ({"p_min": "0.1"}, "must be a number"),
-    ({"eta": math.nan}, "eta"), ({"probe_every_max_s": math.inf}, "probe_every_max_s"),
-])
+@pytest.mark.parametrize(
+    "patch, named",
+    [
+        ({"p_min": -0.1}, "p_min"),
+        ({"p_max": 1.5}, "p_max"),
+        ({"p_min": 0.9, "p_max": 0.5}, "p_min <= p_max"),
+        ({"eta": 0}, "eta"),
+        ({"eta": 6}, "eta"),
+        ({"tpot_margin": -1}, "tpot_margin"),
+        ({"p_probe": 2}, "p_probe"),
+        ({"probe_every_s": -1}, "probe_every_s"),
+        ({"probe_s": 0}, "probe_s"),
+        ({"probe_every_s": 5, "probe_s": 6}, "probe_s must be in (0, probe_every_s]"),
+        ({"probe_backoff": 0.5}, "probe_backoff"),
+        ({"probe_every_max_s": -5}, "probe_every_max_s"),
+        ({"mode": "fastest"}, "mode"),
+        ({"speed": 1}, "unknown router setting"),
+        ({"p_min": True}, "must be a number"),
+        ({"p_min": "0.1"}, "must be a number"),
+        ({"eta": math.nan}, "eta"),
+        ({"probe_every_max_s": math.inf}, "probe_every_max_s"),
+    ],
+)
 def test_invalid_router_settings_are_refused_naming_the_setting(patch, named):
     base = RouterSettings()
     with pytest.raises(ValueError) as exc:
@@ -54,8 +67,14 @@ def test_each_setting_has_one_default_used_by_the_split_the_cli_and_the_router_c
     args = parse_args([])
     assert args.router_settings == defaults
     assert {k: getattr(args, k) for k in SETTING_OPTIONS} == {k: getattr(defaults, k) for k in SETTING_OPTIONS}
-    state = state_from_config({"backends": {"plain": "http://p", "speculative": "http://s"}, "p_start": 0.1,
-                               "mode_file": "/nonexistent/router.routing"}, "t")
+    state = state_from_config(
+        {
+            "backends": {"plain": "http://p", "speculative": "http://s"},
+            "p_start": 0.1,
+            "mode_file": "/nonexistent/router.routing",
+        },
+        "t",
+    )
     assert state.split.config == defaults
 
 
@@ -64,8 +83,12 @@ def test_cli_options_are_validated_by_the_same_model(capsys):
 
     args = parse_args(["--routing", "plain", "--p-min", "0.05", "--probe-every", "0", "--tpot-margin", "0.2"])
     assert args.router_settings == RouterSettings(mode="plain", p_min=0.05, probe_every_s=0.0, tpot_margin=0.2)
-    for argv, named in ((["--p-min", "0.9", "--p-max", "0.5"], "p_min"), (["--probe-every", "0.5"], "probe_s"),
-                        (["--eta", "0"], "eta"), (["--p-start", "0.99"], "--p-start")):
+    for argv, named in (
+        (["--p-min", "0.9", "--p-max", "0.5"], "p_min"),
+        (["--probe-every", "0.5"], "probe_s"),
+        (["--eta", "0"], "eta"),
+        (["--p-start", "0.99"], "--p-start"),
+    ):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert named in capsys.readouterr().err
@@ -85,7 +108,9 @@ def test_live_config_carries_the_router_section_on_a_dual_host_only():
     new = apply_patch(cfg, {"router": {"tpot_margin": 0.2, "mode": "plain"}}, DUAL)
     assert new.router == RouterSettings(p_min=0.02, tpot_margin=0.2, mode="plain")
     assert {d["field"] for d in diff_configs(cfg.model_dump(mode="json"), new.model_dump(mode="json"))} == {
-        "router.tpot_margin", "router.mode"}
+        "router.tpot_margin",
+        "router.mode",
+    }
     with pytest.raises(ConfigError) as exc:
         apply_patch(cfg, {"router": {"eta": 0, "speed": 1}}, DUAL)
     assert sorted(e["loc"] for e in exc.value.errors) == [["router", "eta"], ["router", "speed"]]
@@ -97,7 +122,7 @@ def test_endpoint_extensions_load_the_in_engine_front_by_name(monkeypatch):
     from engine_host.router import front
     from engine_host.router.state import ENV_ROUTER_CONFIG
 
-    ext, = _load_extensions("engine_host.router.front:RouterEndpoints")
+    (ext,) = _load_extensions("engine_host.router.front:RouterEndpoints")
     assert isinstance(ext, front.RouterEndpoints)
     monkeypatch.delenv(ENV_ROUTER_CONFIG, raising=False)
     app = FastAPI()
@@ -124,18 +149,20 @@ def dual_host(tmp_path, monkeypatch):
     import uvicorn
 
     from control.store import Store, add_host
-    from tests.support import FakeEngineHost, database_url
     from engine_host.process import free_port
     from engine_host.router.app import create_app
     from engine_host.router.split import TrafficSplit
     from engine_host.router.state import Backend, RouterState
+    from tests.support import FakeEngineHost, database_url
 
     token = "secret-token"
     monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", token)
     spec, plain, single = (FakeEngineHost(token=token).start() for _ in range(3))
-    state = RouterState(backends={"plain": Backend("plain", plain.url, token),
-                                  "speculative": Backend("speculative", spec.url, token)},
-                        split=TrafficSplit(RouterSettings(p_min=0.02)), mode_file=tmp_path / "router.routing")
+    state = RouterState(
+        backends={"plain": Backend("plain", plain.url, token), "speculative": Backend("speculative", spec.url, token)},
+        split=TrafficSplit(RouterSettings(p_min=0.02)),
+        mode_file=tmp_path / "router.routing",
+    )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -85,9 +85,12 @@ def test_tpot_totals_read_vllms_histogram():
 
 
 def test_merged_metrics_label_each_engine_and_add_router_series():
-    state = RouterState(backends={PLAIN: Backend(PLAIN, "http://p", "t"), SPECULATIVE: Backend(SPECULATIVE, "http://s", "t")})
-    text = merged_metrics({PLAIN: _engine_text([0.01], 100), SPECULATIVE: _engine_text([0.02], 40)}, state.split,
-                          state.in_flight()).decode()
+    state = RouterState(
+        backends={PLAIN: Backend(PLAIN, "http://p", "t"), SPECULATIVE: Backend(SPECULATIVE, "http://s", "t")}
+    )
+    text = merged_metrics(
+        {PLAIN: _engine_text([0.01], 100), SPECULATIVE: _engine_text([0.02], 40)}, state.split, state.in_flight()
+    ).decode()
     gen = {}
     names = set()
     for fam in text_string_to_metric_families(text):
@@ -149,12 +152,17 @@ def test_in_engine_front_serves_plain_requests_in_process_and_relays_the_rest(mo
     def upstream(request: httpx.Request) -> httpx.Response:
         seen.append((str(request.url), request.headers.get(INTERNAL_HEADER)))
         if request.url.path == "/v1/completions":  # streamed as an engine does (the relay reads it raw)
-            return httpx.Response(200, headers={"content-type": "application/json"},
-                                  stream=httpx.ByteStream(b'{"engine": "speculative-upstream"}'))
+            return httpx.Response(
+                200,
+                headers={"content-type": "application/json"},
+                stream=httpx.ByteStream(b'{"engine": "speculative-upstream"}'),
+            )
         return httpx.Response(200, json={"ready": True})
 
-    backends = {PLAIN: Backend(PLAIN, "http://127.0.0.1:1", "tok", extra_headers={INTERNAL_HEADER: "1"}),
-                SPECULATIVE: Backend(SPECULATIVE, "http://127.0.0.1:2", "tok")}
+    backends = {
+        PLAIN: Backend(PLAIN, "http://127.0.0.1:1", "tok", extra_headers={INTERNAL_HEADER: "1"}),
+        SPECULATIVE: Backend(SPECULATIVE, "http://127.0.0.1:2", "tok"),
+    }
     state = RouterState(backends=backends, split=TrafficSplit(seed=0))
     state.client = httpx.AsyncClient(transport=httpx.MockTransport(upstream))
     c = TestClient(RouterFront(inner, state))
@@ -204,12 +212,17 @@ def test_cpu_engines_get_half_the_cores_unpinned_and_a_short_spin(monkeypatch):
     from engine_host.router.cli import cpu_child_env
 
     monkeypatch.setattr(launcher, "is_cpu_build", lambda: True)
-    assert cpu_child_env({}, ncpu=2) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
-                                         "KMP_BLOCKTIME": "5"}
+    assert cpu_child_env({}, ncpu=2) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        "KMP_BLOCKTIME": "5",
+    }
     assert cpu_child_env({}, ncpu=16)["OMP_NUM_THREADS"] == "8"
     # the operator's own settings win
-    assert cpu_child_env({"OMP_NUM_THREADS": "3"}, ncpu=16) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                                                                "KMP_BLOCKTIME": "5"}
+    assert cpu_child_env({"OMP_NUM_THREADS": "3"}, ncpu=16) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "KMP_BLOCKTIME": "5",
+    }
     assert cpu_child_env({"VLLM_CPU_OMP_THREADS_BIND": "0"}, ncpu=2) == {}
     monkeypatch.setattr(launcher, "is_cpu_build", lambda: False)
     assert cpu_child_env({}, ncpu=16) == {}  # the GPU build sets its own threads
@@ -229,9 +242,14 @@ def test_tpot_margin_sends_traffic_only_to_a_clearly_faster_speculative_engine()
 def test_split_settings_change_live_and_bad_ones_change_nothing():
     split = TrafficSplit(p=0.5)
     before = split.settings()
-    for bad, match in (({"tpot_margin": -0.1}, "tpot_margin"), ({"p_min": 0.9, "p_max": 0.5}, "p_min"),
-                       ({"eta": 0}, "eta"), ({"speed": 1}, "unknown"), ({"p_min": "low"}, "number"),
-                       ({"p_min": True}, "number")):
+    for bad, match in (
+        ({"tpot_margin": -0.1}, "tpot_margin"),
+        ({"p_min": 0.9, "p_max": 0.5}, "p_min"),
+        ({"eta": 0}, "eta"),
+        ({"speed": 1}, "unknown"),
+        ({"p_min": "low"}, "number"),
+        ({"p_min": True}, "number"),
+    ):
         with pytest.raises(ValueError, match=match):
             split.configure(bad)
         assert split.settings() == before and split.p == 0.5

@@ -17,10 +17,14 @@ def model_folder(root: Path, name: str, vocab: dict[str, int], vocab_size: int |
     """A fabricated model folder: config.json and a tokenizer.json with ``vocab``."""
     d = root / name
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
-                                               "vocab_size": vocab_size or len(vocab), **cfg}))
-    (d / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab, "merges": []},
-                                                  "added_tokens": [{"id": 0, "content": "<s>"}]}))
+    (d / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": vocab_size or len(vocab), **cfg})
+    )
+    (d / "tokenizer.json").write_text(
+        json.dumps(
+            {"model": {"type": "BPE", "vocab": vocab, "merges": []}, "added_tokens": [{"id": 0, "content": "<s>"}]}
+        )
+    )
     return d
 
 
@@ -34,12 +38,26 @@ def test_the_installed_vllm_knows_every_method_the_host_offers():
 
 def test_draft_model_command_names_the_draft_and_its_settings():
     args = launcher.build_parser().parse_args(
-        ["--speculative-method", "draft_model", "--k-max", "5", "--draft-tensor-parallel-size", "2",
-         "--draft-quantization", "fp8"])
+        [
+            "--speculative-method",
+            "draft_model",
+            "--k-max",
+            "5",
+            "--draft-tensor-parallel-size",
+            "2",
+            "--draft-quantization",
+            "fp8",
+        ]
+    )
     cmd = launcher.vllm_command(args, "/m/target", [], draft="/m/draft")
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
-    assert spec == {"method": "draft_model", "num_speculative_tokens": 5, "model": "/m/draft",
-                    "draft_tensor_parallel_size": 2, "quantization": "fp8"}
+    assert spec == {
+        "method": "draft_model",
+        "num_speculative_tokens": 5,
+        "model": "/m/draft",
+        "draft_tensor_parallel_size": 2,
+        "quantization": "fp8",
+    }
 
 
 def test_ngram_gpu_command_keeps_the_lookup_lengths():
@@ -79,14 +97,17 @@ def test_launcher_refuses_another_vocabulary_with_a_message_and_no_traceback(tmp
     assert not (tmp_path / "home" / "run").exists()  # nothing started, no channel written
 
 
-@pytest.mark.parametrize("method,draft,cpu,match", [
-    ("eagle3", None, True, "needs a trained EAGLE3 head"),
-    ("eagle", None, False, "needs a trained EAGLE head"),
-    ("ngram_gpu", None, True, "needs a GPU"),
-    ("mtp", None, False, "multi-token-prediction layers"),
-    ("draft_model", None, True, "needs --draft-model"),
-    ("ngram", "draft", True, "takes no --draft-model"),
-])
+@pytest.mark.parametrize(
+    "method,draft,cpu,match",
+    [
+        ("eagle3", None, True, "needs a trained EAGLE3 head"),
+        ("eagle", None, False, "needs a trained EAGLE head"),
+        ("ngram_gpu", None, True, "needs a GPU"),
+        ("mtp", None, False, "multi-token-prediction layers"),
+        ("draft_model", None, True, "needs --draft-model"),
+        ("ngram", "draft", True, "takes no --draft-model"),
+    ],
+)
 def test_methods_that_cannot_run_are_refused(tmp_path, method, draft, cpu, match):
     t = model_folder(tmp_path, "target", VOCAB)
     d = str(model_folder(tmp_path, "draft", VOCAB)) if draft else None

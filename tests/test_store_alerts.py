@@ -41,8 +41,14 @@ def test_low_acceptance_fires_after_five_minutes_and_closes(store, host_id):
 
 def test_a_brief_dip_does_not_fire(store, host_id):
     ev = AlertEvaluator(store)
-    _run(ev, host_id, 0.0, [{"up": 1, "acceptance_rate": 0.3}] * 200 + [{"up": 1, "acceptance_rate": 0.9}]
-         + [{"up": 1, "acceptance_rate": 0.3}] * 200)
+    _run(
+        ev,
+        host_id,
+        0.0,
+        [{"up": 1, "acceptance_rate": 0.3}] * 200
+        + [{"up": 1, "acceptance_rate": 0.9}]
+        + [{"up": 1, "acceptance_rate": 0.3}] * 200,
+    )
     assert events(store) == []
 
 
@@ -61,20 +67,35 @@ def test_kv_cache_queue_time_and_host_down(store, host_id):
     assert [e["rule"] for e in open_] == ["host_down"] and open_[0]["started_at"] == 1.0
     _run(ev, host_id, 7.0, [{"up": 1}])
     assert events(store, open_only=True) == []
-    assert {e["rule"]: e["ended_at"] for e in events(store)} == {"kv_cache_full": 1.0, "queue_time_p99": 1.0,
-                                                                 "host_down": 7.0}
+    assert {e["rule"]: e["ended_at"] for e in events(store)} == {
+        "kv_cache_full": 1.0,
+        "queue_time_p99": 1.0,
+        "host_down": 7.0,
+    }
 
 
 def test_rules_are_editable_data(store, host_id):
     set_rule(store, "kv_cache_full", threshold=0.5, for_s=2.0)
-    set_rule(store, "high_ttft", metric="ttft_p99_ms", op=">", threshold=1000.0, severity="critical",
-             description="slow first tokens")
+    set_rule(
+        store,
+        "high_ttft",
+        metric="ttft_p99_ms",
+        op=">",
+        threshold=1000.0,
+        severity="critical",
+        description="slow first tokens",
+    )
     set_rule(store, "queue_time_p99", enabled=False)
     ev = AlertEvaluator(store)
     _run(ev, host_id, 0.0, [{"up": 1, "kv_cache_usage": 0.6, "ttft_p99_ms": 1500.0, "queue_p99_ms": 900.0}] * 3)
     assert {e["rule"] for e in events(store)} == {"kv_cache_full", "high_ttft"}
-    assert {r.name for r in list_rules(store, enabled_only=True)} == {"kv_cache_full", "high_ttft", "low_acceptance",
-                                                                      "host_down", "config_drift"}
+    assert {r.name for r in list_rules(store, enabled_only=True)} == {
+        "kv_cache_full",
+        "high_ttft",
+        "low_acceptance",
+        "host_down",
+        "config_drift",
+    }
     with pytest.raises(BadRule):
         set_rule(store, "x", metric="no_such_metric", op=">", threshold=1)
     with pytest.raises(BadRule):

@@ -15,8 +15,8 @@ from control.fleet import fleet_series, fleet_status
 from control.models import ConfigVersion
 from control.samples import insert_samples
 from control.store import Store, add_host
-from tests.support import BACKENDS, database_url, synthetic_sample
 from control.versions import record_version
+from tests.support import BACKENDS, database_url, synthetic_sample
 
 DAY = 86400
 
@@ -44,13 +44,25 @@ def fleet(store):
     day = int(time.time() // DAY) * DAY - DAY
     a = add_host(store, "a", "http://127.0.0.1:9", usd_per_hour=3.6, gpu_kind="H100")
     b = add_host(store, "b", "http://127.0.0.1:10", usd_per_hour=1.0, gpu_kind="L4")
-    insert_samples(store, a.id, _minutes(day, 60, tokens_per_s=100.0, k=0.0, acceptance=0.0)
-                   + _minutes(day + 3600, 60, tokens_per_s=150.0, k=4.0, acceptance=0.7)
-                   + _minutes(day + 7200, 120, busy=False, k=4.0))
+    insert_samples(
+        store,
+        a.id,
+        _minutes(day, 60, tokens_per_s=100.0, k=0.0, acceptance=0.0)
+        + _minutes(day + 3600, 60, tokens_per_s=150.0, k=4.0, acceptance=0.7)
+        + _minutes(day + 7200, 120, busy=False, k=4.0),
+    )
     insert_samples(store, b.id, _minutes(day, 60, tokens_per_s=50.0, k=2.0, acceptance=0.5))
     for n, at in ((1, day), (2, day + 3600)):  # versions 1 (K=0) and 2 (K=4) of host a, applied at these times
-        v = record_version(store, a.id, config={"speculation": {"k": 0 if n == 1 else 4}}, author="t", reason="r",
-                           source="apply", base=None, status="applied")
+        v = record_version(
+            store,
+            a.id,
+            config={"speculation": {"k": 0 if n == 1 else 4}},
+            author="t",
+            reason="r",
+            source="apply",
+            base=None,
+            status="applied",
+        )
         with store.writer() as s:
             s.execute(update(ConfigVersion).where(ConfigVersion.id == v.id).values(finished_at=at))
     return day
@@ -86,8 +98,14 @@ def test_weekly_report_days_and_fleet(store, fleet):
     assert rep.fleet["saving_usd"] == pytest.approx(1.8)
     assert rep.fleet_days[0]["usd"] == pytest.approx(15.4)
     rows = list(csv.DictReader(io.StringIO(rep.to_csv())))
-    assert [(r["scope"], r["host"]) for r in rows] == [("day", "a"), ("day", "b"), ("day", "(fleet)"), ("week", "a"),
-                                                       ("week", "b"), ("week", "(fleet)")]
+    assert [(r["scope"], r["host"]) for r in rows] == [
+        ("day", "a"),
+        ("day", "b"),
+        ("day", "(fleet)"),
+        ("week", "a"),
+        ("week", "b"),
+        ("week", "(fleet)"),
+    ]
     assert float(rows[3]["usd"]) == pytest.approx(14.4) and float(rows[3]["saving_usd"]) == pytest.approx(1.8)
 
 
@@ -115,8 +133,9 @@ def test_week_ending_is_the_end_of_that_utc_day():
 
 
 def test_fleet_series_sums_rates_averages_fractions_and_takes_worst_latency(store, fleet):
-    s = fleet_series(store, ["output_tokens_per_s", "kv_cache_usage", "ttft_p99_ms"], fleet, fleet + 120,
-                     resolution_s=60)
+    s = fleet_series(
+        store, ["output_tokens_per_s", "kv_cache_usage", "ttft_p99_ms"], fleet, fleet + 120, resolution_s=60
+    )
     assert s["t"] == [fleet, fleet + 60]
     assert s["output_tokens_per_s"] == [150.0, 150.0]  # 100 + 50
     assert s["kv_cache_usage"][0] == pytest.approx(0.3)

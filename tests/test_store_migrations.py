@@ -12,6 +12,7 @@ from control.db import StoreError, create_db_engine, current_revision, downgrade
 from control.models import AlertRule, Base
 from tests.support import BACKENDS, database_url
 
+
 def _single_head() -> str:
     """The one head of the revision chain (two heads would be a merge mistake)."""
     from alembic.script import ScriptDirectory
@@ -25,8 +26,17 @@ def _single_head() -> str:
 
 HEAD = _single_head()
 
-TABLES = {"hosts", "config_versions", "audit_events", "metric_samples", "collection_gaps", "alert_rules",
-          "alert_events", "warmup_schedules", "warmup_runs"}
+TABLES = {
+    "hosts",
+    "config_versions",
+    "audit_events",
+    "metric_samples",
+    "collection_gaps",
+    "alert_rules",
+    "alert_events",
+    "warmup_schedules",
+    "warmup_runs",
+}
 
 
 @pytest.fixture(params=BACKENDS)

@@ -27,8 +27,8 @@ from control.samples import (
     series,
 )
 from control.store import Store, UnknownHost, add_host, get_host
-from tests.support import BACKENDS, FakeEngineHost, database_url, synthetic_sample
 from control.versions import history
+from tests.support import BACKENDS, FakeEngineHost, database_url, synthetic_sample
 
 T0 = 1_700_000_000 - (1_700_000_000 % 3600)  # an hour boundary
 
@@ -74,8 +74,7 @@ def test_resolution_follows_range_and_retention():
 
 def test_downsampling_rolls_up_minutes_and_hours_and_applies_retention(store):
     h = add_host(store, "h", "http://127.0.0.1:9")
-    rows = [synthetic_sample(T0 + i, tokens_per_s=100.0 if (i // 60) % 2 else 50.0, k=2.0)
-            for i in range(2 * 3600)]
+    rows = [synthetic_sample(T0 + i, tokens_per_s=100.0 if (i // 60) % 2 else 50.0, k=2.0) for i in range(2 * 3600)]
     insert_samples(store, h.id, rows)
     now = T0 + 2 * 3600 + 10
     stats = downsample(store, now=now)

@@ -24,8 +24,8 @@ from control.store import (
     list_hosts,
     remove_host,
 )
-from tests.support import BACKENDS, FakeEngineHost, database_url
 from control.versions import UnknownVersion, diff_versions, get_version, history
+from tests.support import BACKENDS, FakeEngineHost, database_url
 
 
 @pytest.fixture(params=BACKENDS)
@@ -64,8 +64,9 @@ def test_first_contact_imports_the_engine_config_as_version_1(store, host, fake)
 
 
 def test_apply_records_version_sends_full_config_and_records_outcome(store, host, fake):
-    res = apply_change(store, host, {"speculation": {"mode": "fixed", "k": 4}}, reason="copy-heavy traffic",
-                       author="alice")
+    res = apply_change(
+        store, host, {"speculation": {"mode": "fixed", "k": 4}}, reason="copy-heavy traffic", author="alice"
+    )
     assert res.ok and res.version == 2  # version 1: the engine's own config, imported first
     assert res.diff == [{"field": "speculation.k", "old": 0, "new": 4}]
     assert fake.config["speculation"]["k"] == 4
@@ -116,8 +117,12 @@ def test_diff_between_any_two_versions(store, host):
     apply_change(store, host, {"speculation": {"mode": "adaptive", "k_min": 1, "k_max": 6}}, reason="adaptive")
     apply_change(store, host, {"batch": {"max_num_seqs": 4}}, reason="cap")
     d = diff_versions(store, host, 1, 3)
-    assert {x["field"] for x in d} == {"speculation.mode", "speculation.k_min", "speculation.k_max",
-                                       "batch.max_num_seqs"}
+    assert {x["field"] for x in d} == {
+        "speculation.mode",
+        "speculation.k_min",
+        "speculation.k_max",
+        "batch.max_num_seqs",
+    }
     assert diff_versions(store, host, 3, 3) == []
 
 
@@ -212,8 +217,13 @@ def test_concurrent_applies_from_threads_are_serialised_in_order(store, host, fa
     def operator(k: int) -> None:
         try:
             for i in range(4):
-                apply_change(store, host, {"speculation": {"k": k}, "batch": {"max_num_seqs": 1 + i}},
-                             reason=f"operator {k} change {i}", author=f"op{k}")
+                apply_change(
+                    store,
+                    host,
+                    {"speculation": {"k": k}, "batch": {"max_num_seqs": 1 + i}},
+                    reason=f"operator {k} change {i}",
+                    author=f"op{k}",
+                )
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -238,8 +248,13 @@ def _apply_in_process(db_url: str, url: str, token: str, k: int, n: int) -> None
     os.environ["SPECPILOT_CONTROL_TOKEN"] = token
     store = Store.open(db_url)
     for i in range(n):
-        apply_change(store, "h1", {"speculation": {"k": k}, "batch": {"max_num_seqs": 1 + i}},
-                     reason=f"process {k} change {i}", author=f"proc{k}")
+        apply_change(
+            store,
+            "h1",
+            {"speculation": {"k": k}, "batch": {"max_num_seqs": 1 + i}},
+            reason=f"process {k} change {i}",
+            author=f"proc{k}",
+        )
     store.close()
 
 
@@ -276,8 +291,9 @@ def test_apply_interrupted_mid_flight_is_resolved_by_the_next_apply(store, db_ur
     p.start()
     arrived = fake.puts_arrived
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (any(v.status == "pending" for v in history(store, host))
-                                               and fake.puts_arrived > arrived):
+    while time.monotonic() < deadline and not (
+        any(v.status == "pending" for v in history(store, host)) and fake.puts_arrived > arrived
+    ):
         time.sleep(0.05)
     p.kill()  # killed after recording 'pending' and sending the config, before the outcome
     p.join()

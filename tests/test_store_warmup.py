@@ -6,7 +6,6 @@ import pydantic
 import pytest
 
 from control.store import Store, add_host, get_host
-from tests.support import BACKENDS, FakeEngineHost, database_url
 from control.warmup import (
     UnknownSchedule,
     delete_schedule,
@@ -17,6 +16,7 @@ from control.warmup import (
     sync_runs,
     warmup_patch,
 )
+from tests.support import BACKENDS, FakeEngineHost, database_url
 
 
 @pytest.fixture(params=BACKENDS)
@@ -31,8 +31,10 @@ def test_schedules_are_validated_replaced_and_become_a_config_patch(store):
     set_schedule(store, "h", {"name": "every-minute", "interval_s": 60})
     set_schedule(store, "h", {"name": "nightly", "cron": "0 3 * * *", "idle_s": None})
     set_schedule(store, "h", {"name": "every-minute", "interval_s": 30})  # replaced
-    assert [(r.name, r.spec.get("interval_s")) for r in schedules(store, "h")] == [("every-minute", 30.0),
-                                                                                    ("nightly", None)]
+    assert [(r.name, r.spec.get("interval_s")) for r in schedules(store, "h")] == [
+        ("every-minute", 30.0),
+        ("nightly", None),
+    ]
     patch = warmup_patch(store, "h")
     assert [b["name"] for b in patch["warmup"]["heartbeats"]] == ["every-minute", "nightly"]
     with pytest.raises(pydantic.ValidationError):
@@ -53,16 +55,39 @@ def test_runs_are_copied_once_per_engine_start(store, monkeypatch):
             from control.models import Host
 
             s.get(Host, h.id).engine_started_at = fake.started_at
-        fake.warmup_runs = [{"id": i, "kind": "warmup", "schedule": "startup", "started_at": 100.0 + i,
-                             "duration_s": 0.2, "ttft_s": 0.05, "output_tokens": 8, "k": i % 3, "outcome": "ok",
-                             "detail": ""} for i in range(1, 4)]
+        fake.warmup_runs = [
+            {
+                "id": i,
+                "kind": "warmup",
+                "schedule": "startup",
+                "started_at": 100.0 + i,
+                "duration_s": 0.2,
+                "ttft_s": 0.05,
+                "output_tokens": 8,
+                "k": i % 3,
+                "outcome": "ok",
+                "detail": "",
+            }
+            for i in range(1, 4)
+        ]
         from control.client import EngineClient
 
         with EngineClient(fake.url, "t") as c:
             assert sync_runs(store, get_host(store, "h"), c) == 3
-            fake.warmup_runs.append({"id": 4, "kind": "heartbeat", "schedule": "hb", "started_at": 200.0,
-                                     "duration_s": 0.1, "ttft_s": None, "output_tokens": 0, "k": None,
-                                     "outcome": "skipped", "detail": "real traffic"})
+            fake.warmup_runs.append(
+                {
+                    "id": 4,
+                    "kind": "heartbeat",
+                    "schedule": "hb",
+                    "started_at": 200.0,
+                    "duration_s": 0.1,
+                    "ttft_s": None,
+                    "output_tokens": 0,
+                    "k": None,
+                    "outcome": "skipped",
+                    "detail": "real traffic",
+                }
+            )
             assert sync_runs(store, get_host(store, "h"), c) == 1
         assert record_runs(store, h.id, fake.started_at, fake.warmup_runs) == 0  # already stored
         got = runs(store, "h")

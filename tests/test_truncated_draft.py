@@ -17,8 +17,9 @@ def test_truncated_draft_keeps_first_layers_and_shares_the_tokenizer(default_mod
     assert draft.parent == Path(default_model).parent and draft.name.endswith("-draft-L2")
     cfg = json.loads((draft / "config.json").read_text())
     full = json.loads((Path(default_model) / "config.json").read_text())
-    assert cfg["num_hidden_layers"] == 2 and {k: v for k, v in cfg.items() if k != "num_hidden_layers"} == \
-        {k: v for k, v in full.items() if k != "num_hidden_layers"}
+    assert cfg["num_hidden_layers"] == 2 and {k: v for k, v in cfg.items() if k != "num_hidden_layers"} == {
+        k: v for k, v in full.items() if k != "num_hidden_layers"
+    }
     with safe_open(str(draft / "model.safetensors"), framework="pt") as sf:
         names = set(sf.keys())
     layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}

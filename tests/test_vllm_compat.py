@@ -13,8 +13,14 @@ from pathlib import Path
 import pytest
 
 from engine_host import launcher, vllm_compat
-from engine_host.vllm_compat import (VllmShapeError, async_scheduling_default, check_shape, live_k_table,
-                                     scheduler_shape, speculative_config_extra)
+from engine_host.vllm_compat import (
+    VllmShapeError,
+    async_scheduling_default,
+    check_shape,
+    live_k_table,
+    scheduler_shape,
+    speculative_config_extra,
+)
 
 DATA_033 = Path(__file__).parent / "data" / "vllm-0.33.0"
 
@@ -35,8 +41,11 @@ def test_vllm_033_sources_have_the_shape_the_hook_relies_on():
 
 def test_shape_check_fails_when_vllm_drops_the_live_k_entry_point():
     src = sources_033()
-    src["v1/core/sched/scheduler.py"], n = re.subn(r"self\.dynamic_sd_lookup\[\s*(len\(num_scheduled_tokens\))\s*\]",
-                                                  r"self.k_for_batch(\1)", src["v1/core/sched/scheduler.py"])
+    src["v1/core/sched/scheduler.py"], n = re.subn(
+        r"self\.dynamic_sd_lookup\[\s*(len\(num_scheduled_tokens\))\s*\]",
+        r"self.k_for_batch(\1)",
+        src["v1/core/sched/scheduler.py"],
+    )
     assert n == 1
     with pytest.raises(VllmShapeError, match="schedule_indexes_dynamic_sd_lookup"):
         check_shape(scheduler_shape(src))
@@ -45,20 +54,24 @@ def test_shape_check_fails_when_vllm_drops_the_live_k_entry_point():
 def test_shape_check_fails_when_the_async_default_class_changes():
     src = sources_033()
     src["config/scheduler.py"] = src["config/scheduler.py"].replace(
-        "import AsyncScheduler", "import AsyncSchedulerV2 as AsyncScheduler")
+        "import AsyncScheduler", "import AsyncSchedulerV2 as AsyncScheduler"
+    )
     with pytest.raises(VllmShapeError, match="default_class_with_async"):
         check_shape(scheduler_shape(src))
 
 
-@pytest.mark.parametrize("method,k_max,version,cpu,expected", [
-    ("ngram", 8, "0.32.0", True, False),        # CPU build: synchronous
-    ("ngram_gpu", 4, "0.33.0", False, True),    # V2 runner keeps async scheduling
-    ("draft_model", 4, "0.33.0", False, True),
-    ("eagle3", 4, "0.32.1", False, True),
-    ("ngram", 4, "0.33.0", False, False),       # CPU n-gram proposer: vLLM turns async off
-    ("ngram_gpu", 4, "0.26.0", False, False),   # legacy GPU build: V1 runner, constant-K proposer
-    ("ngram", 0, "0.26.0", False, True),        # no speculation: as plain vLLM
-])
+@pytest.mark.parametrize(
+    "method,k_max,version,cpu,expected",
+    [
+        ("ngram", 8, "0.32.0", True, False),  # CPU build: synchronous
+        ("ngram_gpu", 4, "0.33.0", False, True),  # V2 runner keeps async scheduling
+        ("draft_model", 4, "0.33.0", False, True),
+        ("eagle3", 4, "0.32.1", False, True),
+        ("ngram", 4, "0.33.0", False, False),  # CPU n-gram proposer: vLLM turns async off
+        ("ngram_gpu", 4, "0.26.0", False, False),  # legacy GPU build: V1 runner, constant-K proposer
+        ("ngram", 0, "0.26.0", False, True),  # no speculation: as plain vLLM
+    ],
+)
 def test_async_scheduling_default(method, k_max, version, cpu, expected):
     assert async_scheduling_default(method, k_max, version=version, cpu_build=cpu) is expected
 
@@ -76,7 +89,8 @@ def test_live_k_table_names_every_k_once_and_k0_on_the_widest_tier():
 
 def test_table_only_on_model_runner_v2_builds():
     assert speculative_config_extra("ngram_gpu", 4, version="0.33.0", cpu_build=False) == {
-        "num_speculative_tokens_per_batch_size": live_k_table(4)}
+        "num_speculative_tokens_per_batch_size": live_k_table(4)
+    }
     assert speculative_config_extra("ngram", 8, version="0.32.0", cpu_build=True) == {}
     assert speculative_config_extra("ngram", 8, version="0.26.0", cpu_build=False) == {}
     assert speculative_config_extra("ngram_gpu", 0, version="0.33.0", cpu_build=False) == {}

@@ -76,11 +76,16 @@ def test_ngram_proposer_does_no_work_at_k0_on_the_real_engine(engine_host, contr
     assert r.status_code == 200, r.text
     c = openai.OpenAI(base_url=engine_host.url + "/v1", api_key="unused", timeout=120)
     for _ in range(2):
-        c.completions.create(model=control.get("/v1/models").json()["data"][0]["id"],
-                             prompt="1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4,", max_tokens=24, temperature=0)
+        c.completions.create(
+            model=control.get("/v1/models").json()["data"][0]["id"],
+            prompt="1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4,",
+            max_tokens=24,
+            temperature=0,
+        )
         time.sleep(1.1)  # the trace is written at most once a second
-    c.completions.create(model=control.get("/v1/models").json()["data"][0]["id"],
-                         prompt="a b a b a b", max_tokens=8, temperature=0)
+    c.completions.create(
+        model=control.get("/v1/models").json()["data"][0]["id"], prompt="a b a b a b", max_tokens=8, temperature=0
+    )
     trace_path = engine_host.ngram_trace
     assert trace_path.exists(), "the worker wrote no n-gram trace: patch not installed"
     trace = json.loads(trace_path.read_text())

@@ -21,5 +21,14 @@ from . import planner
 from .common import HostStatus, PermissionDenied, ViewError, describe_error
 from .planner import PlannerView, planner_curves, planner_points_for_display, planner_view
 
-__all__ = ["HostStatus", "PermissionDenied", "PlannerView", "ViewError", "describe_error", "planner",
-           "planner_curves", "planner_points_for_display", "planner_view"]
+__all__ = [
+    "HostStatus",
+    "PermissionDenied",
+    "PlannerView",
+    "ViewError",
+    "describe_error",
+    "planner",
+    "planner_curves",
+    "planner_points_for_display",
+    "planner_view",
+]

@@ -29,13 +29,15 @@ class AlertSummary:
 ALERT_COLUMNS = ["id", "host", "rule", "severity", "message", "value", "started_at", "ended_at", "open", "duration_s"]
 
 
-def alerts(store: Store, open_only: bool = False, host: str | None = None, since: datetime | None = None,
-           limit: int = 500) -> pd.DataFrame:
+def alerts(
+    store: Store, open_only: bool = False, host: str | None = None, since: datetime | None = None, limit: int = 500
+) -> pd.DataFrame:
     """Alerts, newest first: :data:`ALERT_COLUMNS` (times UTC, ``duration_s`` seconds,
     to now for open ones)."""
     try:
-        rows = alerts_mod.events(store, host=host, open_only=open_only,
-                                 since=None if since is None else since.timestamp(), limit=limit)
+        rows = alerts_mod.events(
+            store, host=host, open_only=open_only, since=None if since is None else since.timestamp(), limit=limit
+        )
     except UnknownHost:
         rows = []
     df = pd.DataFrame(rows, columns=[c for c in ALERT_COLUMNS if c not in ("open", "duration_s")])
@@ -76,8 +78,13 @@ def open_drifts(store: Store, host: str | None = None) -> list[dict[str, Any]]:
     out = []
     for d in drifts(store, host, open_only=True):
         change = diff_text(d["diff"]).replace("\n", "; ") or "same content, another engine version"
-        out.append({**d, "summary": f"{d['host']}: the engine runs its config version {d['engine_version']}, the "
-                                    f"store's version in force is {d['store_version']} ({change})"})
+        out.append(
+            {
+                **d,
+                "summary": f"{d['host']}: the engine runs its config version {d['engine_version']}, the "
+                f"store's version in force is {d['store_version']} ({change})",
+            }
+        )
     return out
 
 

@@ -34,10 +34,31 @@ from .. import store as store_mod
 from ..auth import AuthError, User
 from ..store import Store
 
-__all__ = ["AuthError", "ChangeOutcome", "HostInfo", "HostStatus", "PermissionDenied", "Store", "User", "ViewError",
-           "describe_error", "engine_client", "get_host", "host_status", "k_in_force", "list_hosts", "load_users",
-           "login", "open_store", "require", "require_reason", "samples_frame", "status_from_state",
-           "stored_samples", "version_in_force"]
+__all__ = [
+    "AuthError",
+    "ChangeOutcome",
+    "HostInfo",
+    "HostStatus",
+    "PermissionDenied",
+    "Store",
+    "User",
+    "ViewError",
+    "describe_error",
+    "engine_client",
+    "get_host",
+    "host_status",
+    "k_in_force",
+    "list_hosts",
+    "load_users",
+    "login",
+    "open_store",
+    "require",
+    "require_reason",
+    "samples_frame",
+    "status_from_state",
+    "stored_samples",
+    "version_in_force",
+]
 
 ENV_DB = envs.DB_URL
 #: Seconds the dashboard waits for an engine host before calling it down.
@@ -398,8 +419,9 @@ def requests_in(hist: dict[str, Any] | None) -> tuple[float | None, float | None
     return n, (1000.0 * weighted / n if n > 0 else None)
 
 
-def stored_samples(store: Store, name: str, since: float, until: float | None = None,
-                   resolution_s: int | None = None) -> list[dict[str, Any]]:
+def stored_samples(
+    store: Store, name: str, since: float, until: float | None = None, resolution_s: int | None = None
+) -> list[dict[str, Any]]:
     """Stored samples of a host from ``since`` to ``until`` (unix s), oldest first
     (:func:`control.samples.samples`), at ``resolution_s`` (1, 60 or 3600 s; default
     :func:`control.samples.choose_resolution`). Each row also has ``interval_s`` (the
@@ -458,8 +480,16 @@ def samples_frame(samples: Iterable[dict[str, Any]]) -> pd.DataFrame:
         if rps is None and s.get("requests_finished") is not None:
             rps = float(s["requests_finished"]) / float(s.get("covered_s") or s.get("interval_s") or 1.0)
         row["requests_per_s"] = rps
-        for key in ("kv_cache_usage", "running", "waiting", "acceptance_rate", "k", "mode", "config_version",
-                    "max_num_seqs"):
+        for key in (
+            "kv_cache_usage",
+            "running",
+            "waiting",
+            "acceptance_rate",
+            "k",
+            "mode",
+            "config_version",
+            "max_num_seqs",
+        ):
             row[key] = s.get(key)
         row["acceptance_per_position"] = s.get("acceptance_per_position")
         rows.append(row)

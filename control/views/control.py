@@ -85,7 +85,9 @@ def preview_change(current: dict[str, Any], limits: dict[str, Any], patch: dict[
         return ChangePreview(False, None, [], errors_by_field(exc))
     diff = diff_configs(cur.model_dump(mode="json"), new.model_dump(mode="json"))
     if not diff:
-        return ChangePreview(False, new.model_dump(mode="json"), [], {"config": "nothing changes: this is the config in force"})
+        return ChangePreview(
+            False, new.model_dump(mode="json"), [], {"config": "nothing changes: this is the config in force"}
+        )
     return ChangePreview(True, new.model_dump(mode="json"), diff, {})
 
 
@@ -103,9 +105,19 @@ def apply_change(store: Store, name: str, patch: dict[str, Any], user: User | No
     user = require(user, "apply")
     reason = require_reason(reason)
     get_host(store, name)
-    return run_change(store, name, lambda: apply_mod.apply_change(
-        store, name, patch, reason=reason, author=user.name, interface="dashboard"))
+    return run_change(
+        store,
+        name,
+        lambda: apply_mod.apply_change(store, name, patch, reason=reason, author=user.name, interface="dashboard"),
+    )
 
 
-__all__ = ["ChangeOutcome", "ChangePreview", "ViewError", "apply_change", "errors_by_field", "human_message",
-           "preview_change"]
+__all__ = [
+    "ChangeOutcome",
+    "ChangePreview",
+    "ViewError",
+    "apply_change",
+    "errors_by_field",
+    "human_message",
+    "preview_change",
+]

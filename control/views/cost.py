@@ -39,9 +39,21 @@ class WeeklyReport:
     unpriced_hosts: list[str] | None = None
 
 
-SUMMARY_COLUMNS = ["host", "usd", "output_tokens", "usd_per_million_tokens", "utilisation",
-                   "baseline_usd_per_million_tokens", "saving_usd", "saving_frac", "busy_tokens_per_s",
-                   "acceptance_rate", "mean_k", "uptime_h", "baseline_note"]
+SUMMARY_COLUMNS = [
+    "host",
+    "usd",
+    "output_tokens",
+    "usd_per_million_tokens",
+    "utilisation",
+    "baseline_usd_per_million_tokens",
+    "saving_usd",
+    "saving_frac",
+    "busy_tokens_per_s",
+    "acceptance_rate",
+    "mean_k",
+    "uptime_h",
+    "baseline_note",
+]
 DAILY_COLUMNS = ["host", "day", "usd", "output_tokens", "usd_per_million_tokens", "utilisation"]
 
 #: How to set a host's price (shown when none is set).
@@ -58,12 +70,14 @@ def report_from_cost(rep: Any) -> WeeklyReport:
     base = "K = 0 (no speculation)" if rep.baseline == "k0" else rep.baseline.replace("version:", "config version ")
     start, end = utc(rep.start), utc(rep.end)
     assert start is not None and end is not None
-    return WeeklyReport(start=start, end=end, summary=summary, daily=daily, baseline=base,
-                        csv=rep.to_csv().encode("utf-8"))
+    return WeeklyReport(
+        start=start, end=end, summary=summary, daily=daily, baseline=base, csv=rep.to_csv().encode("utf-8")
+    )
 
 
-def weekly_report(store: Store, host: str | None = None, end: datetime | None = None,
-                  baseline: str = "k0") -> WeeklyReport:
+def weekly_report(
+    store: Store, host: str | None = None, end: datetime | None = None, baseline: str = "k0"
+) -> WeeklyReport:
     """The weekly cost report from the control plane's cost model
     (:func:`control.cost.weekly_report`, the same figures as ``python -m control report
     weekly``) for the 7 days before ``end`` (all hosts, or one), read now (prices as
@@ -76,8 +90,9 @@ def weekly_report(store: Store, host: str | None = None, end: datetime | None = 
     """
     rep = cost_mod.weekly_report(store, end=None if end is None else end.timestamp(), host=host, baseline=baseline)
     out = report_from_cost(rep)
-    out.unpriced_hosts = [h.name for h in list_hosts(store)
-                          if (host is None or h.name == host) and not (h.usd_per_hour or 0) > 0]
+    out.unpriced_hosts = [
+        h.name for h in list_hosts(store) if (host is None or h.name == host) and not (h.usd_per_hour or 0) > 0
+    ]
     return out
 
 

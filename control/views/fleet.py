@@ -51,22 +51,24 @@ def fleet_overview(store: Store, window_s: float = 60.0, now: float | None = Non
     for h in hosts:
         s = statuses[h.name]
         tokens, ttft = figures.get(h.name, (None, None))
-        rows.append({
-            "host": h.name,
-            "state": s.label,
-            "mode": s.mode,
-            "k_current": s.k_next,
-            "running": s.running,
-            "max_num_seqs": s.max_num_seqs,
-            "waiting": s.waiting,
-            "open_alerts": int(counts.get(h.name, 0)),
-            "output_tokens_per_s": tokens,
-            "ttft_p99_ms": ttft,
-            "usd_per_hour": h.usd_per_hour,
-            "gpu_kind": h.gpu_kind,
-            "url": h.url,
-            "error": s.error,
-        })
+        rows.append(
+            {
+                "host": h.name,
+                "state": s.label,
+                "mode": s.mode,
+                "k_current": s.k_next,
+                "running": s.running,
+                "max_num_seqs": s.max_num_seqs,
+                "waiting": s.waiting,
+                "open_alerts": int(counts.get(h.name, 0)),
+                "output_tokens_per_s": tokens,
+                "ttft_p99_ms": ttft,
+                "usd_per_hour": h.usd_per_hour,
+                "gpu_kind": h.gpu_kind,
+                "url": h.url,
+                "error": s.error,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -79,15 +81,34 @@ def rollouts_frame(store: Store, limit: int = 10) -> pd.DataFrame:
     (JSON text), ``guards``, ``message``, ``updated_at`` (UTC)."""
     from ..rollout import list_rollouts
 
-    rows = [{"id": r.id, "status": r.status, "phase": r.phase, "canary": r.canary, "hosts": ", ".join(r.hosts),
-             "change": json.dumps(r.patch, separators=(",", ":")), "guards": "; ".join(r.guards),
-             "message": r.message or "", "updated_at": utc(r.updated_at)}
-            for r in list_rollouts(store, limit=limit)]
+    rows = [
+        {
+            "id": r.id,
+            "status": r.status,
+            "phase": r.phase,
+            "canary": r.canary,
+            "hosts": ", ".join(r.hosts),
+            "change": json.dumps(r.patch, separators=(",", ":")),
+            "guards": "; ".join(r.guards),
+            "message": r.message or "",
+            "updated_at": utc(r.updated_at),
+        }
+        for r in list_rollouts(store, limit=limit)
+    ]
     return pd.DataFrame(rows, columns=ROLLOUT_COLUMNS)
 
 
-def start_rollout(store: Store, user: User | None, *, hosts: list[str], canary: str, patch: dict[str, Any],
-                  watch_s: float, guards: list[str], reason: str) -> int:
+def start_rollout(
+    store: Store,
+    user: User | None,
+    *,
+    hosts: list[str],
+    canary: str,
+    patch: dict[str, Any],
+    watch_s: float,
+    guards: list[str],
+    reason: str,
+) -> int:
     """Record a rollout (operators only, re-checked against the users file now) and run
     it in a background thread of this process; returns its id. If the dashboard stops,
     ``python -m control config rollout --resume`` takes it over.
@@ -102,12 +123,21 @@ def start_rollout(store: Store, user: User | None, *, hosts: list[str], canary: 
     user = require(user, "apply")
     reason = require_reason(reason)
     try:
-        rid = create(store, hosts=hosts, canary=canary, patch=patch, watch_s=watch_s,
-                     guards=[g for g in guards if g.strip()], reason=reason, author=user.name)
+        rid = create(
+            store,
+            hosts=hosts,
+            canary=canary,
+            patch=patch,
+            watch_s=watch_s,
+            guards=[g for g in guards if g.strip()],
+            reason=reason,
+            author=user.name,
+        )
     except (RolloutError, ControlError, ValueError) as exc:
         raise ViewError(str(exc)) from exc
-    threading.Thread(target=run, args=(store, rid), kwargs={"interface": "dashboard"}, name=f"rollout-{rid}",
-                     daemon=True).start()
+    threading.Thread(
+        target=run, args=(store, rid), kwargs={"interface": "dashboard"}, name=f"rollout-{rid}", daemon=True
+    ).start()
     return rid
 
 

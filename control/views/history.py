@@ -14,8 +14,20 @@ from ..auth import User
 from ..store import Store, UnknownHost
 from .common import ChangeOutcome, get_host, list_hosts, require, require_reason, run_change, utc
 
-HISTORY_COLUMNS = ["host", "version", "created_at", "author", "reason", "outcome", "message", "applied_at",
-                   "source", "diff_text", "diff", "config"]
+HISTORY_COLUMNS = [
+    "host",
+    "version",
+    "created_at",
+    "author",
+    "reason",
+    "outcome",
+    "message",
+    "applied_at",
+    "source",
+    "diff_text",
+    "diff",
+    "config",
+]
 
 
 def diff_text(diff: list[dict[str, Any]] | None) -> str:
@@ -27,16 +39,27 @@ def diff_text(diff: list[dict[str, Any]] | None) -> str:
 
 def _version_row(host: str, v: Any) -> dict[str, Any]:
     return {
-        "host": host, "version": v.version, "created_at": utc(v.created_at),
-        "author": v.author, "reason": v.reason, "outcome": v.status, "message": v.engine_message,
+        "host": host,
+        "version": v.version,
+        "created_at": utc(v.created_at),
+        "author": v.author,
+        "reason": v.reason,
+        "outcome": v.status,
+        "message": v.engine_message,
         "source": f"rollback to v{v.rollback_of}" if v.source == "rollback" and v.rollback_of else v.source,
         "applied_at": utc(v.finished_at) if v.status == "applied" else None,
-        "diff": v.diff or [], "config": v.config,
+        "diff": v.diff or [],
+        "config": v.config,
     }
 
 
-def history(store: Store, host: str | None = None, since: datetime | None = None, until: datetime | None = None,
-            limit: int = 500) -> pd.DataFrame:
+def history(
+    store: Store,
+    host: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    limit: int = 500,
+) -> pd.DataFrame:
     """Config versions, newest first: :data:`HISTORY_COLUMNS` (times UTC; ``outcome`` is
     ``applied``, ``failed`` or ``pending``; ``source`` ``apply``, ``rollback to vN``,
     ``import`` (the engine's own config at first contact) or ``reapply`` (after an engine
@@ -79,9 +102,16 @@ def version_markers(store: Store, name: str, since: float) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     df = df[df["outcome"] == "applied"]
     t = df["applied_at"].fillna(df["created_at"])
-    return pd.DataFrame({"t": t.values, "version": df["version"].values,
-                         "label": [f"v{v}" for v in df["version"]], "author": df["author"].values,
-                         "reason": df["reason"].values}, columns=cols).sort_values("t")
+    return pd.DataFrame(
+        {
+            "t": t.values,
+            "version": df["version"].values,
+            "label": [f"v{v}" for v in df["version"]],
+            "author": df["author"].values,
+            "reason": df["reason"].values,
+        },
+        columns=cols,
+    ).sort_values("t")
 
 
 def rollback(store: Store, name: str, version: int, user: User | None, reason: str) -> ChangeOutcome:
@@ -97,8 +127,11 @@ def rollback(store: Store, name: str, version: int, user: User | None, reason: s
     user = require(user, "rollback")
     reason = require_reason(reason)
     get_host(store, name)
-    return run_change(store, name, lambda: apply_mod.rollback(
-        store, name, int(version), reason=reason, author=user.name, interface="dashboard"))
+    return run_change(
+        store,
+        name,
+        lambda: apply_mod.rollback(store, name, int(version), reason=reason, author=user.name, interface="dashboard"),
+    )
 
 
 def rollback_diff(store: Store, name: str, version: int) -> tuple[int | None, list[dict[str, Any]]]:
@@ -122,12 +155,23 @@ def rollback_diff(store: Store, name: str, version: int) -> tuple[int | None, li
     return now, diff_configs(current.config or {}, target.config or {})
 
 
-RUN_COLUMNS = ["host", "started_at", "kind", "schedule", "outcome", "duration_s", "ttft_s", "output_tokens", "k",
-               "detail"]
+RUN_COLUMNS = [
+    "host",
+    "started_at",
+    "kind",
+    "schedule",
+    "outcome",
+    "duration_s",
+    "ttft_s",
+    "output_tokens",
+    "k",
+    "detail",
+]
 
 
-def heartbeat_runs(store: Store, host: str | None = None, since: datetime | None = None,
-                   limit: int = 200) -> pd.DataFrame:
+def heartbeat_runs(
+    store: Store, host: str | None = None, since: datetime | None = None, limit: int = 200
+) -> pd.DataFrame:
     """Warm-up and heartbeat runs the engine reported and the collector stored
     (:func:`control.warmup.runs`), newest first, skips included: :data:`RUN_COLUMNS`
     (``started_at`` UTC, ``kind`` warm-up or heartbeat, ``schedule`` the heartbeat's
@@ -140,14 +184,36 @@ def heartbeat_runs(store: Store, host: str | None = None, since: datetime | None
             found = warmup_mod.runs(store, n, since=None if since is None else since.timestamp(), limit=limit)
         except UnknownHost:
             continue
-        rows += [{"host": n, "started_at": utc(r.started_at), "kind": r.kind, "schedule": r.schedule,
-                  "outcome": r.outcome, "duration_s": r.duration_s, "ttft_s": r.ttft_s,
-                  "output_tokens": r.output_tokens, "k": r.k, "detail": r.detail} for r in found]
+        rows += [
+            {
+                "host": n,
+                "started_at": utc(r.started_at),
+                "kind": r.kind,
+                "schedule": r.schedule,
+                "outcome": r.outcome,
+                "duration_s": r.duration_s,
+                "ttft_s": r.ttft_s,
+                "output_tokens": r.output_tokens,
+                "k": r.k,
+                "detail": r.detail,
+            }
+            for r in found
+        ]
     df = pd.DataFrame(rows, columns=RUN_COLUMNS)
     if not df.empty:
         df = df.sort_values("started_at", ascending=False).head(limit).reset_index(drop=True)
     return df
 
 
-__all__ = ["HISTORY_COLUMNS", "RUN_COLUMNS", "diff_text", "get_host", "heartbeat_runs", "history", "rollback",
-           "require_reason", "rollback_diff", "version_markers"]
+__all__ = [
+    "HISTORY_COLUMNS",
+    "RUN_COLUMNS",
+    "diff_text",
+    "get_host",
+    "heartbeat_runs",
+    "history",
+    "rollback",
+    "require_reason",
+    "rollback_diff",
+    "version_markers",
+]

@@ -32,10 +32,15 @@ def per_request_line(status: HostStatus) -> str | None:
         return "Draft length per request: off (every request verifies the step's K; adaptive mode turns it on)"
     bins = pr.get("acceptance_bins") or []
     hist = pr.get("acceptance_hist") or []
-    spread = ", ".join(f"{n} at {lo:.0%}-{(bins[i + 1] if i + 1 < len(bins) else 1.0):.0%}"
-                       for i, (lo, n) in enumerate(zip(bins, hist)) if n)
-    return (f"Draft length per request: {pr.get('requests_verified', 0)} of {pr.get('requests_with_drafts', 0)} "
-            f"requests with drafts verified them in the last step · per-request acceptance: {spread or 'no data yet'}")
+    spread = ", ".join(
+        f"{n} at {lo:.0%}-{(bins[i + 1] if i + 1 < len(bins) else 1.0):.0%}"
+        for i, (lo, n) in enumerate(zip(bins, hist))
+        if n
+    )
+    return (
+        f"Draft length per request: {pr.get('requests_verified', 0)} of {pr.get('requests_with_drafts', 0)} "
+        f"requests with drafts verified them in the last step · per-request acceptance: {spread or 'no data yet'}"
+    )
 
 
 def routing_summary(router: dict[str, Any]) -> str | None:
@@ -52,8 +57,10 @@ def routing_summary(router: dict[str, Any]) -> str | None:
         if router.get("resting") and settings.get("probe_every_s"):
             probes = router.get("probes") or {}
             every = probes.get("every_s", settings["probe_every_s"])
-            share = (f"speculative engine resting: probes of {settings.get('probe_s', 1):g} s every "
-                     f"{every:g} s at {settings.get('p_probe', 0):.0%}")
+            share = (
+                f"speculative engine resting: probes of {settings.get('probe_s', 1):g} s every "
+                f"{every:g} s at {settings.get('p_probe', 0):.0%}"
+            )
             if isinstance(probes.get("next_in_s"), (int, float)):
                 share += " (probing now)" if probes["next_in_s"] <= 0 else f", next in {probes['next_in_s']:.0f} s"
         else:
@@ -118,13 +125,16 @@ def markers_from_series(series: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     v = series[["t", "config_version"]].dropna()
     changed = v[v["config_version"].diff().fillna(0) != 0]
-    return pd.DataFrame({
-        "t": changed["t"].values,
-        "version": changed["config_version"].astype(int).values,
-        "label": [f"v{int(x)}" for x in changed["config_version"]],
-        "author": None,
-        "reason": None,
-    }, columns=cols)
+    return pd.DataFrame(
+        {
+            "t": changed["t"].values,
+            "version": changed["config_version"].astype(int).values,
+            "label": [f"v{int(x)}" for x in changed["config_version"]],
+            "author": None,
+            "reason": None,
+        },
+        columns=cols,
+    )
 
 
 def acceptance_table(series: pd.DataFrame, controller: dict[str, Any]) -> pd.DataFrame:
@@ -149,12 +159,16 @@ def acceptance_table(series: pd.DataFrame, controller: dict[str, Any]) -> pd.Dat
     elif controller.get("acceptance_is_prior"):
         est = [None] * len(est)
     n = max(len(measured), len(est))
-    return pd.DataFrame({
-        "position": list(range(1, n + 1)),
-        "measured": [(sum(m) / len(m)) if i < len(measured) and measured[i] else None
-                     for i, m in enumerate(measured + [[]] * (n - len(measured)))],
-        "estimated": [est[i] if i < len(est) else None for i in range(n)],
-    })
+    return pd.DataFrame(
+        {
+            "position": list(range(1, n + 1)),
+            "measured": [
+                (sum(m) / len(m)) if i < len(measured) and measured[i] else None
+                for i, m in enumerate(measured + [[]] * (n - len(measured)))
+            ],
+            "estimated": [est[i] if i < len(est) else None for i in range(n)],
+        }
+    )
 
 
 def best_k(goodput: pd.DataFrame, k_min: int | None = None, k_max: int | None = None) -> int | None:
@@ -179,12 +193,14 @@ def goodput_table(controller: dict[str, Any]) -> pd.DataFrame:
     e = controller.get("expected_tokens_per_step") or {}
     st_ = controller.get("step_time_ms") or {}
     ks = sorted({int(k) for k in (*g, *e, *st_)})
-    return pd.DataFrame({
-        "k": ks,
-        "predicted_goodput_tokens_per_s": [g.get(str(k), g.get(k)) for k in ks],
-        "expected_tokens_per_step": [e.get(str(k), e.get(k)) for k in ks],
-        "step_time_ms": [st_.get(str(k), st_.get(k)) for k in ks],
-    })
+    return pd.DataFrame(
+        {
+            "k": ks,
+            "predicted_goodput_tokens_per_s": [g.get(str(k), g.get(k)) for k in ks],
+            "expected_tokens_per_step": [e.get(str(k), e.get(k)) for k in ks],
+            "step_time_ms": [st_.get(str(k), st_.get(k)) for k in ks],
+        }
+    )
 
 
 def live_view(store: Store, name: str, window_s: float = 600.0) -> LiveView:
@@ -227,5 +243,14 @@ def live_view(store: Store, name: str, window_s: float = 600.0) -> LiveView:
     )
 
 
-__all__ = ["LiveView", "STATE_TIMEOUT_S", "acceptance_table", "goodput_table", "live_view", "markers_from_series",
-           "per_request_line", "routing_summary", "best_k"]
+__all__ = [
+    "LiveView",
+    "STATE_TIMEOUT_S",
+    "acceptance_table",
+    "goodput_table",
+    "live_view",
+    "markers_from_series",
+    "per_request_line",
+    "routing_summary",
+    "best_k",
+]

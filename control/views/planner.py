@@ -64,8 +64,11 @@ def planner_points_for_display(view: PlannerView, max_per_k: int = 120) -> pd.Da
             frames.append(g.assign(n=1)[cols])
             continue
         bins = pd.cut(g["rate_rps"], bins=max_per_k)
-        agg = g.groupby(bins, observed=True).agg(rate_rps=("rate_rps", "mean"), latency_s=("latency_s", "mean"),
-                                                 n=("latency_s", "size")).reset_index(drop=True)
+        agg = (
+            g.groupby(bins, observed=True)
+            .agg(rate_rps=("rate_rps", "mean"), latency_s=("latency_s", "mean"), n=("latency_s", "size"))
+            .reset_index(drop=True)
+        )
         frames.append(agg.assign(k=k)[cols])
     return pd.concat(frames, ignore_index=True)
 
@@ -87,8 +90,9 @@ def planner_curves(view: PlannerView, rate_max_rps: float | None = None, n: int 
     return pd.concat(frames, ignore_index=True)
 
 
-def planner_inputs(store: Store, name: str, days: float = 7.0,
-                   window_s: float = 60.0) -> tuple[list[dict], dict | None, str | None]:
+def planner_inputs(
+    store: Store, name: str, days: float = 7.0, window_s: float = 60.0
+) -> tuple[list[dict], dict | None, str | None]:
     """What the planner reads for one host: its stored samples of the last ``days`` days
     (1 s rows for points under a minute, else 60 s rows) and its live ``/control/state``.
 
@@ -98,16 +102,16 @@ def planner_inputs(store: Store, name: str, days: float = 7.0,
         ViewError: no host of that name.
     """
     get_host(store, name)
-    samples = stored_samples(store, name, since=time.time() - days * 86400.0,
-                             resolution_s=1 if window_s < 60 else 60)
+    samples = stored_samples(store, name, since=time.time() - days * 86400.0, resolution_s=1 if window_s < 60 else 60)
     try:
         return samples, engine_client(store, name).state(), None
     except Exception as exc:  # down, refused, timeout: the engine model says "not enough data"
         return samples, None, describe_error(exc)
 
 
-def planner_report(samples: list[dict], state: dict | None, window_s: float = 60.0,
-                   **what_if_inputs: float | None) -> planner.PlannerReport:
+def planner_report(
+    samples: list[dict], state: dict | None, window_s: float = 60.0, **what_if_inputs: float | None
+) -> planner.PlannerReport:
     """:func:`control.planner.plan` on what :func:`planner_inputs` read; ``what_if_inputs``:
     ``rate_rps``, ``latency_slo_s``, ``output_tokens``, ``prefill_s``.
 
@@ -117,5 +121,15 @@ def planner_report(samples: list[dict], state: dict | None, window_s: float = 60
     return planner.plan(samples, state, window_s=window_s, **what_if_inputs)
 
 
-__all__ = ["PlannerError", "PlannerView", "curve", "workload_from_samples", "planner_curves", "planner_inputs", "planner_points_for_display", "planner_report",
-           "planner_view", "what_if"]
+__all__ = [
+    "PlannerError",
+    "PlannerView",
+    "curve",
+    "workload_from_samples",
+    "planner_curves",
+    "planner_inputs",
+    "planner_points_for_display",
+    "planner_report",
+    "planner_view",
+    "what_if",
+]

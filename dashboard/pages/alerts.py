@@ -11,15 +11,17 @@ from control.views import common
 from dashboard import ui
 
 ui.require_user()
-ui.page_header("Alerts", "Rules evaluated by the collector: acceptance under 50% for 5 min, KV cache over 90%, "
-                         "queue-time P99 over 500 ms, host down.")
+ui.page_header(
+    "Alerts",
+    "Rules evaluated by the collector: acceptance under 50% for 5 min, KV cache over 90%, "
+    "queue-time P99 over 500 ms, host down.",
+)
 
 c = st.columns([2, 2, 3])
 with c[0]:
     host = ui.host_picker("Host", key="alerts_host", allow_all=True)
 with c[1]:
-    days = st.selectbox("Past alerts", [1, 7, 30], index=1, format_func=lambda d: f"last {d} days",
-                        key="alerts_days")
+    days = st.selectbox("Past alerts", [1, 7, 30], index=1, format_func=lambda d: f"last {d} days", key="alerts_days")
 
 COLUMNS = {
     "host": st.column_config.TextColumn("host", width="small"),
@@ -46,18 +48,35 @@ def alerts_panel() -> None:
     if open_df.empty:
         st.success("No open alert.", icon=":material/check_circle:")
     else:
-        st.dataframe(ui.color_cells(open_df.assign(duration_min=open_df["duration_s"] / 60.0)[
-            ["host", "severity", "rule", "message", "value", "started_at", "duration_min"]],
-            "severity", good=[], bad=["critical"], formats={"value": "{:.3g}", "duration_min": "{:.1f}"}),
-            hide_index=True, width="stretch", column_config=COLUMNS, key="open_alerts")
+        st.dataframe(
+            ui.color_cells(
+                open_df.assign(duration_min=open_df["duration_s"] / 60.0)[
+                    ["host", "severity", "rule", "message", "value", "started_at", "duration_min"]
+                ],
+                "severity",
+                good=[],
+                bad=["critical"],
+                formats={"value": "{:.3g}", "duration_min": "{:.1f}"},
+            ),
+            hide_index=True,
+            width="stretch",
+            column_config=COLUMNS,
+            key="open_alerts",
+        )
     past = df[~df["open"]] if not df.empty else df
     st.subheader(f"Past ({len(past)})")
     if past.empty:
         st.caption("No alert ended in this span.")
     else:
-        st.dataframe(past.assign(duration_min=past["duration_s"] / 60.0, message=past["message"].fillna("—"))[
-            ["host", "severity", "rule", "message", "value", "started_at", "ended_at", "duration_min"]],
-            hide_index=True, width="stretch", column_config=COLUMNS, key="past_alerts")
+        st.dataframe(
+            past.assign(duration_min=past["duration_s"] / 60.0, message=past["message"].fillna("—"))[
+                ["host", "severity", "rule", "message", "value", "started_at", "ended_at", "duration_min"]
+            ],
+            hide_index=True,
+            width="stretch",
+            column_config=COLUMNS,
+            key="past_alerts",
+        )
 
 
 alerts_panel()
@@ -78,8 +97,13 @@ def drift_panel() -> None:
         with st.form(f"drift_{d['id']}"):
             reason = st.text_input("Reason", key=f"drift_reason_{d['id']}")
             b = st.columns(2)
-            how = ("reapply" if b[0].form_submit_button(f"Re-apply store version {d['store_version']}")
-                   else "adopt" if b[1].form_submit_button("Adopt the engine's config") else None)
+            how = (
+                "reapply"
+                if b[0].form_submit_button(f"Re-apply store version {d['store_version']}")
+                else "adopt"
+                if b[1].form_submit_button("Adopt the engine's config")
+                else None
+            )
         if how:
             try:
                 st.success(views.resolve_drift(ui.store(), d["host"], how, ui.current_user(), reason))

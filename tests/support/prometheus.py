@@ -38,8 +38,14 @@ class PrometheusServer:
         RuntimeError: binary missing or the server did not become ready (with its log).
     """
 
-    def __init__(self, targets: list[str], scrape_interval_s: float = 1.0, rule_files: list[Path] | None = None,
-                 extra_scrape_configs: list[dict[str, Any]] | None = None, retention: str = "1d"):
+    def __init__(
+        self,
+        targets: list[str],
+        scrape_interval_s: float = 1.0,
+        rule_files: list[Path] | None = None,
+        extra_scrape_configs: list[dict[str, Any]] | None = None,
+        retention: str = "1d",
+    ):
         self.retention = retention
         self.extra_scrape_configs = list(extra_scrape_configs or [])
         self.binary = shutil.which("prometheus")
@@ -64,8 +70,10 @@ class PrometheusServer:
         cfg = {
             "global": {"scrape_interval": iv, "evaluation_interval": iv, "scrape_timeout": iv},
             "rule_files": [f.name for f in self.rule_files],
-            "scrape_configs": [{"job_name": "specpilot_engine", "static_configs": [{"targets": self.targets}]},
-                               *self.extra_scrape_configs],
+            "scrape_configs": [
+                {"job_name": "specpilot_engine", "static_configs": [{"targets": self.targets}]},
+                *self.extra_scrape_configs,
+            ],
         }
         path = self.dir / "prometheus.yml"
         path.write_text(json.dumps(cfg))  # JSON is YAML
@@ -77,10 +85,20 @@ class PrometheusServer:
         cfg = self._write_config()
         with open(self.log, "wb") as log:
             self._proc = subprocess.Popen(
-                [self.binary, f"--config.file={cfg}", f"--storage.tsdb.path={self.dir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle",
-                 f"--storage.tsdb.retention.time={self.retention}", "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=self.dir, start_new_session=True)
+                [
+                    self.binary,
+                    f"--config.file={cfg}",
+                    f"--storage.tsdb.path={self.dir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--web.enable-lifecycle",
+                    f"--storage.tsdb.retention.time={self.retention}",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.dir,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
