@@ -13,13 +13,26 @@ quantile from such counts the way PromQL's ``histogram_quantile`` does.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_host.router.metrics import select_families  # one definition, shared with the dual host's router
+
+# one definition of the bucket arithmetic, shared with the engine's ring buffer (engine_host.sample)
+from engine_host.sample import Bucket, encode_buckets, merge_buckets, quantile
+
+__all__ = [
+    "Bucket",
+    "Snapshot",
+    "bucket_delta",
+    "decode_buckets",
+    "encode_buckets",
+    "merge_buckets",
+    "parse_metrics",
+    "quantile",
+    "select_families",
+]
 
 #: Labels that locate a series rather than qualify it: summed over.
 LOCATION_LABELS = frozenset({"engine", "model_name"})
@@ -84,9 +97,6 @@ def parse_metrics(text: str, families: frozenset[str] | set[str] | None = None) 
     return snap
 
 
-Bucket = tuple[float, float]  # (lower edge, upper edge) in s; upper may be math.inf
-
-
 def bucket_delta(new: dict[float, float], old: dict[float, float] | None) -> dict[Bucket, float]:
     """Per-bucket (not cumulative) counts observed between two scrapes of one histogram.
 
@@ -112,41 +122,6 @@ def bucket_delta(new: dict[float, float], old: dict[float, float] | None) -> dic
             out[(lower, le)] = d
         lower = le
     return out
-
-
-def merge_buckets(parts: "Iterable[dict[Bucket, float]]") -> dict[Bucket, float]:
-    """Sum per-bucket counts of several intervals."""
-    out: dict[Bucket, float] = {}
-    for p in parts:
-        for b, n in p.items():
-            out[b] = out.get(b, 0.0) + n
-    return out
-
-
-def quantile(q: float, buckets: dict[Bucket, float]) -> float | None:
-    """The ``q`` quantile (0..1) of per-bucket counts, in the buckets' unit (s).
-
-    Linear interpolation inside the bucket that holds the rank (PromQL
-    ``histogram_quantile``); a rank in the ``+Inf`` bucket gives that bucket's lower
-    edge (the largest finite bound). None when there are no observations.
-    """
-    total = sum(buckets.values())
-    if total <= 0:
-        return None
-    rank = q * total
-    cum = 0.0
-    for (lo, hi), n in sorted(buckets.items()):
-        if n > 0 and cum + n >= rank:
-            if math.isinf(hi):
-                return lo
-            return lo + (hi - lo) * ((rank - cum) / n)
-        cum += n
-    return max(hi if not math.isinf(hi) else lo for lo, hi in buckets)
-
-
-def encode_buckets(buckets: dict[Bucket, float]) -> dict[str, float]:
-    """JSON form of per-bucket counts: ``{"0.04:0.06": 3, "10.0:inf": 1}``."""
-    return {f"{lo!r}:{hi!r}": n for (lo, hi), n in buckets.items()}
 
 
 def decode_buckets(data: dict[str, float] | None) -> dict[Bucket, float]:
