@@ -448,11 +448,8 @@ def stored_samples(
     return rows
 
 
-LIVE_COLUMNS = [
-    "t",
-    *(f"{kind}_{p}_ms" for kind in LATENCY_KINDS for p in PCTS),
-    "output_tokens_per_s",
-    "requests_per_s",
+#: Sample fields the Live page takes as they are (fractions 0..1, requests, K in tokens, mode).
+PLAIN_COLUMNS = (
     "kv_cache_usage",
     "running",
     "waiting",
@@ -461,6 +458,14 @@ LIVE_COLUMNS = [
     "mode",
     "config_version",
     "max_num_seqs",
+)
+
+LIVE_COLUMNS = [
+    "t",
+    *(f"{kind}_{p}_ms" for kind in LATENCY_KINDS for p in PCTS),
+    "output_tokens_per_s",
+    "requests_per_s",
+    *PLAIN_COLUMNS,
 ]
 
 
@@ -480,16 +485,7 @@ def samples_frame(samples: Iterable[dict[str, Any]]) -> pd.DataFrame:
         if rps is None and s.get("requests_finished") is not None:
             rps = float(s["requests_finished"]) / float(s.get("covered_s") or s.get("interval_s") or 1.0)
         row["requests_per_s"] = rps
-        for key in (
-            "kv_cache_usage",
-            "running",
-            "waiting",
-            "acceptance_rate",
-            "k",
-            "mode",
-            "config_version",
-            "max_num_seqs",
-        ):
+        for key in PLAIN_COLUMNS:
             row[key] = s.get(key)
         row["acceptance_per_position"] = s.get("acceptance_per_position")
         rows.append(row)
