@@ -225,7 +225,7 @@ class AlertEvaluator:
             value = values.get(rule.metric)
             breach = value is not None and OPS[rule.op](float(value), rule.threshold)
             st = self._state.setdefault((rule.id, host_id), _State())
-            if breach:
+            if breach and value is not None:  # a breach has a value
                 if st.since is None:
                     st.since = t
                 worse = max if rule.op in (">", ">=") else min

@@ -589,11 +589,11 @@ def cmd_report_weekly(args: argparse.Namespace) -> int:
             ],
         )
     )
-    f = rep.fleet
+    fleet = rep.fleet
     print(
-        f"fleet: {f['usd']:.2f} USD for {f['output_tokens']} output tokens "
-        f"({_fmt(f['usd_per_million_tokens'])} USD per million), utilisation {_fmt(f['utilisation'])}, "
-        f"saving {f['saving_usd']:.2f} USD against {rep.baseline}"
+        f"fleet: {fleet['usd']:.2f} USD for {fleet['output_tokens']} output tokens "
+        f"({_fmt(fleet['usd_per_million_tokens'])} USD per million), utilisation {_fmt(fleet['utilisation'])}, "
+        f"saving {fleet['saving_usd']:.2f} USD against {rep.baseline}"
     )
     if args.csv:
         print(f"CSV written to {args.csv}")

@@ -179,7 +179,7 @@ class HostCollector:
         was = self.drift_open
         drift = check_drift(self.store, self.host.name, state, now=t)
         self.drift_open = drift is not None
-        if self.drift_open and not was:
+        if drift is not None and not was:
             log.warning(
                 "host %s: config drift: store version %s, engine config version %s (python -m control "
                 "config drift --host %s)",

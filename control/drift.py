@@ -227,6 +227,7 @@ def reapply(
         raise NoDrift(f"host {host_name!r} has no open config drift")
     host = get_host(store, host_name)
     base = last_applied(store, host.id)
+    assert base is not None  # a drift is only opened against an applied version, which stays applied
     author = author or current_user()
     res = apply_change(
         store,

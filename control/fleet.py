@@ -132,13 +132,13 @@ def fleet_series(
     rows = rows_for_hosts(store, names, start, end, res, columns)
     ts = sorted({r["t"] for r in rows})
     index = {t: i for i, t in enumerate(ts)}
-    per_host = {n: {c: [None] * len(ts) for c in columns} for n in names.values()}
+    per_host: dict[str, dict[str, list[Any]]] = {n: {c: [None] * len(ts) for c in columns} for n in names.values()}
     for r in rows:
         for c in columns:
             per_host[names[r["host_id"]]][c][index[r["t"]]] = r[c]
     out: dict[str, Any] = {"resolution_s": res, "t": ts, "hosts": per_host}
     for c in columns:
-        agg = []
+        agg: list[Any] = []
         for i in range(len(ts)):
             vals = [per_host[n][c][i] for n in per_host if per_host[n][c][i] is not None]
             if not vals:

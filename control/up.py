@@ -35,7 +35,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from engine_host.process import EngineHostProcess
 
@@ -352,7 +352,7 @@ class Supervisor:
             self.engine.proc.wait()
             self._dead_answers = 0
 
-    def run(self) -> None:
+    def run(self) -> NoReturn:
         while True:
             self._probe()
             if not self.engine.alive():
@@ -404,6 +404,7 @@ class Supervisor:
         self._say(f"engine host ready again in {seconds:.0f} s; the collector re-applies the last applied version")
 
     def _dashboard_exited(self) -> None:
+        assert self.dashboard is not None and self.dashboard_cmd is not None  # run() checks the dashboard
         code = self.dashboard.returncode
         delay = self.dashboard_backoff.delay(time.monotonic() - self._dashboard_up_since)
         self._say(f"the dashboard exited ({code}); restarting it in {delay:.0f} s")

@@ -24,9 +24,9 @@ import os
 import socket
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
-from sqlalchemy import func, select, update
+from sqlalchemy import CursorResult, func, select, update
 
 from engine_host.config import diff_configs
 
@@ -179,7 +179,9 @@ def record_version(
         )
         s.add(v)
         if status == APPLIED:
-            s.get(Host, host_id).engine_config_version = engine_version
+            host = s.get(Host, host_id)
+            assert host is not None  # the host row was locked above
+            host.engine_config_version = engine_version
         s.flush()
         return v
 
@@ -201,12 +203,15 @@ def record_outcome(
     """
     with store.writer() as s:
         v = s.get(ConfigVersion, version_id)
+        assert v is not None, f"no config version with id {version_id}"
         if v.status != PENDING:
             raise ValueError(f"version {v.version} already has its outcome ({v.status})")
         v.status, v.finished_at = status, time.time()
         v.engine_version, v.engine_message, v.apply_latency_ms = engine_version, message, apply_latency_ms
         if status == APPLIED:
-            s.get(Host, v.host_id).engine_config_version = engine_version
+            host = s.get(Host, v.host_id)
+            assert host is not None  # a version's host row is never deleted
+            host.engine_config_version = engine_version
         s.flush()
         return v
 
@@ -295,11 +300,14 @@ def acquire_lease(
     while True:
         now = time.time()
         with store.writer() as s:
-            taken = s.execute(
-                update(Host)
-                .where(Host.id == host_id)
-                .where((Host.apply_lock_until.is_(None)) | (Host.apply_lock_until < now))
-                .values(apply_lock_owner=token, apply_lock_until=now + ttl_s, apply_lock_info=info)
+            taken = cast(
+                CursorResult[Any],
+                s.execute(
+                    update(Host)
+                    .where(Host.id == host_id)
+                    .where((Host.apply_lock_until.is_(None)) | (Host.apply_lock_until < now))
+                    .values(apply_lock_owner=token, apply_lock_until=now + ttl_s, apply_lock_info=info)
+                ),
             ).rowcount
             if not taken:
                 name, owner, until, held = s.execute(
@@ -308,10 +316,13 @@ def acquire_lease(
                     )
                 ).one()
                 if holder_gone(held):
-                    taken = s.execute(
-                        update(Host)
-                        .where(Host.id == host_id, Host.apply_lock_owner == owner)
-                        .values(apply_lock_owner=token, apply_lock_until=now + ttl_s, apply_lock_info=info)
+                    taken = cast(
+                        CursorResult[Any],
+                        s.execute(
+                            update(Host)
+                            .where(Host.id == host_id, Host.apply_lock_owner == owner)
+                            .values(apply_lock_owner=token, apply_lock_until=now + ttl_s, apply_lock_info=info)
+                        ),
                     ).rowcount
                     if taken:
                         msg = f"released the apply lease of {describe_holder(held, until)}: its process is gone"

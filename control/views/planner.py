@@ -110,15 +110,30 @@ def planner_inputs(
 
 
 def planner_report(
-    samples: list[dict], state: dict | None, window_s: float = 60.0, **what_if_inputs: float | None
+    samples: list[dict],
+    state: dict | None,
+    window_s: float = 60.0,
+    *,
+    rate_rps: float | None = None,
+    latency_slo_s: float | None = None,
+    output_tokens: float | None = None,
+    prefill_s: float | None = None,
 ) -> planner.PlannerReport:
-    """:func:`control.planner.plan` on what :func:`planner_inputs` read; ``what_if_inputs``:
-    ``rate_rps``, ``latency_slo_s``, ``output_tokens``, ``prefill_s``.
+    """:func:`control.planner.plan` on what :func:`planner_inputs` read; the what-if
+    inputs: ``rate_rps``, ``latency_slo_s``, ``output_tokens``, ``prefill_s``.
 
     Raises:
         control.planner.PlannerError: a what-if value is invalid.
     """
-    return planner.plan(samples, state, window_s=window_s, **what_if_inputs)
+    return planner.plan(
+        samples,
+        state,
+        window_s=window_s,
+        rate_rps=rate_rps,
+        latency_slo_s=latency_slo_s,
+        output_tokens=output_tokens,
+        prefill_s=prefill_s,
+    )
 
 
 __all__ = [
