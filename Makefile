@@ -1,12 +1,12 @@
 # SpecPilot: two commands on a fresh machine.
 #   make run        engine host (default model) + control daemon + dashboard
-#   make test       the test suite (after the lint step when LINT=1)
+#   make test       the lint step, then the test suite (LINT=0 skips the lint step)
 #   make test-fast  the tests that need no engine and no browser
 #   make lint       ruff (lint and format check) and mypy, as configured in pyproject.toml
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# 1: `make test` runs `make lint` first (switch it on here once the tree has no findings).
-LINT ?= 0
+# 1: `make test` runs `make lint` first, so a finding fails the suite (and CI); 0 skips it.
+LINT ?= 1
 
 .PHONY: run test test-fast lint setup setup-test engine bench clean
 
