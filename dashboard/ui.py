@@ -464,3 +464,13 @@ def page_header(title: str, caption: str | None = None) -> None:
     st.title(title)
     if caption:
         st.caption(caption)
+
+
+#: What a table shows in a cell without a value (Streamlit's default is the word "None").
+EMPTY_CELL = "—"
+
+
+def dataframe(data: Any, **kwargs: Any) -> Any:
+    """``st.dataframe`` with empty cells shown as :data:`EMPTY_CELL`, never "None"."""
+    kwargs.setdefault("placeholder", EMPTY_CELL)
+    return st.dataframe(data, **kwargs)

@@ -487,3 +487,11 @@ def test_why_k_marks_the_best_k_within_the_range_the_controller_may_choose():
     g = live_views.goodput_table({"predicted_goodput_tokens_per_s": {"0": 50, "2": 90, "4": 120, "6": 110}})
     assert live_views.best_k(g) == 4
     assert live_views.best_k(g, k_min=5, k_max=8) == 6
+
+
+@pytest.mark.parametrize("page", ["pages/cost.py", "pages/history.py", "pages/fleet.py"])
+def test_tables_show_a_dash_not_none_in_empty_cells(backend, page):
+    at = _app(OPERATOR, page)
+    assert not at.exception, at.exception
+    assert at.dataframe, f"{page} shows no table"
+    assert all(d.proto.placeholder == "—" for d in at.dataframe), [d.proto.placeholder for d in at.dataframe]

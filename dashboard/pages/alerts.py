@@ -48,7 +48,7 @@ def alerts_panel() -> None:
     if open_df.empty:
         st.success("No open alert.", icon=":material/check_circle:")
     else:
-        st.dataframe(
+        ui.dataframe(
             ui.color_cells(
                 open_df.assign(duration_min=open_df["duration_s"] / 60.0)[
                     ["host", "severity", "rule", "message", "value", "started_at", "duration_min"]
@@ -68,7 +68,7 @@ def alerts_panel() -> None:
     if past.empty:
         st.caption("No alert ended in this span.")
     else:
-        st.dataframe(
+        ui.dataframe(
             past.assign(duration_min=past["duration_s"] / 60.0, message=past["message"].fillna("—"))[
                 ["host", "severity", "rule", "message", "value", "started_at", "ended_at", "duration_min"]
             ],

@@ -112,7 +112,7 @@ def _review(status: common.HostStatus) -> None:
         return
     with st.container(border=True):
         st.subheader(f"Review the change to {host}")
-        st.dataframe(
+        ui.dataframe(
             pd.DataFrame(
                 [
                     {"setting": d["field"], "now": json.dumps(d["old"]), "after": json.dumps(d["new"])}
@@ -281,7 +281,7 @@ def _warmup_form(status: common.HostStatus) -> None:
     beats = list((status.config.get("warmup") or {}).get("heartbeats") or [])
     section = "warmup"
     if beats:
-        st.dataframe(
+        ui.dataframe(
             pd.DataFrame(
                 [
                     {

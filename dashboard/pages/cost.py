@@ -110,7 +110,7 @@ m[3].metric(
 )
 
 st.subheader("By host")
-st.dataframe(
+ui.dataframe(
     s,
     hide_index=True,
     width="stretch",
@@ -213,7 +213,7 @@ if printable:  # a static table prints whole; the interactive one scrolls
     )
 else:
     with st.expander("Daily figures"):
-        st.dataframe(
+        ui.dataframe(
             d,
             hide_index=True,
             width="stretch",

@@ -36,7 +36,7 @@ def fleet_panel() -> None:
         mode=df["mode"].fillna("—"),
         error=df["error"].fillna(""),
     )
-    st.dataframe(
+    ui.dataframe(
         ui.color_cells(
             table[
                 [
@@ -151,7 +151,7 @@ def rollouts_panel() -> None:
     if df.empty:
         st.caption("No rollout yet.")
         return
-    st.dataframe(
+    ui.dataframe(
         ui.color_cells(df, "status", good=["succeeded"], bad=["rolled_back", "failed"]),
         hide_index=True,
         width="stretch",

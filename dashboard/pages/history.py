@@ -77,7 +77,7 @@ if df.empty:
     st.stop()
 
 table = df.assign(change=df["diff_text"].str.replace("\n", " · "))
-st.dataframe(
+ui.dataframe(
     ui.color_cells(
         table[["host", "version", "created_at", "author", "reason", "source", "outcome", "change", "message"]],
         "outcome",
@@ -114,7 +114,7 @@ with st.expander("Warm-up and heartbeat runs (skips included)"):
         if runs.empty:
             st.caption("No warm-up or heartbeat run in this span.")
         else:
-            st.dataframe(
+            ui.dataframe(
                 ui.color_cells(
                     runs,
                     "outcome",
@@ -175,7 +175,7 @@ with st.form("rollback_form", clear_on_submit=False):
         against = "the config in force" if in_force is None else f"v{in_force}, the config in force"
         if rb_diff:
             st.caption(f"What changes against {against}:")
-            st.dataframe(
+            ui.dataframe(
                 pd.DataFrame(
                     [
                         {

@@ -195,7 +195,7 @@ rows = pd.DataFrame(
     ]
 )
 if not rows.empty:
-    st.dataframe(
+    ui.dataframe(
         rows,
         hide_index=True,
         width="stretch",
@@ -234,7 +234,7 @@ checks = pd.DataFrame(
 )
 if not checks.empty:
     st.subheader("Fitted check (Kong's model per K)")
-    st.dataframe(
+    ui.dataframe(
         checks,
         hide_index=True,
         width="stretch",
