@@ -435,3 +435,45 @@ def test_live_tiles_never_cut_a_number_under_high_latency(browser, stack, artifa
                 ctx.close()
     finally:
         remove_host(store, "slow", actor="test")
+
+
+def test_history_lists_warm_up_and_heartbeat_runs(page, stack, artifacts_dir):
+    from control.views import history as history_views
+
+    # the engine host's start-up warm-up runs reach the store through the collector
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and history_views.heartbeat_runs(stack["store"], host=HOST).empty:
+        time.sleep(1.0)
+    assert not history_views.heartbeat_runs(stack["store"], host=HOST).empty, "no warm-up run reached the store"
+    login(page, stack, VIEWER)
+    go(page, "History")
+    expander = page.get_by_test_id("stExpander").filter(has_text="Warm-up and heartbeat runs")
+    expander.get_by_text("Warm-up and heartbeat runs (skips included)").click()
+    expander.get_by_test_id("stDataFrame").wait_for()
+    assert expander.get_by_text("No warm-up or heartbeat run in this span.").count() == 0
+    shot(page, artifacts_dir, "history-runs")
+
+
+def test_planner_says_not_enough_data_on_a_bad_fit(browser, stack, engine_host, artifacts_dir):
+    """16 one-minute points at K = 2 whose latency does not grow with the rate (Kong's C2
+    would be 0): the page must say "not enough data", never draw that fit as an answer."""
+    from control.store import remove_host
+    from tests.test_planner import _store_with_bad_fit
+
+    _store_with_bad_fit(stack["db"], engine_host.url, time.time())  # host "gpu-a"
+    time.sleep(10.5)  # the dashboard's host list is cached for 10 s
+    ctx = browser.new_context(viewport={"width": 1440, "height": 1800})
+    try:
+        pg = ctx.new_page()
+        pg.set_default_timeout(30_000)
+        login(pg, stack, VIEWER)
+        go(pg, "Planner")
+        pg.get_by_test_id("stSelectbox").filter(has_text="Host").first.click()
+        pg.get_by_role("option", name="gpu-a").click()
+        pg.get_by_text("Fitted check K=2: not enough data").first.wait_for()
+        assert pg.get_by_test_id("stException").count() == 0
+        assert "Infinity" not in pg.inner_text("body")
+        shot(pg, artifacts_dir, "planner-not-enough-data")
+    finally:
+        ctx.close()
+        remove_host(stack["store"], "gpu-a", actor="test")
