@@ -139,25 +139,10 @@ class SupervisedEngineHost(EngineHostProcess):
     """An engine host that dies with the process that started it (``PR_SET_PDEATHSIG``
     with SIGKILL)."""
 
-    def start(self) -> "SupervisedEngineHost":
-        env = dict(os.environ)
-        env.update(self.env)
-        env["SPECPILOT_CONTROL_TOKEN"] = self.token
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")
-        self.started_at = time.monotonic()
+    def _preexec(self) -> Callable[[], None]:
         # SIGKILL: an engine host told to stop (SIGTERM) after its parent died was seen to
         # hang in its shutdown; its engine core and workers die with it (engine_host)
-        self.proc = subprocess.Popen(
-            self.command(),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=die_with_parent(os.getpid(), signal.SIGKILL),
-        )
-        return self
+        return die_with_parent(os.getpid(), signal.SIGKILL)
 
 
 def kill_group(pgid: int, grace_s: float = 5.0) -> None:

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -96,6 +97,10 @@ class EngineHostProcess:
             cmd += ["--model", self.model]
         return cmd + self.extra_args
 
+    def _preexec(self) -> Callable[[], None]:
+        """What the child runs before exec (subclasses add, e.g., dying with the parent)."""
+        return _default_sigint
+
     def start(self) -> "EngineHostProcess":
         """Start the process (returns at once; see :meth:`wait_ready`)."""
         env = dict(os.environ)
@@ -111,7 +116,7 @@ class EngineHostProcess:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=_default_sigint,
+            preexec_fn=self._preexec(),
         )
         return self
 
