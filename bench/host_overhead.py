@@ -225,6 +225,34 @@ def load_state(path: Path | None) -> tuple[dict | None, list[dict]]:
     return st["res"], st["live"]
 
 
+async def _wait_up(started, engines: dict, live: list, res: dict, args, save) -> None:
+    """Wait until one started engine answers ``/health`` (and ``/ready`` for engine hosts),
+    then record it in ``engines``, ``live`` and the result rows; an engine that does not come
+    up within 900 s is stopped and recorded with its ``error``."""
+    name, eh, kind, rec = started
+    try:
+        rec["health_s"] = round(await wait_url(eh, "/health", 900), 1)
+        if kind != "serve":
+            rec["ready_s"] = round(await wait_url(eh, "/ready", 900), 1)
+    except Exception as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"  {name} failed: {rec['error']}\n{eh.log_tail(30)}", flush=True)
+        eh.stop()
+        rec["vllm_log"] = log_lines(eh.log_path)
+        save()
+        return
+    print(f"  {name} up in {rec.get('ready_s', rec['health_s'])} s", flush=True)
+    engines[name] = (rec, eh, kind)
+    live.append(
+        {"name": name, "kind": kind, "url": eh.url, "token": eh.token, "pid": eh.proc.pid, "log_path": str(eh.log_path)}
+    )
+    for mode in args.modes if kind == "dual" else [None]:
+        rname = f"{name}/{mode}" if mode else name
+        if not any(r["name"] == rname for r in res["rows"]):
+            res["rows"].append({"name": rname, "loads": {}, "rounds": {}, "ttft_ms": []})
+    save()
+
+
 async def run(args: argparse.Namespace) -> dict:
     """Start (or attach to) the engines, take the loads and TTFTs round-robin, stop them
     unless ``--keep``.
@@ -240,7 +268,7 @@ async def run(args: argparse.Namespace) -> dict:
     logs = args.state.parent / "logs" if args.state else out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    model = str(prepare_default_model(quiet=True))
+    model = str(prepare_default_model(quiet=True)) if args.model == "default" else args.model
     name_m = Path(model).name
     res, live = load_state(args.state)
     res = res or {"engines": [], "rows": [], "rounds": 0}
@@ -265,11 +293,12 @@ async def run(args: argparse.Namespace) -> dict:
             print(f"== {lv['name']}: gone, left out", flush=True)
     live[:] = [lv for lv in live if lv["name"] in engines]
     try:
+        todo = []  # (name, process, kind, record) of engines started in this call
         for spec in args.engine or []:
             name = spec.partition(":")[2].partition(":")[0] or spec
             if name in engines:
                 continue
-            if engines and time.monotonic() - t_begin > args.start_budget:
+            if (engines or todo) and time.monotonic() - t_begin > args.start_budget:
                 print(f"start budget of {args.start_budget:.0f} s spent: {spec!r} left out", flush=True)
                 break
             name, eh, kind = make_engine(spec, model, logs)
@@ -277,34 +306,12 @@ async def run(args: argparse.Namespace) -> dict:
             print(f"== {name}: {rec['command']}", flush=True)
             res["engines"] = [e for e in res["engines"] if e["name"] != name] + [rec]
             eh.start()
-            try:
-                rec["health_s"] = round(await wait_url(eh, "/health", 900), 1)
-                if kind != "serve":
-                    rec["ready_s"] = round(await wait_url(eh, "/ready", 900), 1)
-            except Exception as exc:
-                rec["error"] = f"{type(exc).__name__}: {exc}"
-                print(f"  {name} failed: {rec['error']}\n{eh.log_tail(30)}", flush=True)
-                eh.stop()
-                rec["vllm_log"] = log_lines(eh.log_path)
-                save()
-                continue
-            print(f"  up in {rec.get('ready_s', rec['health_s'])} s", flush=True)
-            engines[name] = (rec, eh, kind)
-            live.append(
-                {
-                    "name": name,
-                    "kind": kind,
-                    "url": eh.url,
-                    "token": eh.token,
-                    "pid": eh.proc.pid,
-                    "log_path": str(eh.log_path),
-                }
-            )
-            for mode in args.modes if kind == "dual" else [None]:
-                rname = f"{name}/{mode}" if mode else name
-                if not any(r["name"] == rname for r in res["rows"]):
-                    res["rows"].append({"name": rname, "loads": {}, "rounds": {}, "ttft_ms": []})
-            save()
+            todo.append((name, eh, kind, rec))
+            if args.parallel_start:
+                continue  # waited for below, all together
+            await _wait_up(todo.pop(), engines, live, res, args, save)
+        if todo:
+            await asyncio.gather(*(_wait_up(t, engines, live, res, args, save) for t in todo))
         only = set(args.only) if args.only else set(engines)
         for ename, (_, _, kind) in engines.items():  # this call's --modes, on engines attached too
             for mode in args.modes if kind == "dual" else []:
@@ -437,6 +444,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--keep", action="store_true", help="leave the engines running for a later call with --state")
     ap.add_argument(
+        "--parallel-start",
+        action="store_true",
+        help="start every engine at once, then wait for all (give each --kv-cache-memory-bytes in its ARGS: "
+        "vLLM's memory profiling assumes no other process on the GPU changes its memory while it runs)",
+    )
+    ap.add_argument(
         "--only",
         type=lambda s: [x for x in s.split(",") if x],
         default=None,
@@ -446,9 +459,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--report", type=Path, default=None, help="print the table of an overhead.json and exit (no engine is started)"
     )
+    ap.add_argument(
+        "--model",
+        default="default",
+        help="model folder (Hugging Face layout) served by every engine; 'default': the prepared default model",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-results")))
     args = ap.parse_args(argv)
+    if args.model != "default" and not (Path(args.model) / "config.json").is_file():
+        ap.error(f"--model {args.model}: no config.json there")
     if args.report:
         try:
             print(summarize(json.loads(args.report.read_text()), args.baseline))

@@ -571,6 +571,67 @@ def test_host_overhead_keeps_engines_for_a_later_call_and_stops_them_at_the_end(
     assert (out / "logs" / "e1.log").read_text() == "engine log\n"  # copied from the scratch folder
 
 
+def test_host_overhead_parallel_start_starts_every_engine_before_waiting(tmp_path, monkeypatch):
+    """--parallel-start: both engines are started before either is waited for (sequential
+    start waits for each in turn); both are then measured, and --model is the served folder."""
+    import bench.host_overhead as ho
+
+    events: list[str] = []
+    models: list[str] = []
+
+    class FakeProc:
+        pid = 4242
+
+    class FakeEngine:
+        def __init__(self, name, log_path):
+            self.name, self.url, self.token, self.env, self.log_path = name, "http://127.0.0.1:9", "t", {}, log_path
+            self.proc = FakeProc()
+
+        def command(self):
+            return ["engine", self.name]
+
+        def start(self):
+            events.append(f"start {self.name}")
+
+        def stop(self):
+            events.append(f"stop {self.name}")
+
+    def fake_make_engine(spec, model, logs):
+        models.append(model)
+        name = spec.split(":")[1]
+        return name, FakeEngine(name, logs / f"{name}.log"), "serve"
+
+    async def fake_wait_url(eh, path, timeout_s):
+        events.append(f"wait {eh.name}")
+        return 1.0
+
+    async def fake_closed_loop(url, model, conc, duration, max_tokens, seed, wl):
+        return {"tokens_per_s": 100.0}
+
+    async def fake_ttft(url, model, wl):
+        return 20.0
+
+    monkeypatch.setattr(ho, "make_engine", fake_make_engine)
+    monkeypatch.setattr(ho, "wait_url", fake_wait_url)
+    monkeypatch.setattr(ho, "closed_loop", fake_closed_loop)
+    monkeypatch.setattr(ho, "ttft", fake_ttft)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    common = ["--out", str(tmp_path / "out"), "--warm", "0", "--duration", "1", "--ttfts", "1", "--rounds", "1"]
+    engines = ["--engine", "serve:a:--x", "--engine", "serve:b:--y", "--model", str(model)]
+    assert ho.main([*engines, "--parallel-start", *common]) == 0
+    assert events[:4] == ["start a", "start b", "wait a", "wait b"]
+    assert models == [str(model), str(model)]
+    done = json.loads((tmp_path / "out" / "overhead.json").read_text())
+    assert [r["name"] for r in done["rows"]] == ["a", "b"]
+    events.clear()
+    assert ho.main([*engines, *common]) == 0  # without it: one engine up before the next starts
+    assert events[:4] == ["start a", "wait a", "start b", "wait b"]
+    with pytest.raises(SystemExit):
+        ho.main(["--engine", "serve:a:--x", "--model", str(tmp_path / "nowhere"), *common])
+
+
 def test_host_overhead_refuses_keep_without_state_and_a_bad_report(tmp_path, capsys):
     from bench.host_overhead import main
 

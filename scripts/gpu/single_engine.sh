@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One speculative engine against plain vLLM on one GPU, both kept up together (docs/gpu.md).
+#
+#   bash scripts/gpu/single_engine.sh MODEL RESULTS [MATRIX_ARGS...]
+#
+# Run inside the offline environment (`bash scripts/gpu/runner.sh -- bash scripts/gpu/single_engine.sh ...`)
+# or wherever `python3 -m bench` finds vLLM. Two steps, both on the same two engines:
+#   1. `bench host-overhead`: plain `vllm serve` (no speculative config) and the engine host with
+#      ngram_gpu at fixed K = 0 start together (same KV cache size, so vLLM's memory profiling is
+#      skipped and the engines cannot disturb each other's), then closed-loop chat windows at
+#      1, 8 and 64 clients taken round-robin (ROUNDS rounds) with TTFTs; the engines are kept.
+#   2. `bench matrix` against the kept engines: code, docs, chat, mixed and shift at 1, 8 and 64
+#      clients, modes adaptive and fixed K (MODES), with plain vLLM's column from the plain engine.
+# Environment: KV_BYTES (KV cache per engine, default 16 GiB), K_MAX (default 4), ROUNDS (2),
+# MODES (adaptive,fixed:0,fixed:2,fixed:4), REQS (fixed work per client, low=8,medium=4,high=2),
+# DRAFT (a draft model folder: a third engine, `--speculative-method draft_model`, measured in the
+# matrix too), STOP=1 stops the engines at the end.
+set -uo pipefail
+M=${1:?usage: single_engine.sh MODEL RESULTS [MATRIX_ARGS...]}
+R=${2:?usage: single_engine.sh MODEL RESULTS [MATRIX_ARGS...]}
+shift 2
+S=$R/state.json
+KV=${KV_BYTES:-17179869184}
+K_MAX=${K_MAX:-4}
+COMMON="--no-prefix-caching --max-num-seqs 64 --max-model-len 2048 --gpu-memory-utilization 0.3 --warmup quick"
+engines=(
+  --engine "serve:plain:--gpu-memory-utilization 0.3 --kv-cache-memory-bytes $KV --no-enable-prefix-caching --max-num-seqs 64"
+  --engine "host:ngram:--speculative-method ngram_gpu --k-max $K_MAX --speculation-mode fixed --k 0 $COMMON -- --kv-cache-memory-bytes $KV"
+)
+if [ -n "${DRAFT:-}" ]; then
+  engines+=(--engine "host:draft:--speculative-method draft_model --draft-model $DRAFT --k-max $K_MAX --speculation-mode fixed --k 0 $COMMON -- --kv-cache-memory-bytes $KV")
+fi
+mkdir -p "$R"
+python3 -m bench host-overhead --model "$M" --parallel-start --keep --state "$S" --out "$R/overhead" \
+  --workloads chat --loads 1,8,64 --rounds "${ROUNDS:-2}" --duration 6 --warm 3 --only plain,ngram "${engines[@]}" \
+  || exit $?
+
+# the kept engines' addresses and control tokens, from the state file
+eval "$(python3 - "$S" <<'EOF'
+import json, shlex, sys
+live = {e["name"]: e for e in json.load(open(sys.argv[1]))["live"]}
+for name, e in live.items():
+    print(f"{name.upper()}_URL={shlex.quote(e['url'])} {name.upper()}_TOKEN={shlex.quote(e['token'] or '')}")
+EOF
+)"
+[ -n "${NGRAM_URL:-}" ] && [ -n "${PLAIN_URL:-}" ] || { echo "the engines are not up (see $S)" >&2; exit 3; }
+matrix() {  # URL TOKEN OUT PLAIN?
+  SPECPILOT_CONTROL_TOKEN=$2 python3 -m bench matrix --url "$1" ${4:+--plain-baseline --plain-url "$PLAIN_URL"} \
+    --workloads code,docs,chat,mixed,shift --loads low,medium,high \
+    --load-def low=c1 --load-def medium=c8 --load-def high=c64 \
+    --modes "${MODES:-adaptive,fixed:0,fixed:2,fixed:4}" --requests-per-client "${REQS:-low=8,medium=4,high=2}" \
+    --out "$3" --no-png --quiet "${@:5}"
+}
+matrix "$NGRAM_URL" "$NGRAM_TOKEN" "$R/matrix-ngram" plain "$@"
+if [ -n "${DRAFT_URL:-}" ]; then
+  matrix "$DRAFT_URL" "$DRAFT_TOKEN" "$R/matrix-draft" "" "$@"
+fi
+if [ -n "${STOP:-}" ]; then
+  python3 -m bench host-overhead --model "$M" --state "$S" --out "$R/overhead" --rounds 0
+fi
