@@ -62,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model (default: the prepared default model)")
     p.add_argument("--out", default=None, help="results folder")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the cases already in --out's cases.jsonl and run only the rounds still missing",
+    )
 
 
 # --------------------------------------------------------------------------- processes
@@ -268,7 +273,8 @@ class Run:
         with sqlite3.connect(self.db_path, timeout=30) as c:
             while time.monotonic() < deadline and proc.poll() is None:
                 row = c.execute("SELECT apply_lock_info FROM hosts WHERE name = 'local'").fetchone()
-                if row and row[0] and json.loads(row[0]).get("pid") == proc.pid:
+                info = json.loads(row[0]) if row and row[0] else None  # JSON null once the lease is given back
+                if isinstance(info, dict) and info.get("pid") == proc.pid:
                     return True
                 time.sleep(0.002)
         return False
@@ -463,11 +469,23 @@ def _rounds(
     cases: list[dict[str, Any]],
     out: Path,
 ) -> None:
+    done: set[tuple[int, str, str]] = set()
+    if args.resume and (out / "cases.jsonl").exists():
+        for line in (out / "cases.jsonl").read_text().splitlines():
+            c = json.loads(line)
+            cases.append(c)
+            done.add((c["round"], c["process"], c["signal"]))
+        print(f"resuming: {len(done)} cases kept from {out / 'cases.jsonl'}", flush=True)
     with open(out / "cases.jsonl", "a") as f:
         for i in range(args.repeat):
             for p in processes:
                 for s in signals_:
-                    c = run_case(run, p, s, rnd)
+                    if (i, p, s) in done:
+                        continue
+                    try:
+                        c = run_case(run, p, s, rnd)
+                    except Exception as exc:  # the run goes on; the case says what broke
+                        c = {"process": p, "signal": s, "error": f"{type(exc).__name__}: {exc}"}
                     c["round"] = i
                     cases.append(c)
                     f.write(json.dumps(c) + "\n")

@@ -379,3 +379,30 @@ def test_fault_summary_counts_orphans_losses_and_misses_per_case():
     ]
     row = summarise(cases, 38.0).splitlines()[2].split()
     assert row[:7] == ["engine-host", "KILL", "2", "1", "1", "2", "ok"] and row[-1] == "1"
+
+
+def test_fault_bench_waits_for_the_lease_through_a_released_one(tmp_path):
+    """A lease given back is stored as JSON null: the wait reads it as "not held" (it raised
+    AttributeError on None and ended the fault run), and sees the lease once the process holds it."""
+    import json
+    import sqlite3
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from bench.faults import Run
+
+    db = tmp_path / "store.db"
+    with sqlite3.connect(db) as c:
+        c.execute("CREATE TABLE hosts (name TEXT, apply_lock_info TEXT)")
+        c.execute("INSERT INTO hosts VALUES ('local', 'null')")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        run = SimpleNamespace(db_path=db)
+        assert Run.wait_for_lease_of(run, proc, timeout_s=0.2) is False
+        with sqlite3.connect(db) as c:
+            c.execute("UPDATE hosts SET apply_lock_info = ?", (json.dumps({"pid": proc.pid, "user": "op"}),))
+        assert Run.wait_for_lease_of(run, proc, timeout_s=5) is True
+    finally:
+        proc.kill()
+        proc.wait()
