@@ -694,3 +694,36 @@ def test_every_benchmark_entry_point_is_a_command_of_python_m_bench(capsys):
     with pytest.raises(SystemExit):
         main(["host-overhead", "--engine", "plain", "--keep"])  # the tool's own errors reach the user
     assert "--keep needs --state" in capsys.readouterr().err
+
+
+def test_spread_puts_runs_side_by_side_with_ratios_per_run(tmp_path, capsys):
+    from bench import spread
+
+    def cell(folder, workload, load, mode, tps):
+        folder.mkdir(exist_ok=True)
+        body = {
+            "spec": {"workload": workload, "mode": mode, "load": {"label": load}},
+            "client": {"output_tokens_per_s": tps},
+        }
+        (folder / f"{workload}-{load}-{mode.replace(':', '')}.json").write_text(json.dumps(body))
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, ada, k0, k4, plain in ((a, 110.0, 100.0, 90.0, 100.0), (b, 90.0, 100.0, 95.0, 110.0)):
+        cell(folder, "shift", "low", "adaptive", ada)
+        cell(folder, "shift", "low", "fixed:0", k0)
+        cell(folder, "shift", "low", "fixed:4", k4)
+        cell(folder, "shift", "low", "plain", plain)
+        cell(folder, "code", "high", "adaptive", 50.0)
+    table = spread.spread_table(spread.load_runs([a, b]))
+    ada = next(c for c in table["cells"] if c["workload"] == "shift" and c["mode"] == "adaptive")
+    assert ada["runs"] == [110.0, 90.0] and ada["mean"] == 100.0 and ada["spread"] == pytest.approx(0.2)
+    shift = next(g for g in table["groups"] if g["workload"] == "shift")
+    assert shift["x_plain"] == [pytest.approx(1.1), pytest.approx(90 / 110)]
+    assert shift["x_best_static"] == [pytest.approx(1.1), pytest.approx(0.9)]
+    assert shift["x_best_other"] == [pytest.approx(1.1), pytest.approx(0.9)]  # plain is no "other" mode
+    assert [g["workload"] for g in table["groups"]] == ["code", "shift"]  # the harness's workload order
+    code = table["groups"][0]
+    assert code["x_plain"] == [None, None]  # no plain column: no ratio, not a crash
+    assert spread.main([str(a), str(b)]) == 0
+    assert "110.0 / 90.0" in capsys.readouterr().out
+    assert spread.main([str(tmp_path / "nothing")]) == 2
