@@ -306,54 +306,63 @@ def plain_sampler_without_drafts(original: Any, trace: _Trace | None = None) -> 
     return _prepare_inputs
 
 
-def patch_engine_core(cls: type[Any]) -> bool:
-    """Make ``cls.post_step`` skip the draft fetch after a step the scheduler hook scheduled
-    at K = 0 (synchronous scheduling only). Idempotent.
+def _wrap_method(cls: type[Any], attr: str, check: Any, wrap: Any, what: str, done: str) -> bool:
+    """Replace ``cls.<attr>`` by ``wrap(original)`` once ``check(cls)`` passes. Idempotent.
 
     Returns:
-        True when patched (now or before), False when its shape did not match (logged).
+        True when patched (now or before), False when ``check`` refused the shape (logged).
     """
     if cls.__dict__.get(_K0_FLAG, False):
         return True
     try:
-        check_engine_core_shape(cls)
+        check(cls)
     except VllmShapeError as e:
         logger.warning(
-            "SpecPilot: engine core left unpatched (%s); checked against vLLM %s", e, CHECKED_VLLM_VERSIONS_K0_STEP
+            "SpecPilot: %s left unpatched (%s); checked against vLLM %s", what, e, CHECKED_VLLM_VERSIONS_K0_STEP
         )
         return False
-    original = cls.post_step
-    post_step = skip_draft_fetch_at_k0(original, _trace(".core"))
-    post_step.__doc__ = original.__doc__
-    cls.post_step = post_step
+    original = getattr(cls, attr)
+    wrapped = wrap(original)
+    wrapped.__doc__ = original.__doc__
+    setattr(cls, attr, wrapped)
     setattr(cls, _K0_FLAG, True)
-    logger.info("SpecPilot: the engine core fetches no drafts after a step at K = 0")
+    logger.info("SpecPilot: %s", done)
     return True
+
+
+def patch_engine_core(cls: type[Any]) -> bool:
+    """Make ``cls.post_step`` (vLLM's ``EngineCore``) skip the draft fetch after a step the
+    scheduler hook scheduled at K = 0 (synchronous scheduling only). Idempotent.
+
+    Returns:
+        True when patched (now or before), False when its shape did not match (logged).
+    """
+    return _wrap_method(
+        cls,
+        "post_step",
+        check_engine_core_shape,
+        lambda original: skip_draft_fetch_at_k0(original, _trace(".core")),
+        "engine core",
+        "the engine core fetches no drafts after a step at K = 0",
+    )
 
 
 def patch_model_runner(cls: type[Any]) -> bool:
-    """Make ``cls._prepare_inputs`` return no speculative metadata for an n-gram engine's
-    step that scheduled no draft token, so that the plain sampler runs. Idempotent.
+    """Make ``cls._prepare_inputs`` (vLLM's V1 ``GPUModelRunner``) return no speculative
+    metadata for an n-gram engine's step that scheduled no draft token, so that the plain
+    sampler runs. Idempotent.
 
     Returns:
         True when patched (now or before), False when its shape did not match (logged).
     """
-    if cls.__dict__.get(_K0_FLAG, False):
-        return True
-    try:
-        check_runner_shape(cls)
-    except VllmShapeError as e:
-        logger.warning(
-            "SpecPilot: model runner left unpatched (%s); checked against vLLM %s", e, CHECKED_VLLM_VERSIONS_K0_STEP
-        )
-        return False
-    original = cls._prepare_inputs
-    _prepare_inputs = plain_sampler_without_drafts(original, _trace())
-    _prepare_inputs.__doc__ = original.__doc__
-    cls._prepare_inputs = _prepare_inputs
-    setattr(cls, _K0_FLAG, True)
-    logger.info("SpecPilot: an n-gram step without drafts samples with the plain sampler")
-    return True
+    return _wrap_method(
+        cls,
+        "_prepare_inputs",
+        check_runner_shape,
+        lambda original: plain_sampler_without_drafts(original, _trace()),
+        "model runner",
+        "an n-gram step without drafts samples with the plain sampler",
+    )
 
 
 #: module -> (class name, patch) applied when vLLM imports the module
