@@ -739,8 +739,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("name", help="host name (letters, digits, '-', '_', '.')")
     c.add_argument("url", help="engine host base URL, e.g. http://127.0.0.1:8000")
-    c.add_argument("--usd-per-hour", type=float, default=0.0, help="what the machine costs (USD/hour)")
-    c.add_argument("--gpu", default=None, help="accelerator kind, e.g. H100, L4, cpu")
+    c.add_argument(
+        "--usd-per-hour",
+        type=float,
+        default=None,
+        help="what the machine costs (USD/hour; default 0, kept by --update)",
+    )
+    c.add_argument("--gpu", default=None, help="accelerator kind, e.g. H100, L4, cpu (kept by --update when not given)")
     c.add_argument(
         "--token-env", default=DEFAULT_TOKEN_ENV, help="environment variable holding the engine host's control token"
     )

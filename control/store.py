@@ -13,6 +13,7 @@ versions), ``control.samples`` (metric samples, gaps, downsampling), ``control.a
 from __future__ import annotations
 
 import getpass
+import math
 import os
 import socket
 import time
@@ -218,7 +219,7 @@ def add_host(
     name: str,
     url: str,
     *,
-    usd_per_hour: float = 0.0,
+    usd_per_hour: float | None = None,
     gpu_kind: str | None = None,
     token_env: str = DEFAULT_TOKEN_ENV,
     actor: str | None = None,
@@ -229,7 +230,8 @@ def add_host(
 
     Args:
         name: unique name; url: base URL (``http://host:port``); usd_per_hour: what the
-        machine costs (USD/hour, >= 0); gpu_kind: free text (``H100``, ``cpu``);
+        machine costs (USD/hour, finite, >= 0; None: 0 for a new host, unchanged on update);
+        gpu_kind: free text (``H100``, ``cpu``; None: unchanged on update);
         token_env: environment variable that holds its control token at use time;
         update: when the name is registered already, change its settings instead of failing.
     Returns:
@@ -240,8 +242,8 @@ def add_host(
     """
     name = _check_name(name)
     url = check_url(url)
-    if usd_per_hour is None or usd_per_hour < 0:
-        raise BadHostSpec(f"USD per hour must be >= 0 (got {usd_per_hour})")
+    if usd_per_hour is not None and (not math.isfinite(usd_per_hour) or usd_per_hour < 0):
+        raise BadHostSpec(f"USD per hour must be a finite number >= 0 (got {usd_per_hour})")
     if not token_env or not token_env.replace("_", "a").isalnum() or token_env[0].isdigit():
         raise BadHostSpec(f"bad environment variable name {token_env!r}")
     actor = actor or current_user()
@@ -254,7 +256,12 @@ def add_host(
         if host is None:
             host = Host(name=name, created_at=now)
             s.add(host)
-        host.url, host.usd_per_hour, host.gpu_kind, host.token_env = url, float(usd_per_hour), gpu_kind, token_env
+        kept = action == "host.update"  # an update changes only what it names
+        host.url, host.token_env = url, token_env
+        if usd_per_hour is not None or not kept:
+            host.usd_per_hour = float(usd_per_hour or 0.0)
+        if gpu_kind is not None or not kept:
+            host.gpu_kind = gpu_kind
         host.removed_at = None
         audit(
             s,
@@ -263,7 +270,7 @@ def add_host(
             action=action,
             outcome="ok",
             host_name=name,
-            detail={"url": url, "usd_per_hour": usd_per_hour, "gpu_kind": gpu_kind, "token_env": token_env},
+            detail={"url": url, "usd_per_hour": host.usd_per_hour, "gpu_kind": host.gpu_kind, "token_env": token_env},
         )
         s.flush()
         return host

@@ -99,6 +99,21 @@ def test_operator_session(cli, fake, tmp_path):
     assert r.returncode == 0 and "gpu1" not in cli("hosts", "list").stdout
 
 
+def test_hosts_add_update_changes_only_what_it_names(cli, fake):
+    """--update without --usd-per-hour or --gpu keeps the host's price and GPU kind (it set the
+    price to 0 before); a non-finite price is refused and changes nothing."""
+    assert cli("hosts", "add", "gpu1", fake.url, "--usd-per-hour", "2.5", "--gpu", "H100").returncode == 0
+    r = cli("hosts", "add", "gpu1", fake.url, "--update")
+    assert r.returncode == 0, r.stderr
+    assert "USD 2.5/hour, GPU H100" in r.stdout
+    r = cli("hosts", "add", "gpu1", fake.url, "--update", "--usd-per-hour", "inf")
+    assert r.returncode != 0 and "finite" in r.stderr
+    r = cli("hosts", "add", "gpu1", fake.url, "--update", "--usd-per-hour", "3")
+    assert "USD 3/hour, GPU H100" in r.stdout
+    r = cli("hosts", "add", "gpu2", fake.url)
+    assert "USD 0/hour, GPU -" in r.stdout  # a new host without a price costs 0 until one is set
+
+
 def test_errors_are_one_clear_line(cli, fake):
     cli("hosts", "add", "gpu1", fake.url)
     cases = [
