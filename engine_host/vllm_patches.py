@@ -401,7 +401,11 @@ def install() -> None:
     """Apply every patch in this process: at once if vLLM's module is loaded, else on import.
 
     Never raises: a patch that cannot be applied is logged and vLLM runs unchanged.
+    ``SPECPILOT_VLLM_PATCHES=0`` applies none (side-by-side benchmarks of their effect).
     """
+    if not envs.vllm_patches_on():
+        logger.info("SpecPilot: vLLM patches off (%s=0)", envs.VLLM_PATCHES)
+        return
     try:
         for name, (cls_name, patch) in PATCHES.items():
             module = sys.modules.get(name)

@@ -178,3 +178,21 @@ def test_ngram_proposer_does_no_work_at_k0_on_the_real_engine(engine_host, contr
     assert core_path.exists(), "the engine core wrote no trace: its patch is not installed"
     core = json.loads(core_path.read_text())
     assert core.get("draft_fetch_skipped", 0) > 0, core
+
+
+def test_patches_off_leave_vllm_alone(monkeypatch):
+    """SPECPILOT_VLLM_PATCHES=0 (side-by-side benchmarks): install() adds no import hook and
+    patches nothing; by default it adds the hook."""
+    import sys
+
+    finders = [f for f in sys.meta_path if not isinstance(f, vllm_patches._PatchOnImport)]
+    monkeypatch.setattr(sys, "meta_path", list(finders))
+    monkeypatch.setitem(sys.modules, vllm_patches.ENGINE_CORE_MODULE, None)  # nothing loaded to patch at once
+    monkeypatch.setitem(sys.modules, vllm_patches.RUNNER_MODULE, None)
+    monkeypatch.setitem(sys.modules, vllm_patches.NGRAM_MODULE, None)
+    monkeypatch.setenv("SPECPILOT_VLLM_PATCHES", "0")
+    vllm_patches.install()
+    assert not any(isinstance(f, vllm_patches._PatchOnImport) for f in sys.meta_path)
+    monkeypatch.delenv("SPECPILOT_VLLM_PATCHES")
+    vllm_patches.install()
+    assert any(isinstance(f, vllm_patches._PatchOnImport) for f in sys.meta_path)
