@@ -6,7 +6,10 @@ Mode strings (``--mode``), mapped to ``PUT /control/config`` bodies by :func:`mo
 ==========================  ====================================================
 ``off``                     ``{"mode": "off"}`` (K = 0)
 ``fixed:K``                 static K tokens (``fixed:0`` is K = 0 in a speculative engine)
-``adaptive[:LO-HI]``        the goodput controller, K in LO..HI (default 0..engine K_max)
+``adaptive[:LO-HI]``        the goodput controller, K in LO..HI (default 0..engine K_max),
+                            with the per-request draft gate (``speculation.adaptive.per_request``)
+``adaptive_step[:LO-HI]``   the same controller with one K per step for every request (the
+                            per-request gate off), to measure what the gate does
 ``batch_table[:TABLE]``     vLLM's per-batch-size table; TABLE like ``1-2=6,3-8=4,9-1024=2``
                             (default :data:`DEFAULT_BATCH_TABLE`)
 ``threshold``               the 10 s acceptance-threshold loop (bounds 2..8)
@@ -87,9 +90,9 @@ def mode_patch(mode: str) -> dict[str, Any]:
             spec = {"mode": "fixed", "k": int(arg)}
         except ValueError:
             raise BenchError(f"mode {mode!r}: use fixed:K with K a number of tokens, e.g. fixed:4") from None
-    elif name == "adaptive":
+    elif name in ("adaptive", "adaptive_step"):
         lo, hi = _bounds(arg, mode) if arg else (0, None)
-        spec = {"mode": "adaptive", "k_min": lo, "k_max": hi}
+        spec = {"mode": "adaptive", "k_min": lo, "k_max": hi, "adaptive": {"per_request": name == "adaptive"}}
     elif name == "heuristic":
         lo, hi = _bounds(arg, mode) if arg else (1, None)
         spec = {"mode": "heuristic", "k_min": lo, "k_max": hi}
@@ -99,7 +102,7 @@ def mode_patch(mode: str) -> dict[str, Any]:
         spec = {"mode": "batch_table", "table": parse_batch_table(arg) if arg else DEFAULT_BATCH_TABLE}
     else:
         raise BenchError(
-            f"unknown mode {mode!r}: use off, fixed:K, adaptive[:LO-HI], batch_table[:TABLE], threshold, "
+            f"unknown mode {mode!r}: use off, fixed:K, adaptive[:LO-HI], adaptive_step[:LO-HI], batch_table[:TABLE], threshold, "
             "heuristic[:LO-HI] or plain"
         )
     return {"speculation": spec}

@@ -53,7 +53,8 @@ def group_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for (wl, load), rs in groups.items():
         by_mode = {r["mode"]: r for r in rs}
         tps = {m: r["output_tokens_per_s"] for m, r in by_mode.items()}
-        adaptive = next((m for m in by_mode if m.startswith("adaptive")), None)
+        # the controller with its per-request gate (adaptive, adaptive:LO-HI), not adaptive_step
+        adaptive = next((m for m in by_mode if m == "adaptive" or m.startswith("adaptive:")), None)
         statics = {m: v for m, v in tps.items() if static_k(m) is not None}
         best_static = max(statics, key=lambda m: statics[m]) if statics else None
         k0 = next((m for m in ("fixed:0", "off") if m in by_mode), None)

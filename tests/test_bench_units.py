@@ -251,8 +251,9 @@ def test_request_bodies_stream_with_usage():
     [
         ("off", {"mode": "off"}),
         ("fixed:4", {"mode": "fixed", "k": 4}),
-        ("adaptive", {"mode": "adaptive", "k_min": 0, "k_max": None}),
-        ("adaptive:1-6", {"mode": "adaptive", "k_min": 1, "k_max": 6}),
+        ("adaptive", {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": True}}),
+        ("adaptive:1-6", {"mode": "adaptive", "k_min": 1, "k_max": 6, "adaptive": {"per_request": True}}),
+        ("adaptive_step", {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": False}}),
         ("heuristic", {"mode": "heuristic", "k_min": 1, "k_max": None}),
         ("threshold", {"mode": "threshold", "k_min": 0, "k_max": None}),
         ("batch_table", {"mode": "batch_table", "table": ec.DEFAULT_BATCH_TABLE}),
@@ -274,8 +275,12 @@ def test_mode_patches_are_valid_live_configs():
     from engine_host.config import EngineLimits, LiveConfig, apply_patch
 
     limits = EngineLimits(model="m", k_max=8, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=2048)
-    for m in ("off", "fixed:0", "fixed:8", "adaptive", "heuristic", "threshold", "batch_table"):
+    for m in ("off", "fixed:0", "fixed:8", "adaptive", "adaptive_step", "heuristic", "threshold", "batch_table"):
         apply_patch(LiveConfig(), ec.mode_patch(m), limits)
+    # adaptive after adaptive_step turns the gate on again (a live config keeps what a patch leaves out)
+    cfg = apply_patch(LiveConfig(), ec.mode_patch("adaptive_step"), limits)
+    assert cfg.speculation.adaptive.per_request is False
+    assert apply_patch(cfg, ec.mode_patch("adaptive"), limits).speculation.adaptive.per_request is True
 
 
 def test_static_modes_and_mean_k():
