@@ -292,8 +292,9 @@ async def run(args: argparse.Namespace) -> dict:
             rec["error"] = "gone before a later call attached"
             print(f"== {lv['name']}: gone, left out", flush=True)
     live[:] = [lv for lv in live if lv["name"] in engines]
+    started: list = []  # every engine process started in this call
     try:
-        todo = []  # (name, process, kind, record) of engines started in this call
+        todo = []  # (name, process, kind, record) of engines started and not yet waited for
         for spec in args.engine or []:
             name = spec.partition(":")[2].partition(":")[0] or spec
             if name in engines:
@@ -306,6 +307,7 @@ async def run(args: argparse.Namespace) -> dict:
             print(f"== {name}: {rec['command']}", flush=True)
             res["engines"] = [e for e in res["engines"] if e["name"] != name] + [rec]
             eh.start()
+            started.append(eh)
             todo.append((name, eh, kind, rec))
             if args.parallel_start:
                 continue  # waited for below, all together
@@ -378,6 +380,10 @@ async def run(args: argparse.Namespace) -> dict:
             save()
             t_round = time.monotonic() - t0
     finally:
+        up = {id(e[1]) for e in engines.values()}
+        for eh in started:  # interrupted while starting: never leave one behind, --keep or not
+            if id(eh) not in up:
+                eh.stop()
         if not args.keep:
             for rec, eh, _ in engines.values():
                 eh.stop()
