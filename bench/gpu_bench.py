@@ -136,11 +136,19 @@ async def wait_url(eh: EngineHostProcess, path: str, timeout_s: float) -> float:
     raise RuntimeError(f"{path} not 200 after {timeout_s:.0f} s")
 
 
-async def gen_tokens(c: httpx.AsyncClient) -> float:
-    text = (await c.get("/metrics")).text
+def metric_total(text: str, sample_name: str) -> float:
+    """Sum of every sample named ``sample_name`` (all label sets) in a Prometheus text page,
+    parsed with ``prometheus_client``; 0.0 when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")
+        smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples if smp.name == sample_name
     )
+
+
+async def gen_tokens(c: httpx.AsyncClient) -> float:
+    """vLLM's ``vllm:generation_tokens_total`` (tokens) from the engine's ``/metrics``."""
+    return metric_total((await c.get("/metrics")).text, "vllm:generation_tokens_total")
 
 
 def chat_body(model: str, wl: Workload, max_tokens: int, stream: bool = False) -> tuple[str, dict]:

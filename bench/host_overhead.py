@@ -68,7 +68,7 @@ def summarize(res: dict, baseline: str | None = None) -> str:
     (``WORKLOAD@cN``): median tokens/s with every window, the ratio of medians to the
     baseline row (default: the first row), and the per-round ratios to the baseline (each
     window over the baseline's window of the same round) as ``median [min, max] (n)``;
-    TTFT p50 in ms.
+    TTFT p50 in ms, with the TTFT of the first request after warm-up where it was taken.
 
     Raises:
         KeyError: ``baseline`` names no row.
@@ -87,6 +87,8 @@ def summarize(res: dict, baseline: str | None = None) -> str:
     for r in rows:
         tt = r.get("ttft_ms", [])
         tt_s = f"{statistics.median(tt):.2f}" if tt else "-"
+        if r.get("ttft_first_ms"):
+            tt_s += f" (first after warm-up: {r['ttft_first_ms'][0]:.2f})"
         for k in cells:
             runs = r.get("loads", {}).get(k, [])
             if not runs:
@@ -326,6 +328,14 @@ async def run(args: argparse.Namespace) -> dict:
             if ename in only and kind is not None and (kind != "dual" or mode in args.modes):
                 rows.append((row, engines[ename][1], mode or None))
         cells = [(wl, conc) for wl in args.workloads for conc in args.loads]
+        # the first request an engine serves after its warm-up, before any load (the target
+        # compares it with the steady-state TTFTs taken after each round)
+        fresh = {id(eh) for eh in started}
+        for row, eh, mode in rows:
+            if id(eh) in fresh and not mode and "ttft_first_ms" not in row:
+                row["ttft_first_ms"] = [await ttft(eh.url, name_m, Workload("chat", seed=args.seed + 5))]
+                print(f"  {row['name']}: first request after warm-up, TTFT {row['ttft_first_ms'][0]} ms", flush=True)
+        save()
         # per dual engine: its split settings as first seen (kept in the results, so that a later
         # call does not take the settings a row of the last call left in force for the defaults)
         known = res.setdefault("router_settings_at_start", {})

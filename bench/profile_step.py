@@ -2,6 +2,7 @@
 plain engine (no speculative config), on the same chat prompts.
 
     python -m bench profile-step [--clients 4] [--seconds 20] [--rate 100]
+    python -m bench profile-step --attach STATE [--engines plain,ngram]   # engines already up
 
 Starts both engine hosts (eager, one after the other so they do not share the CPU while
 measured), sends the ``chat`` workload with N concurrent clients, and samples every
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,58 +82,36 @@ def _load(url: str, model: str, clients: int, stop: threading.Event) -> None:
         t.start()
 
 
-def profile(extra: list[str], clients: int, seconds: float, rate: int, out_dir: Path) -> dict:
-    """Start one engine host with ``extra`` arguments, load it, sample it; returns
-    ``{"steps": n, "wall_s": s, "samples": {pid: count}, "components": {name: count}}``
-    for the process with the most samples (the one running the model)."""
-    from engine_host.process import EngineHostProcess
+def _py_spy(explicit: str | None = None) -> str:
+    """Path of the py-spy executable: ``explicit``, the one next to this Python, or on PATH.
 
-    eh = EngineHostProcess(
-        extra_args=["--enforce-eager", "--max-num-seqs", "16", "--no-prefix-caching", *extra],
-        log_path=out_dir / f"engine-{'plain' if '0' == extra[1] else 'spec'}.log",
-    )
-    eh.start()
-    try:
-        eh.wait_ready(timeout_s=600)
-        model = httpx.get(eh.url + "/v1/models").json()["data"][0]["id"]
-        stop = threading.Event()
-        _load(eh.url, model, clients, stop)
-        time.sleep(5)  # let the batch fill
-        pids = [p for p in _engine_pids(eh.proc.pid) if p != eh.proc.pid]
-        s0 = httpx.get(eh.url + "/control/state", headers=eh.control_headers).json()["engine"]["step_index"]
-        procs, files = [], []
-        for pid in pids:
-            f = out_dir / f"pyspy-{pid}.txt"
-            files.append((pid, f))
-            procs.append(
-                subprocess.Popen(
-                    [
-                        str(Path(sys.executable).parent / "py-spy"),
-                        "record",
-                        "-p",
-                        str(pid),
-                        "-d",
-                        str(int(seconds)),
-                        "-r",
-                        str(rate),
-                        "-f",
-                        "raw",
-                        "-o",
-                        str(f),
-                        "--nonblocking",
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
+    Raises:
+        FileNotFoundError: none found (install it: ``pip install py-spy``).
+    """
+    for cand in (explicit, str(Path(sys.executable).parent / "py-spy"), shutil.which("py-spy")):
+        if cand and Path(cand).exists():
+            return cand
+    raise FileNotFoundError("py-spy not found: pip install 'py-spy>=0.4' (or pass --py-spy PATH)")
+
+
+def _sample(pids: list[int], seconds: float, rate: int, out_dir: Path, tag: str, py_spy: str) -> dict:
+    """py-spy every process of ``pids`` at once for ``seconds``; returns ``{"pid",
+    "components": {name: samples}, "wall_s"}`` for the process with the most model-forward
+    samples (the one running the model)."""
+    procs, files = [], []
+    for pid in pids:
+        f = out_dir / f"pyspy-{tag}-{pid}.txt"
+        files.append((pid, f))
+        cmd = [py_spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", str(rate), "-f", "raw"]
+        procs.append(
+            subprocess.Popen(
+                [*cmd, "-o", str(f), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
-        t0 = time.monotonic()
-        for p in procs:
-            p.wait()
-        wall = time.monotonic() - t0
-        s1 = httpx.get(eh.url + "/control/state", headers=eh.control_headers).json()["engine"]["step_index"]
-        stop.set()
-    finally:
-        eh.stop()
+        )
+    t0 = time.monotonic()
+    for p in procs:
+        p.wait()
+    wall = time.monotonic() - t0
     best: dict = {}
     for pid, f in files:
         comps: collections.Counter = collections.Counter()
@@ -144,7 +124,83 @@ def profile(extra: list[str], clients: int, seconds: float, rate: int, out_dir: 
         # which has as many samples: it spins while the worker computes)
         if comps["model forward"] > best.get("components", {}).get("model forward", -1):
             best = {"pid": pid, "components": dict(comps)}
-    return {"steps": s1 - s0, "wall_s": wall, "rate": rate, **best}
+    return {"wall_s": wall, **best}
+
+
+def profile(extra: list[str], clients: int, seconds: float, rate: int, out_dir: Path, py_spy: str) -> dict:
+    """Start one engine host with ``extra`` arguments, load it, sample it; returns
+    ``{"steps": n, "wall_s": s, "rate", "pid", "components": {name: count}}`` for the
+    process with the most samples (the one running the model)."""
+    from engine_host.process import EngineHostProcess
+
+    tag = "plain" if "0" == extra[1] else "spec"
+    eh = EngineHostProcess(
+        extra_args=["--enforce-eager", "--max-num-seqs", "16", "--no-prefix-caching", *extra],
+        log_path=out_dir / f"engine-{tag}.log",
+    )
+    eh.start()
+    try:
+        eh.wait_ready(timeout_s=600)
+        model = httpx.get(eh.url + "/v1/models").json()["data"][0]["id"]
+        stop = threading.Event()
+        _load(eh.url, model, clients, stop)
+        time.sleep(5)  # let the batch fill
+        pids = [p for p in _engine_pids(eh.proc.pid) if p != eh.proc.pid]
+        s0 = httpx.get(eh.url + "/control/state", headers=eh.control_headers).json()["engine"]["step_index"]
+        res = _sample(pids, seconds, rate, out_dir, tag, py_spy)
+        s1 = httpx.get(eh.url + "/control/state", headers=eh.control_headers).json()["engine"]["step_index"]
+        stop.set()
+    finally:
+        eh.stop()
+    return {"steps": s1 - s0, "rate": rate, **res}
+
+
+def _engine_steps(url: str) -> float:
+    """Engine steps with output so far: the count of vLLM's ``vllm:iteration_tokens_total``
+    histogram (one observation per step)."""
+    from .gpu_bench import metric_total
+
+    return metric_total(httpx.get(url + "/metrics", timeout=30).text, "vllm:iteration_tokens_total_count")
+
+
+def profile_attached(live: dict, clients: int, seconds: float, rate: int, out_dir: Path, py_spy: str) -> dict:
+    """Load an engine that is already up (a ``bench host-overhead --keep`` state entry:
+    ``{"name", "url", "pid"}``, plain ``vllm serve`` or engine host), sample its processes;
+    returns what :func:`profile` returns, steps from vLLM's metrics."""
+    url = live["url"]
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    stop = threading.Event()
+    _load(url, model, clients, stop)
+    try:
+        time.sleep(5)  # let the batch fill
+        pids = [p for p in _engine_pids(int(live["pid"])) if p != int(live["pid"])] or [int(live["pid"])]
+        s0 = _engine_steps(url)
+        res = _sample(pids, seconds, rate, out_dir, live["name"], py_spy)
+        s1 = _engine_steps(url)
+    finally:
+        stop.set()
+        time.sleep(2)  # the clients' last requests end before the next engine is loaded
+    return {"steps": s1 - s0, "rate": rate, **res}
+
+
+def table(results: dict) -> str:
+    """Markdown: per component, CPU ms per engine step and share of the model process's
+    samples, one column pair per engine; steps/s last."""
+    names = [c for c, _ in COMPONENTS] + ["other"]
+    lines = [
+        f"| component | {' | '.join(f'{n}: ms/step | share' for n in results)} |",
+        "|---|" + "---:|---:|" * len(results),
+    ]
+    for c in names:
+        cells = []
+        for r in results.values():
+            total = sum(r.get("components", {}).values()) or 1
+            share = r.get("components", {}).get(c, 0) / total
+            ms = r.get("components", {}).get(c, 0) / r["rate"] * 1000.0 / max(r["steps"], 1)
+            cells.append(f"{ms:.2f} | {share:.1%}")
+        lines.append(f"| {c} | {' | '.join(cells)} |")
+    lines.append("| steps/s | " + " | ".join(f"{r['steps'] / r['wall_s']:.1f} | " for r in results.values()) + "|")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,29 +213,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0, help="sampling time per engine (s)")
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument("--out", type=Path, default=None, help="folder for logs, raw samples and profile.json")
+    ap.add_argument(
+        "--attach",
+        type=Path,
+        default=None,
+        metavar="STATE",
+        help="profile the engines a `bench host-overhead --keep --state STATE` call left up (e.g. plain "
+        "vLLM and the engine host on a GPU) instead of starting CPU engine hosts",
+    )
+    ap.add_argument("--engines", default=None, help="with --attach: comma-separated engine names (default: all)")
+    ap.add_argument("--py-spy", default=None, help="py-spy executable (default: next to Python, or on PATH)")
     args = ap.parse_args(argv)
+    try:
+        py_spy = _py_spy(args.py_spy)
+        live = []
+        if args.attach:
+            live = json.loads(args.attach.read_text()).get("live", [])
+            if args.engines:
+                want = args.engines.split(",")
+                live = [e for n in want for e in live if e["name"] == n]
+            if not live:
+                raise ValueError(f"no engine up in {args.attach}" + (f" named {args.engines}" if args.engines else ""))
+    except (FileNotFoundError, ValueError, json.JSONDecodeError) as e:
+        print(f"profile-step: {e}", file=sys.stderr)
+        return 2
     out = args.out or Path(tempfile.mkdtemp(prefix="profile-step-"))
     out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for name, extra in (
-        ("plain", ["--k-max", "0"]),
-        ("ngram K=0", ["--k-max", "8", "--speculation-mode", "fixed", "--k", "0"]),
-    ):
-        print(f"profiling {name} ...", file=sys.stderr, flush=True)
-        results[name] = profile(extra, args.clients, args.seconds, args.rate, out)
+    if live:
+        for e in live:
+            print(f"profiling {e['name']} ({e['url']}) ...", file=sys.stderr, flush=True)
+            results[e["name"]] = profile_attached(e, args.clients, args.seconds, args.rate, out, py_spy)
+    else:
+        for name, extra in (
+            ("plain", ["--k-max", "0"]),
+            ("ngram K=0", ["--k-max", "8", "--speculation-mode", "fixed", "--k", "0"]),
+        ):
+            print(f"profiling {name} ...", file=sys.stderr, flush=True)
+            results[name] = profile(extra, args.clients, args.seconds, args.rate, out, py_spy)
     (out / "profile.json").write_text(json.dumps(results, indent=1))
-    names = [c for c, _ in COMPONENTS] + ["other"]
-    print(f"| component | {' | '.join(f'{n}: ms/step | share' for n in results)} |")
-    print("|---|" + "---:|---:|" * len(results))
-    for c in names:
-        cells = []
-        for r in results.values():
-            total = sum(r.get("components", {}).values()) or 1
-            share = r.get("components", {}).get(c, 0) / total
-            ms = r.get("components", {}).get(c, 0) / r["rate"] * 1000.0 / max(r["steps"], 1)
-            cells.append(f"{ms:.2f} | {share:.1%}")
-        print(f"| {c} | {' | '.join(cells)} |")
-    print("| steps/s | " + " | ".join(f"{r['steps'] / r['wall_s']:.1f} | " for r in results.values()) + "|")
+    print(table(results))
     print(f"(raw samples and logs in {out})", file=sys.stderr)
     return 0
 

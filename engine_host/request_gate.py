@@ -16,11 +16,18 @@ draft of length K with per-token acceptance ``a``, Leviathan et al., arXiv 2211.
     verify i's drafts  iff  x_i(K) >= (1 + margin) * K * c
 
 i.e. request i's drafts are verified only when the tokens they are expected to add per
-unit of step time beat what plain decoding yields in that time. ``a_i`` is the request's
-accepted / drafted tokens with a Beta(prior_accepted, prior_rejected) prior, so a new
-request starts at the prior mean and is judged on its own drafts after a few steps. A
-request whose drafts were dropped is drafted again every ``probe_every`` of its steps, so
-one that starts accepting (e.g. it begins to quote its prompt) is picked up again.
+unit of step time beat what plain decoding yields in that time.
+
+``a_i`` is the maximum-likelihood per-token acceptance under the prefix rule (a draft is
+accepted up to its first rejected token, so one verification of a k-token draft with n
+accepted is n successes and, when n < k, one failure; the tokens after the first
+rejection are never judged): ``a_i = accepted / (accepted + rejections)``, with a
+Beta(prior_accepted, prior_rejected) prior so a new request starts at the prior mean.
+Accepted / drafted would be the mean accepted *fraction*, ``x_i(k) / k``, not ``a_i``;
+used as ``a`` it underestimates x_i(k) (at a = 0.8, k = 8 it gives 0.7 tokens instead
+of 3.3) and drops drafts that pay. A request whose drafts were dropped is drafted again
+every ``probe_every`` of its steps, so one that starts accepting (e.g. it begins to
+quote its prompt) is picked up again.
 
 Pure Python, no vLLM import; the scheduler hook (``engine_host.scheduler``) calls it.
 """
@@ -36,6 +43,7 @@ ACCEPTANCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8)  # lower edges of the histogram's
 class _RequestStats:
     drafted: float = 0.0  # draft tokens verified (decayed count)
     accepted: float = 0.0  # of those, accepted (decayed count)
+    rejections: float = 0.0  # verifications that ended at a rejected token (decayed count)
     steps_gated: int = 0  # consecutive steps whose drafts were dropped
 
 
@@ -88,16 +96,20 @@ class RequestDraftGate:
         s = self._reqs.get(req_id)
         if s is None:
             s = self._reqs[req_id] = _RequestStats()
+        n = max(0, min(num_accepted_tokens, num_draft_tokens))
         s.drafted = s.drafted * self.decay + num_draft_tokens
-        s.accepted = s.accepted * self.decay + min(num_accepted_tokens, num_draft_tokens)
+        s.accepted = s.accepted * self.decay + n
+        s.rejections = s.rejections * self.decay + (1.0 if n < num_draft_tokens else 0.0)
 
     def acceptance(self, req_id: str) -> float:
-        """Estimated per-token acceptance of the request's drafts, fraction 0..1."""
+        """Estimated per-token acceptance ``a`` of the request's drafts, fraction 0..1:
+        the probability that the next draft token is accepted given the ones before it
+        were (``accepted / (accepted + rejections)`` with the Beta prior; module doc)."""
         s = self._reqs.get(req_id)
         a0, r0 = self.prior_accepted, self.prior_rejected
         if s is None:
             return a0 / (a0 + r0)
-        return (s.accepted + a0) / (s.drafted + a0 + r0)
+        return (s.accepted + a0) / (s.accepted + s.rejections + a0 + r0)
 
     def forget(self, live_ids: set[str] | None = None, req_id: str | None = None) -> None:
         """Drop one finished request, or every request not in ``live_ids``."""

@@ -550,8 +550,10 @@ def test_host_overhead_keeps_engines_for_a_later_call_and_stops_them_at_the_end(
     async def fake_closed_loop(url, model, conc, duration, max_tokens, seed, wl):
         return {"tokens_per_s": float(next(windows))}
 
+    ttfts = iter([250.0] + [20.0] * 100)  # the first request after warm-up, then steady state
+
     async def fake_ttft(url, model, wl):
-        return 20.0
+        return next(ttfts)
 
     monkeypatch.setattr(ho, "make_engine", lambda spec, model, logs: ("e1", FakeEngine(logs / "e1.log"), "serve"))
     monkeypatch.setattr(ho, "wait_url", fake_wait_url)
@@ -565,6 +567,9 @@ def test_host_overhead_keeps_engines_for_a_later_call_and_stops_them_at_the_end(
     first = json.loads(state.read_text())
     assert [lv["pid"] for lv in first["live"]] == [procs[0].pid]
     assert first["res"]["rows"][0]["loads"]["chat@c64"] == [1000.0, 1010.0]
+    assert first["res"]["rows"][0]["ttft_first_ms"] == [250.0]  # taken before any load
+    assert first["res"]["rows"][0]["ttft_ms"] == [20.0, 20.0]
+    assert "first after warm-up: 250.00" in ho.summarize(first["res"])
     # the second call names the same engine: attached, not started again
     assert ho.main(["--engine", "serve:e1:--x", "--rounds", "1", *common]) == 0
     assert len(procs) == 1
@@ -572,6 +577,7 @@ def test_host_overhead_keeps_engines_for_a_later_call_and_stops_them_at_the_end(
     done = json.loads((out / "overhead.json").read_text())
     assert done["rows"][0]["loads"]["chat@c64"] == [1000.0, 1010.0, 1020.0]
     assert done["rows"][0]["rounds"]["chat@c64"] == [0, 1, 2] and done["rounds"] == 3
+    assert done["rows"][0]["ttft_first_ms"] == [250.0]  # an attached engine is not fresh: not taken again
     assert json.loads(state.read_text())["live"] == []
     assert (out / "logs" / "e1.log").read_text() == "engine log\n"  # copied from the scratch folder
 
@@ -732,3 +738,31 @@ def test_spread_puts_runs_side_by_side_with_ratios_per_run(tmp_path, capsys):
     assert spread.main([str(a), str(b)]) == 0
     assert "110.0 / 90.0" in capsys.readouterr().out
     assert spread.main([str(tmp_path / "nothing")]) == 2
+
+
+def test_metric_total_sums_every_label_set_and_histogram_counts():
+    from bench.gpu_bench import metric_total
+
+    page = (
+        "# HELP vllm:generation_tokens_total t\n# TYPE vllm:generation_tokens_total counter\n"
+        'vllm:generation_tokens_total{model_name="a"} 12.0\nvllm:generation_tokens_total{model_name="b"} 3.0\n'
+        "# HELP vllm:iteration_tokens_total t\n# TYPE vllm:iteration_tokens_total histogram\n"
+        'vllm:iteration_tokens_total_bucket{le="+Inf"} 5.0\nvllm:iteration_tokens_total_count 5.0\n'
+        "vllm:iteration_tokens_total_sum 50.0\n"
+    )
+    assert metric_total(page, "vllm:generation_tokens_total") == 15.0
+    assert metric_total(page, "vllm:iteration_tokens_total_count") == 5.0
+    assert metric_total(page, "vllm:absent_total") == 0.0
+
+
+def test_profile_step_attach_refuses_a_state_without_engines(tmp_path, capsys):
+    from bench.profile_step import main, table
+
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"res": {}, "live": [{"name": "plain", "url": "http://127.0.0.1:9", "pid": 1}]}))
+    fake_spy = tmp_path / "py-spy"
+    fake_spy.write_text("")
+    assert main(["--attach", str(state), "--engines", "ngram", "--py-spy", str(fake_spy)]) == 2
+    assert "no engine up" in capsys.readouterr().err
+    t = table({"plain": {"rate": 100, "steps": 50, "wall_s": 10.0, "components": {"model forward": 300, "other": 100}}})
+    assert "| model forward | 60.00 | 75.0% |" in t and "| steps/s | 5.0 |" in t

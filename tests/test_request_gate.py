@@ -92,3 +92,26 @@ def test_live_page_line_says_how_many_requests_drafted():
     assert "off" in live_views.per_request_line(st)
     st.k_max_engine = 0
     assert live_views.per_request_line(st) is None
+
+
+def test_acceptance_is_per_token_under_the_prefix_rule_not_the_accepted_fraction():
+    """A request that accepts about 0.84 of each next token drafts 8 and keeps on average
+    half of them (the tokens after the first rejection are never judged). Its drafts pay
+    at a cost of 0.25 plain request-steps per token (gain 3.9 tokens >= 8 * 0.25); the
+    accepted fraction (0.5) taken for the per-token acceptance would give 1.0 and drop them."""
+    g = RequestDraftGate()
+    for _ in range(10):
+        for n in (8, 3, 1, 4):  # 16 accepted, 3 verifications ended at a rejection
+            g.observe("quote", 8, n)
+    assert g.acceptance("quote") == pytest.approx(16 / 19, abs=0.04)  # recent verifications weigh more
+    assert g.allows("quote", 8, 0.25) is True
+    assert RequestDraftGate.expected_gain(0.5, 8) < 8 * 0.25  # what the fraction would decide
+
+
+def test_a_draft_accepted_whole_counts_no_rejection():
+    g = RequestDraftGate(prior_accepted=0.0, prior_rejected=1.0, decay=1.0)
+    g.observe("r", 4, 4)
+    g.observe("r", 4, 4)
+    assert g.acceptance("r") == pytest.approx(8 / 9)  # only the prior's failure
+    g.observe("r", 4, 0)
+    assert g.acceptance("r") < 8 / 9

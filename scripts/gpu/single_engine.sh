@@ -11,10 +11,14 @@
 #      1, 8 and 64 clients taken round-robin (ROUNDS rounds) with TTFTs; the engines are kept.
 #   2. `bench matrix` against the kept engines: code, docs, chat, mixed and shift at 1, 8 and 64
 #      clients, modes adaptive and fixed K (MODES), with plain vLLM's column from the plain engine.
-# Environment: KV_BYTES (KV cache per engine, default 16 GiB), K_MAX (default 4), ROUNDS (2),
-# MODES (adaptive,fixed:0,fixed:2,fixed:4), REQS (fixed work per client, low=8,medium=4,high=2),
-# DRAFT (a draft model folder: a third engine, `--speculative-method draft_model`, measured in the
-# matrix too), STOP=1 stops the engines at the end.
+#   1b. with PY_SPY=<py-spy executable>: `bench profile-step --attach` samples plain vLLM and the
+#      engine host at K = 0 under 1 client (where each one's step time goes, CPU side).
+# Environment: KV_BYTES (KV cache per engine, default 16 GiB), K_MAX (default 4), ROUNDS (3),
+# DURATION (timed window, s, 8), MODES (adaptive,fixed:0,fixed:2,fixed:4), REQS (fixed work per
+# client, low=8,medium=4,high=2), RUNS (the whole table this many times, 2: matrix-ngram-1, ...),
+# DRAFT (a draft model folder: a third engine, `--speculative-method draft_model`, with its own
+# table matrix-draft-N after each n-gram table, modes DRAFT_MODES, default adaptive,fixed:2,fixed:4),
+# STOP=1 stops the engines at the end.
 set -uo pipefail
 M=${1:?usage: single_engine.sh MODEL RESULTS [MATRIX_ARGS...]}
 R=${2:?usage: single_engine.sh MODEL RESULTS [MATRIX_ARGS...]}
@@ -32,8 +36,12 @@ if [ -n "${DRAFT:-}" ]; then
 fi
 mkdir -p "$R"
 python3 -m bench host-overhead --model "$M" --parallel-start --keep --state "$S" --out "$R/overhead" \
-  --workloads chat --loads 1,8,64 --rounds "${ROUNDS:-2}" --duration 6 --warm 3 --only plain,ngram "${engines[@]}" \
-  || exit $?
+  --workloads chat --loads 1,8,64 --rounds "${ROUNDS:-3}" --duration "${DURATION:-8}" --warm 3 --only plain,ngram \
+  "${engines[@]}" || exit $?
+if [ -n "${PY_SPY:-}" ]; then
+  python3 -m bench profile-step --attach "$S" --engines plain,ngram --clients 1 --seconds 12 --py-spy "$PY_SPY" \
+    --out "$R/profile-c1" | tee "$R/profile-c1.md"
+fi
 
 # the kept engines' addresses and control tokens, from the state file
 eval "$(python3 - "$S" <<'EOF'
@@ -51,10 +59,12 @@ matrix() {  # URL TOKEN OUT PLAIN?
     --modes "${MODES:-adaptive,fixed:0,fixed:2,fixed:4}" --requests-per-client "${REQS:-low=8,medium=4,high=2}" \
     --out "$3" --no-png --quiet "${@:5}"
 }
-matrix "$NGRAM_URL" "$NGRAM_TOKEN" "$R/matrix-ngram" plain "$@"
-if [ -n "${DRAFT_URL:-}" ]; then
-  matrix "$DRAFT_URL" "$DRAFT_TOKEN" "$R/matrix-draft" "" "$@"
-fi
+for i in $(seq 1 "${RUNS:-2}"); do
+  matrix "$NGRAM_URL" "$NGRAM_TOKEN" "$R/matrix-ngram-$i" plain "$@"
+  if [ -n "${DRAFT_URL:-}" ]; then
+    MODES=${DRAFT_MODES:-adaptive,fixed:2,fixed:4} matrix "$DRAFT_URL" "$DRAFT_TOKEN" "$R/matrix-draft-$i" "" "$@"
+  fi
+done
 if [ -n "${STOP:-}" ]; then
   python3 -m bench host-overhead --model "$M" --state "$S" --out "$R/overhead" --rounds 0
 fi
