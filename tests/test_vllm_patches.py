@@ -190,9 +190,72 @@ def test_patches_off_leave_vllm_alone(monkeypatch):
     monkeypatch.setitem(sys.modules, vllm_patches.ENGINE_CORE_MODULE, None)  # nothing loaded to patch at once
     monkeypatch.setitem(sys.modules, vllm_patches.RUNNER_MODULE, None)
     monkeypatch.setitem(sys.modules, vllm_patches.NGRAM_MODULE, None)
+    monkeypatch.setitem(sys.modules, vllm_patches.NGRAM_GPU_MODULE, None)
     monkeypatch.setenv("SPECPILOT_VLLM_PATCHES", "0")
     vllm_patches.install()
     assert not any(isinstance(f, vllm_patches._PatchOnImport) for f in sys.meta_path)
     monkeypatch.delenv("SPECPILOT_VLLM_PATCHES")
     vllm_patches.install()
     assert any(isinstance(f, vllm_patches._PatchOnImport) for f in sys.meta_path)
+
+
+def _ngram_gpu_class():
+    return importlib.import_module(vllm_patches.NGRAM_GPU_MODULE).NgramGPUSpeculator
+
+
+def test_installed_vllm_has_the_model_runner_v2_ngram_shape_the_patch_was_written_for():
+    """Fails when vLLM changes NgramGPUSpeculator.propose, or when the V2 runner no longer
+    overwrites the drafts beyond the step's K with -1 (what makes skipping the kernels at
+    K = 0 safe): recheck the patch."""
+    vllm_patches.check_ngram_gpu_shape(_ngram_gpu_class())
+    import importlib.util
+    from pathlib import Path
+
+    runner_src = Path(importlib.util.find_spec("vllm.v1.worker.gpu.model_runner").origin).read_text()
+    call = runner_src.index("draft_tokens = self.speculator.propose(")
+    after = runner_src[call : call + 1500]
+    assert "num_speculative_tokens=num_spec_tokens" in after
+    assert "draft_tokens[:, num_spec_tokens:] = -1" in after
+
+
+def test_gpu_ngram_speculator_launches_nothing_at_k0_and_runs_at_k2():
+    import torch
+
+    calls = []
+
+    class Spec:  # the shape of NgramGPUSpeculator.propose, with a counting body
+        def __init__(self):
+            self.drafts = torch.full((8, 4), 7, dtype=torch.int64)
+
+        def propose(
+            self,
+            input_batch,
+            attn_metadata=None,
+            dummy_run=False,
+            num_speculative_tokens=None,
+        ):
+            calls.append(num_speculative_tokens)
+            num_reqs = input_batch.num_reqs
+            _ngram_finalize_kernel = None  # noqa: F841  the source's marker
+            return self.drafts[:num_reqs]
+
+    class Batch:
+        num_reqs = 3
+
+    assert vllm_patches.patch_ngram_gpu_speculator(Spec)
+    assert vllm_patches.patch_ngram_gpu_speculator(Spec)  # idempotent
+    s = Spec()
+    out = s.propose(Batch(), None, num_speculative_tokens=0)
+    assert calls == [] and tuple(out.shape) == (3, 4)  # the buffer the runner then fills with -1
+    s.propose(Batch(), None, num_speculative_tokens=2)
+    s.propose(Batch(), None, dummy_run=True, num_speculative_tokens=0)  # capture runs stay real
+    s.propose(Batch(), None)  # K not given: unchanged behaviour
+    assert calls == [2, 0, None]
+
+    class Other:
+        def propose(self, batch, k):  # pragma: no cover - never called
+            return batch
+
+    with pytest.raises(vllm_patches.VllmShapeError, match="input_batch|dummy_run|num_speculative_tokens"):
+        vllm_patches.check_ngram_gpu_shape(Other)
+    assert vllm_patches.patch_ngram_gpu_speculator(Other) is False
