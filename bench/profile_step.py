@@ -163,11 +163,31 @@ def _engine_steps(url: str) -> float:
     return metric_total(httpx.get(url + "/metrics", timeout=30).text, "vllm:iteration_tokens_total_count")
 
 
-def profile_attached(live: dict, clients: int, seconds: float, rate: int, out_dir: Path, py_spy: str) -> dict:
+def profile_attached(
+    live: dict, clients: int, seconds: float, rate: int, out_dir: Path, py_spy: str, mode: str | None = None
+) -> dict:
     """Load an engine that is already up (a ``bench host-overhead --keep`` state entry:
-    ``{"name", "url", "pid"}``, plain ``vllm serve`` or engine host), sample its processes;
-    returns what :func:`profile` returns, steps from vLLM's metrics."""
+    ``{"name", "url", "pid", "token"}``, plain ``vllm serve`` or engine host), sample its
+    processes; returns what :func:`profile` returns, steps from vLLM's metrics. ``mode``
+    (e.g. ``fixed:4``, see ``bench.engine_control``) is applied first on an engine host.
+
+    Raises:
+        BenchError: the engine host refused ``mode``.
+    """
     url = live["url"]
+    if mode and live.get("token"):
+        import asyncio
+
+        from .engine_control import EngineControl
+
+        async def _apply() -> None:
+            ctl = EngineControl(url, live["token"])
+            try:
+                await ctl.apply_mode(mode)
+            finally:
+                await ctl.aclose()
+
+        asyncio.run(_apply())
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     stop = threading.Event()
     _load(url, model, clients, stop)
@@ -222,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         "vLLM and the engine host on a GPU) instead of starting CPU engine hosts",
     )
     ap.add_argument("--engines", default=None, help="with --attach: comma-separated engine names (default: all)")
+    ap.add_argument(
+        "--mode",
+        default=None,
+        help="with --attach: speculation mode applied to each engine host first (e.g. fixed:4; "
+        "plain vLLM is left as it is)",
+    )
     ap.add_argument("--py-spy", default=None, help="py-spy executable (default: next to Python, or on PATH)")
     args = ap.parse_args(argv)
     try:
@@ -243,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if live:
         for e in live:
             print(f"profiling {e['name']} ({e['url']}) ...", file=sys.stderr, flush=True)
-            results[e["name"]] = profile_attached(e, args.clients, args.seconds, args.rate, out, py_spy)
+            results[e["name"]] = profile_attached(e, args.clients, args.seconds, args.rate, out, py_spy, args.mode)
     else:
         for name, extra in (
             ("plain", ["--k-max", "0"]),

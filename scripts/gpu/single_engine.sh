@@ -12,7 +12,9 @@
 #   2. `bench matrix` against the kept engines: code, docs, chat, mixed and shift at 1, 8 and 64
 #      clients, modes adaptive and fixed K (MODES), with plain vLLM's column from the plain engine.
 #   1b. with PY_SPY=<py-spy executable>: `bench profile-step --attach` samples plain vLLM and the
-#      engine host at K = 0 under 1 client (where each one's step time goes, CPU side).
+#      engine host at K = 0 under 1 client (where each one's step time goes, CPU side); engines
+#      PROFILE_ENGINES (plain,ngram); PROFILE_MODE (e.g. fixed:4) profiles PROFILE_MODE_ENGINES
+#      (ngram) once more at that mode.
 # Environment: KV_BYTES (KV cache per engine, default 16 GiB), K_MAX (default 4), ROUNDS (3),
 # DURATION (timed window, s, 8), MODES (adaptive,fixed:0,fixed:2,fixed:4), REQS (fixed work per
 # client, low=8,medium=4,high=2), RUNS (the whole table this many times, 2: matrix-ngram-1, ...),
@@ -39,8 +41,12 @@ python3 -m bench host-overhead --model "$M" --parallel-start --keep --state "$S"
   --workloads chat --loads 1,8,64 --rounds "${ROUNDS:-3}" --duration "${DURATION:-8}" --warm 3 --only plain,ngram \
   "${engines[@]}" || exit $?
 if [ -n "${PY_SPY:-}" ]; then
-  python3 -m bench profile-step --attach "$S" --engines plain,ngram --clients 1 --seconds 12 --py-spy "$PY_SPY" \
+  python3 -m bench profile-step --attach "$S" --engines "${PROFILE_ENGINES:-plain,ngram}" --clients 1 --seconds 12 --py-spy "$PY_SPY" \
     --out "$R/profile-c1" | tee "$R/profile-c1.md"
+  if [ -n "${PROFILE_MODE:-}" ]; then  # the same engines again at a speculative mode (e.g. fixed:4)
+    python3 -m bench profile-step --attach "$S" --engines "${PROFILE_MODE_ENGINES:-ngram}" --mode "$PROFILE_MODE" \
+      --clients 1 --seconds 12 --py-spy "$PY_SPY" --out "$R/profile-c1-mode" | tee "$R/profile-c1-mode.md"
+  fi
 fi
 
 # the kept engines' addresses and control tokens, from the state file
