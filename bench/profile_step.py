@@ -29,7 +29,12 @@ from pathlib import Path
 import httpx
 
 COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("n-gram proposer", ("ngram_proposer", "batch_propose", "propose_draft_token_ids")),
+    ("SpecPilot hook and controller", ("engine_host/",)),
+    (
+        "n-gram proposer",
+        ("ngram_proposer", "batch_propose", "propose_draft_token_ids", "NgramGPUSpeculator", "spec_decode/ngram"),
+    ),
+    ("draft-model / EAGLE speculator", ("DraftModelSpeculator", "spec_decode/draft_model", "spec_decode/eagle")),
     ("sampler / rejection sampler", ("rejection_sampler", "sampler.py", "_sample", "logits_processor")),
     ("model forward", ("forward", "torch/nn/modules", "_call_impl", "attention", "model_executor/models")),
     ("input preparation", ("_prepare_inputs", "_update_states", "prepare_", "input_batch", "_calc_spec_decode")),

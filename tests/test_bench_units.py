@@ -766,3 +766,17 @@ def test_profile_step_attach_refuses_a_state_without_engines(tmp_path, capsys):
     assert "no engine up" in capsys.readouterr().err
     t = table({"plain": {"rate": 100, "steps": 50, "wall_s": 10.0, "components": {"model forward": 300, "other": 100}}})
     assert "| model forward | 60.00 | 75.0% |" in t and "| steps/s | 5.0 |" in t
+
+
+def test_profile_components_name_the_speculators_and_the_hook():
+    from bench.profile_step import component_of
+
+    v2 = "run_busy_loop (vllm/v1/engine/core.py:1);sample_tokens (vllm/v1/worker/gpu/model_runner.py:2);"
+    assert component_of(v2 + "propose (vllm/v1/worker/gpu/spec_decode/ngram/speculator.py:267)") == "n-gram proposer"
+    assert component_of("schedule (engine_host/scheduler.py:355);observe (engine_host/controller.py:714)") == (
+        "SpecPilot hook and controller"
+    )
+    assert component_of(v2 + "propose (vllm/v1/worker/gpu/spec_decode/draft_model/speculator.py:9)") == (
+        "draft-model / EAGLE speculator"
+    )
+    assert component_of("main (x.py:1)") == "other"
