@@ -62,14 +62,31 @@ in step). Checked against vLLM 0.32.0 (the Model Runner V2 source shipped in vll
 Upstream fix: ``if num_spec_tokens > 0`` around the runner's ``speculator.propose`` call (for
 stateless speculators), or an early return in ``NgramGPUSpeculator.propose``.
 
+A seeded request in a partial prefill on the CPU (V1 runner)
+-----------------------------------------------------------
+A request with its own ``seed`` gets its own ``torch.Generator``. In a step where such a
+request is still in a partial (chunked) prefill, its sampled token is discarded, and
+``GPUModelRunner._bookkeeping_sync`` (which the CPU runner inherits) rewinds the generator
+with ``gen.set_offset(gen.get_offset() - 4)``. CPU generators have no offset: the call raises
+``RuntimeError: CPU Generator does not use offset``, and the engine core dies with every
+request it holds. Seen in the benchmark table on the 2-core machine (mixed traffic, chat at
+T = 0.8 with seeds, 12 clients, long documentation prompts chunked under the batch's token
+budget). The patch wraps ``sample_tokens``: for the step's discarded rows it takes their CPU
+generators out of the input batch while the step samples (their rows are sampled without a
+generator; the token is discarded anyway) and puts them back untouched afterwards, which is
+what the rewind means to do (the discarded draw leaves no trace in the seeded stream). CUDA
+generators, and rows that are not discarded, are left alone.
+Upstream fix: in ``_bookkeeping_sync``, rewind CUDA generators by offset and leave CPU
+generators alone (or save and restore their state).
+
 How it is applied: :func:`install` is called in every vLLM process by
 ``engine_host.vllm_general.register``. Importing ``vllm.v1.spec_decode.ngram_proposer``
 from a general plugin breaks the CPU worker's start (its Triton kernel overrides are not
 registered yet), so the class is patched when vLLM itself imports the module, through an
 import hook; if the module is already imported it is patched at once.
 
-``check_shape``, ``check_engine_core_shape``, ``check_runner_shape`` and
-``check_ngram_gpu_shape`` raise
+``check_shape``, ``check_engine_core_shape``, ``check_runner_shape``,
+``check_ngram_gpu_shape`` and ``check_seeded_discard_shape`` raise
 :class:`VllmShapeError` when the installed vLLM no longer has the shape a patch was written
 for; that patch then leaves vLLM untouched and logs why. The unit tests in
 ``tests/test_vllm_patches.py`` fail in that case.
@@ -80,7 +97,8 @@ that runs the proposer writes its counters there (at most once a second): ``call
 all and at K = 0), ``plain_sampler_steps`` (steps the runner sampled without drafts through
 the plain sampler); the engine core writes ``draft_fetch`` and ``draft_fetch_skipped``
 (steps whose drafts it fetched, and skipped at K = 0) to the same path plus ``.core``;
-the GPU n-gram speculator counts ``ngram_gpu_calls`` and ``ngram_gpu_k0_skipped``.
+the GPU n-gram speculator counts ``ngram_gpu_calls`` and ``ngram_gpu_k0_skipped``; the V1
+runner counts ``seeded_discarded_rows`` (steps whose seeded partial prefills it protected).
 """
 
 from __future__ import annotations
@@ -330,13 +348,14 @@ def plain_sampler_without_drafts(original: Any, trace: _Trace | None = None) -> 
     return _prepare_inputs
 
 
-def _wrap_method(cls: type[Any], attr: str, check: Any, wrap: Any, what: str, done: str) -> bool:
-    """Replace ``cls.<attr>`` by ``wrap(original)`` once ``check(cls)`` passes. Idempotent.
+def _wrap_method(cls: type[Any], attr: str, check: Any, wrap: Any, what: str, done: str, flag: str = _K0_FLAG) -> bool:
+    """Replace ``cls.<attr>`` by ``wrap(original)`` once ``check(cls)`` passes. Idempotent
+    (``flag``, one per patch, marks the class as done).
 
     Returns:
         True when patched (now or before), False when ``check`` refused the shape (logged).
     """
-    if cls.__dict__.get(_K0_FLAG, False):
+    if cls.__dict__.get(flag, False):
         return True
     try:
         check(cls)
@@ -349,7 +368,7 @@ def _wrap_method(cls: type[Any], attr: str, check: Any, wrap: Any, what: str, do
     wrapped = wrap(original)
     wrapped.__doc__ = original.__doc__
     setattr(cls, attr, wrapped)
-    setattr(cls, _K0_FLAG, True)
+    setattr(cls, flag, True)
     logger.info("SpecPilot: %s", done)
     return True
 
@@ -458,11 +477,95 @@ def patch_ngram_gpu_speculator(cls: type[Any]) -> bool:
     return True
 
 
+_SEEDED_FLAG = "_specpilot_seeded_discard_patched"
+
+
+def check_seeded_discard_shape(cls: type[Any]) -> None:
+    """Check that ``cls`` (vLLM's V1 ``GPUModelRunner``) has ``sample_tokens(self,
+    grammar_output)`` and rewinds a discarded row's generator by offset in
+    ``_bookkeeping_sync`` (the call that fails on CPU generators).
+
+    Raises:
+        VllmShapeError: the methods or that rewind are not there (an upstream fix makes the
+            patch unnecessary: remove it).
+    """
+    fn = getattr(cls, "sample_tokens", None)
+    if not callable(fn):
+        raise VllmShapeError(f"{cls.__name__}.sample_tokens is missing")
+    params = list(inspect.signature(fn).parameters)
+    if params != ["self", "grammar_output"]:
+        raise VllmShapeError(f"{cls.__name__}.sample_tokens{tuple(params)}: expected (self, grammar_output)")
+    book = getattr(cls, "_bookkeeping_sync", None)
+    if not callable(book):
+        raise VllmShapeError(f"{cls.__name__}._bookkeeping_sync is missing")
+    src = inspect.getsource(book)
+    for needle in ("discard_request_mask", "gen.set_offset(gen.get_offset()"):
+        if needle not in src:
+            raise VllmShapeError(f"{cls.__name__}._bookkeeping_sync no longer has {needle!r}")
+
+
+def keep_cpu_generators_of_discarded_rows(original: Any, trace: _Trace | None = None) -> Any:
+    """``GPUModelRunner.sample_tokens`` that takes the CPU generators of the step's discarded
+    rows (partial prefills) out of the input batch while ``original`` runs and puts them back
+    afterwards, untouched."""
+
+    def sample_tokens(self: Any, grammar_output: Any):
+        hidden: dict[int, Any] = {}
+        batch = getattr(self, "input_batch", None)
+        mask = getattr(self, "discard_request_mask", None)
+        gens = getattr(batch, "generators", None)
+        if gens and mask is not None:
+            n = int(batch.num_reqs)
+            for i in mask.np[:n].nonzero()[0]:
+                gen = gens.get(int(i))
+                if gen is not None and gen.device.type == "cpu":
+                    hidden[int(i)] = gens.pop(int(i))
+            if hidden and trace is not None:
+                trace.add("seeded_discarded_rows")
+        try:
+            return original(self, grammar_output)
+        finally:
+            if hidden:
+                gens.update(hidden)
+
+    return sample_tokens
+
+
+def patch_seeded_discard(cls: type[Any]) -> bool:
+    """Make ``cls.sample_tokens`` (vLLM's V1 ``GPUModelRunner``, inherited by the CPU runner)
+    safe for seeded requests in a partial prefill on the CPU. Idempotent.
+
+    Returns:
+        True when patched (now or before), False when its shape did not match (logged).
+    """
+    return _wrap_method(
+        cls,
+        "sample_tokens",
+        check_seeded_discard_shape,
+        lambda original: keep_cpu_generators_of_discarded_rows(original, _trace()),
+        "seeded partial-prefill sampling",
+        "a seeded request in a partial prefill keeps its CPU generator untouched",
+        flag=_SEEDED_FLAG,
+    )
+
+
+def patch_v1_runner(cls: type[Any]) -> bool:
+    """Both patches of vLLM's V1 ``GPUModelRunner``: the plain sampler without drafts
+    (:func:`patch_model_runner`) and seeded partial prefills (:func:`patch_seeded_discard`).
+
+    Returns:
+        True when both applied (now or before).
+    """
+    a = patch_model_runner(cls)
+    b = patch_seeded_discard(cls)
+    return a and b
+
+
 #: module -> (class name, patch) applied when vLLM imports the module
 PATCHES: dict[str, tuple[str, Any]] = {
     NGRAM_MODULE: ("NgramProposer", patch_ngram_proposer),
     ENGINE_CORE_MODULE: ("EngineCore", patch_engine_core),
-    RUNNER_MODULE: ("GPUModelRunner", patch_model_runner),
+    RUNNER_MODULE: ("GPUModelRunner", patch_v1_runner),
     NGRAM_GPU_MODULE: ("NgramGPUSpeculator", patch_ngram_gpu_speculator),
 }
 

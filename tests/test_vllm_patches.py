@@ -259,3 +259,80 @@ def test_gpu_ngram_speculator_launches_nothing_at_k0_and_runs_at_k2():
     with pytest.raises(vllm_patches.VllmShapeError, match="input_batch|dummy_run|num_speculative_tokens"):
         vllm_patches.check_ngram_gpu_shape(Other)
     assert vllm_patches.patch_ngram_gpu_speculator(Other) is False
+
+
+def test_installed_vllm_has_the_seeded_partial_prefill_shape_the_patch_was_written_for():
+    """Fails when vLLM's V1 runner no longer rewinds a discarded row's generator by offset
+    (an upstream fix): recheck, and remove the patch."""
+    cls = importlib.import_module(vllm_patches.RUNNER_MODULE).GPUModelRunner
+    vllm_patches.check_seeded_discard_shape(cls)
+
+
+def test_discarded_rows_keep_their_cpu_generator_untouched():
+    import torch
+
+    cpu_gen = torch.Generator(device="cpu").manual_seed(7)
+    with pytest.raises(RuntimeError, match="offset"):  # what vLLM's rewind hits on the CPU
+        cpu_gen.set_offset(cpu_gen.get_offset() - 4)
+    other = torch.Generator(device="cpu").manual_seed(8)
+    state_before = cpu_gen.get_state().clone()
+
+    class Mask:
+        np = np.array([1, 0, 0], dtype=bool)
+
+    class Batch:
+        num_reqs = 2
+        generators = {0: cpu_gen, 1: other}
+
+    class Runner:
+        input_batch = Batch()
+        discard_request_mask = Mask()
+
+    seen = {}
+
+    def original(self, grammar_output):  # vLLM's sample + bookkeeping, reduced
+        seen.update(self.input_batch.generators)
+        for i in np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]:
+            gen = self.input_batch.generators.get(int(i))
+            if gen is not None:
+                gen.set_offset(gen.get_offset() - 4)
+        for gen in self.input_batch.generators.values():
+            torch.rand(2, generator=gen)  # the rows that are sampled draw from their stream
+        return "output"
+
+    wrapped = vllm_patches.keep_cpu_generators_of_discarded_rows(original)
+    runner = Runner()
+    assert wrapped(runner, None) == "output"
+    assert seen == {1: other}  # the discarded row's generator was out of the batch
+    assert runner.input_batch.generators == {0: cpu_gen, 1: other}  # and is back
+    assert torch.equal(cpu_gen.get_state(), state_before)  # untouched: no draw left a trace
+
+
+def test_seeded_request_in_a_chunked_prefill_does_not_kill_the_engine(engine_host, control, restore_config):
+    """A seeded request whose long prompt is prefilled in several chunks (live token cap at
+    its floor) is served, and the engine keeps serving; the worker counts the protected rows."""
+    import openai
+
+    from engine_host.config import MIN_BATCHED_TOKENS
+
+    r = control.put(
+        "/control/config",
+        json={
+            "speculation": {"mode": "fixed", "k": 0},
+            "batch": {"max_num_seqs": 1, "max_num_batched_tokens": MIN_BATCHED_TOKENS},
+        },
+    )
+    assert r.status_code == 200, r.text
+    c = openai.OpenAI(base_url=engine_host.url + "/v1", api_key="unused", timeout=180)
+    model = control.get("/v1/models").json()["data"][0]["id"]
+    prompt = " ".join(f"item {i} is on shelf {i % 7}." for i in range(90))  # several chunks at the cap
+    outs = [
+        c.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0.9, seed=11).choices[0].text
+        for _ in range(2)
+    ]
+    assert outs[0] == outs[1]  # the seed still decides the text
+    assert c.completions.create(model=model, prompt="ok", max_tokens=2, temperature=0).choices[0].text is not None
+    time.sleep(1.1)  # the trace is written at most once a second
+    c.completions.create(model=model, prompt="ok", max_tokens=2, temperature=0)
+    trace = json.loads(engine_host.ngram_trace.read_text())
+    assert trace.get("seeded_discarded_rows", 0) > 0, trace
