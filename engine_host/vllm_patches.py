@@ -511,9 +511,9 @@ def keep_cpu_generators_of_discarded_rows(original: Any, trace: _Trace | None = 
 
     def sample_tokens(self: Any, grammar_output: Any):
         hidden: dict[int, Any] = {}
-        batch = getattr(self, "input_batch", None)
-        mask = getattr(self, "discard_request_mask", None)
-        gens = getattr(batch, "generators", None)
+        batch: Any = getattr(self, "input_batch", None)
+        mask: Any = getattr(self, "discard_request_mask", None)
+        gens: Any = getattr(batch, "generators", None)
         if gens and mask is not None:
             n = int(batch.num_reqs)
             for i in mask.np[:n].nonzero()[0]:
