@@ -569,8 +569,8 @@ class AdaptivePolicy(Policy):
     Each step: ``G(K) = B * E(K) / T(B, K)`` for K in ``k_min..k_max``; the best K
     replaces the current one only when it beats it by ``hysteresis``; any K > 0 must
     beat K = 0 by ``margin``. Now and then it spends a short burst at a neighbouring K
-    (K*+1 and K*-1 in turn, K = 0 itself every third time from K* > 1; K=1 when off) so
-    that acceptance and step-time estimates stay fresh after a workload change; the interval starts at ``explore_every`` steps and
+    (K*+1 and K*-1 in turn; K=1 when off) so that acceptance and step-time estimates stay
+    fresh after a workload change; the interval starts at ``explore_every`` steps and
     doubles (up to 8x) while the decision holds, and resets when it moves.
     """
 
@@ -638,21 +638,11 @@ class AdaptivePolicy(Policy):
             self.interval = min(self.interval * 2, self.p.explore_every * self.MAX_BACKOFF)
         return self.current
 
-    #: every this many explorations from a depth K > 1, K = 0 itself is re-timed (k_min 0 only)
-    K0_PROBE_EVERY = 3
-
     def _pick_exploration(self) -> int:
         """The deeper neighbour (K+1) and the shallower one (K-1) in turn; from K=0 only
-        K=1, whose acceptance also sets the extrapolated deeper estimates. From a depth
-        K > 1, every :attr:`K0_PROBE_EVERY`-th exploration runs K = 0 instead: what a step
-        at K > 0 costs beyond its verified tokens (the proposer's own work, drafts dropped
-        by the per-request gate) shows only against a fresh K = 0 step time, and walking
-        down one depth at a time from deep K never gets there while the neighbours look
-        alike."""
+        K=1, whose acceptance also sets the extrapolated deeper estimates."""
         self.explore_cycle += 1
         cur = self.current
-        if self.k_lo == 0 and cur > 1 and self.explore_cycle % self.K0_PROBE_EVERY == 0:
-            return 0
         if cur <= self.k_lo:
             return min(cur + 1, self.k_hi)
         if cur >= self.k_hi:

@@ -355,37 +355,3 @@ def test_warmup_steps_teach_step_time_but_not_acceptance():
     assert snap["step_time_measured_batch"] == [4, 7]  # T(B, K) did learn
     ctl.observe(StepObservation(4, 2, 8, 0, [0] * 8, 0.03, True, 51.0))
     assert ctl.snapshot()["acceptance_per_position"][:3] == [pytest.approx(0.0, abs=0.1)] * 2 + [None]
-
-
-def test_deep_k_is_left_for_k0_when_drafts_stop_paying_for_the_proposer():
-    """After a quoting phase at K = 8, chat-like traffic: drafts exist for one step in seven,
-    their first token is rarely accepted (deeper ones follow when it is), and every step at
-    K > 0 pays a fixed proposer cost. The neighbours of K = 8 look alike, so only re-timing
-    K = 0 itself shows that speculation no longer pays; without it the controller kept
-    about a fifth of its steps at K 7-8."""
-    ctl = adaptive()
-    rng = random.Random(1)
-    k_prev, now, ks = 0, 0.0, []
-    for phase, (p_draft, first, steps) in enumerate(((1.0, 0.9, 3000), (0.15, 0.15, 8000))):
-        for _ in range(steps):
-            k = ctl.k_for_batch(1)
-            hist, dh, drafted, accepted = [0] * 8, [0] * 8, 0, 0
-            if rng.random() < p_draft:
-                drafted = k_prev
-                n = 0
-                while n < k_prev and rng.random() < (first if n == 0 else 0.9):
-                    n += 1
-                accepted = n
-                for i in range(n):
-                    hist[i] += 1
-                for i in range(k_prev):
-                    dh[i] += 1
-            dt = 0.025 + 0.0002 * (1 + drafted) + (0.002 if k > 0 else 0.0)
-            now += dt
-            ctl.observe(StepObservation(1, k_prev, drafted, accepted, hist, dt, True, now, k_proposed=k, draft_hist=dh))
-            k_prev = k
-            if phase == 1:
-                ks.append(k)
-    late = ks[4000:]
-    assert sum(1 for k in late if k >= 2) <= 0.05 * len(late), Counter(late)
-    assert mode_of(late) == 0
