@@ -69,7 +69,8 @@ def _engine_pids(root_pid: int) -> list[int]:
     return seen
 
 
-def _load(url: str, model: str, clients: int, stop: threading.Event) -> None:
+def _load(url: str, model: str, clients: int, stop: threading.Event) -> list[threading.Thread]:
+    """``clients`` threads sending chat requests (64 tokens) until ``stop`` is set; returns them."""
     from .workloads import Workload
 
     wl = Workload("chat", seed=1)
@@ -85,6 +86,7 @@ def _load(url: str, model: str, clients: int, stop: threading.Event) -> None:
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     for t in threads:
         t.start()
+    return threads
 
 
 def _py_spy(explicit: str | None = None) -> str:
@@ -195,7 +197,7 @@ def profile_attached(
         asyncio.run(_apply())
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     stop = threading.Event()
-    _load(url, model, clients, stop)
+    clients_running = _load(url, model, clients, stop)
     try:
         time.sleep(5)  # let the batch fill
         pids = [p for p in _engine_pids(int(live["pid"])) if p != int(live["pid"])] or [int(live["pid"])]
@@ -204,7 +206,8 @@ def profile_attached(
         s1 = _engine_steps(url)
     finally:
         stop.set()
-        time.sleep(2)  # the clients' last requests end before the next engine is loaded
+        for t in clients_running:  # their last requests end before the next engine is loaded
+            t.join(timeout=120)
     return {"steps": s1 - s0, "rate": rate, **res}
 
 

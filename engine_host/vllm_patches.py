@@ -348,9 +348,19 @@ def plain_sampler_without_drafts(original: Any, trace: _Trace | None = None) -> 
     return _prepare_inputs
 
 
-def _wrap_method(cls: type[Any], attr: str, check: Any, wrap: Any, what: str, done: str, flag: str = _K0_FLAG) -> bool:
+def _wrap_method(
+    cls: type[Any],
+    attr: str,
+    check: Any,
+    wrap: Any,
+    what: str,
+    done: str,
+    flag: str = _K0_FLAG,
+    versions: tuple[str, ...] = CHECKED_VLLM_VERSIONS_K0_STEP,
+) -> bool:
     """Replace ``cls.<attr>`` by ``wrap(original)`` once ``check(cls)`` passes. Idempotent
-    (``flag``, one per patch, marks the class as done).
+    (``flag``, one per patch, marks the class as done); ``versions``: the vLLM versions the
+    patch was checked against, named when the shape is refused.
 
     Returns:
         True when patched (now or before), False when ``check`` refused the shape (logged).
@@ -360,9 +370,7 @@ def _wrap_method(cls: type[Any], attr: str, check: Any, wrap: Any, what: str, do
     try:
         check(cls)
     except VllmShapeError as e:
-        logger.warning(
-            "SpecPilot: %s left unpatched (%s); checked against vLLM %s", what, e, CHECKED_VLLM_VERSIONS_K0_STEP
-        )
+        logger.warning("SpecPilot: %s left unpatched (%s); checked against vLLM %s", what, e, ", ".join(versions))
         return False
     original = getattr(cls, attr)
     wrapped = wrap(original)
@@ -457,24 +465,16 @@ def patch_ngram_gpu_speculator(cls: type[Any]) -> bool:
     Returns:
         True when patched (now or before), False when its shape did not match (logged).
     """
-    if cls.__dict__.get(_NGRAM_GPU_FLAG, False):
-        return True
-    try:
-        check_ngram_gpu_shape(cls)
-    except VllmShapeError as e:
-        logger.warning(
-            "SpecPilot: GPU n-gram speculator left unpatched (%s); checked against vLLM %s",
-            e,
-            ", ".join(CHECKED_VLLM_VERSIONS_NGRAM_GPU),
-        )
-        return False
-    original = cls.propose
-    wrapped = skip_ngram_gpu_at_k0(original, _trace())
-    wrapped.__doc__ = original.__doc__
-    cls.propose = wrapped
-    setattr(cls, _NGRAM_GPU_FLAG, True)
-    logger.info("SpecPilot: the GPU n-gram speculator launches no kernels at K = 0")
-    return True
+    return _wrap_method(
+        cls,
+        "propose",
+        check_ngram_gpu_shape,
+        lambda original: skip_ngram_gpu_at_k0(original, _trace()),
+        "GPU n-gram speculator",
+        "the GPU n-gram speculator launches no kernels at K = 0",
+        flag=_NGRAM_GPU_FLAG,
+        versions=CHECKED_VLLM_VERSIONS_NGRAM_GPU,
+    )
 
 
 _SEEDED_FLAG = "_specpilot_seeded_discard_patched"
