@@ -297,6 +297,8 @@ def test_operator_rolls_back_from_history(page, stack, engine_host, artifacts_di
     form = page.get_by_test_id("stForm").filter(has_text="Roll ")
     form.get_by_text(f"back to v{target.version}").wait_for()
     form.get_by_text("What changes against").wait_for()  # the diff against the config in force
+    # The caption is sent before the table: wait for the table itself, then check there is one.
+    form.get_by_test_id("stDataFrame").first.wait_for()
     assert form.get_by_test_id("stDataFrame").count() == 1
     form.get_by_role("textbox", name="Reason (required)").fill(REASON_ROLLBACK)
     form.get_by_role("button", name="Roll back").click()  # no tick: refused, the reason stays
