@@ -28,13 +28,25 @@ from pathlib import Path
 
 import httpx
 
+#: frames of the draft-model and EAGLE speculators (V1 ``draft_model``/``eagle``, V2
+#: ``standalone_ar``/``target_dependent_ar``/``eagle``): everything they call, the draft
+#: model's own forward included, is counted as theirs
+DRAFT_SPECULATOR_KEYS = (
+    "DraftModelSpeculator",
+    "StandaloneARSpeculator",
+    "spec_decode/draft_model",
+    "spec_decode/eagle",
+    "spec_decode/standalone_ar",
+    "spec_decode/target_dependent_ar",
+)
+
 COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("SpecPilot hook and controller", ("engine_host/",)),
     (
         "n-gram proposer",
         ("ngram_proposer", "batch_propose", "propose_draft_token_ids", "NgramGPUSpeculator", "spec_decode/ngram"),
     ),
-    ("draft-model / EAGLE speculator", ("DraftModelSpeculator", "spec_decode/draft_model", "spec_decode/eagle")),
+    ("draft-model / EAGLE speculator", DRAFT_SPECULATOR_KEYS),
     ("sampler / rejection sampler", ("rejection_sampler", "sampler.py", "_sample", "logits_processor")),
     ("model forward", ("forward", "torch/nn/modules", "_call_impl", "attention", "model_executor/models")),
     ("input preparation", ("_prepare_inputs", "_update_states", "prepare_", "input_batch", "_calc_spec_decode")),
@@ -44,9 +56,13 @@ COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def component_of(stack: str) -> str:
-    """The component a collapsed stack (``frame;frame;...``) belongs to; innermost-first
-    matching of :data:`COMPONENTS` (the first component found scanning from the leaf)."""
+    """The component a collapsed stack (``frame;frame;...``) belongs to: the draft-model /
+    EAGLE speculator when any frame is one of theirs (:data:`DRAFT_SPECULATOR_KEYS`), else
+    innermost-first matching of :data:`COMPONENTS` (the first component found scanning from
+    the leaf)."""
     frames = stack.split(";")
+    if any(k in frame for frame in frames for k in DRAFT_SPECULATOR_KEYS):
+        return "draft-model / EAGLE speculator"
     for frame in reversed(frames):
         for name, keys in COMPONENTS:
             if any(k in frame for k in keys):

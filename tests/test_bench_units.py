@@ -779,4 +779,8 @@ def test_profile_components_name_the_speculators_and_the_hook():
     assert component_of(v2 + "propose (vllm/v1/worker/gpu/spec_decode/draft_model/speculator.py:9)") == (
         "draft-model / EAGLE speculator"
     )
+    ar = v2 + "propose (vllm/v1/worker/gpu/spec_decode/standalone_ar/speculator.py:404);"
+    # the draft model's own forward, under the V2 speculator, counts as the speculator's
+    assert component_of(ar + "forward (vllm/model_executor/models/qwen2.py:300)") == "draft-model / EAGLE speculator"
+    assert component_of(v2 + "forward (vllm/model_executor/models/qwen2.py:300)") == "model forward"
     assert component_of("main (x.py:1)") == "other"

@@ -4,6 +4,7 @@ real engine that the n-gram proposer does no work at K = 0."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import time
 
@@ -259,6 +260,87 @@ def test_gpu_ngram_speculator_launches_nothing_at_k0_and_runs_at_k2():
     with pytest.raises(vllm_patches.VllmShapeError, match="input_batch|dummy_run|num_speculative_tokens"):
         vllm_patches.check_ngram_gpu_shape(Other)
     assert vllm_patches.patch_ngram_gpu_speculator(Other) is False
+
+
+def _draft_model_class():
+    return importlib.import_module(vllm_patches.DRAFT_MODEL_GPU_MODULE).StandaloneARSpeculator
+
+
+def test_installed_vllm_and_vllm_033_have_the_draft_model_shape_the_patch_was_written_for():
+    """Fails when vLLM changes StandaloneARSpeculator (installed 0.32 source, and the 0.33
+    GPU wheel's file kept under tests/data) or when it starts honouring K itself: recheck."""
+    import gzip
+    from pathlib import Path
+
+    vllm_patches.check_draft_model_shape(_draft_model_class())
+    src_033 = gzip.open(
+        Path(__file__).parent / "data/vllm-0.33.0/v1/worker/gpu/spec_decode/standalone_ar/speculator.py.gz", "rt"
+    ).read()
+    for line in (*vllm_patches.DRAFT_MODEL_PROPOSE_LINES, vllm_patches.DRAFT_MODEL_DECODE_LINE):
+        assert line in src_033
+    for src in (inspect.getsource(importlib.import_module(vllm_patches.DRAFT_MODEL_GPU_MODULE)), src_033):
+        body = src[src.index("    def propose(") :]
+        body = body[: body.index("\n@triton.jit")]
+        assert "num_speculative_tokens" not in body.split(") -> torch.Tensor:", 1)[1]  # still ignores K
+
+
+def test_gpu_draft_model_speculator_runs_decode_passes_up_to_the_step_k():
+    import torch
+
+    passes = []
+
+    class Spec:  # the shape of StandaloneARSpeculator.propose, counting its decode passes
+        def __init__(self):
+            self.num_speculative_steps = 4
+            self.draft_tokens = torch.zeros((8, 4), dtype=torch.int64)
+
+        def propose(self, input_batch, attn_metadata=None, dummy_run=False, num_speculative_tokens=None):
+            num_reqs = input_batch.num_reqs
+            self.draft_tokens[:num_reqs, 0] = 100  # the prefill pass
+            if self.num_speculative_steps == 1:
+                passes.append(0)
+                return self.draft_tokens[:num_reqs, :1]
+            self._multi_step_decode(num_reqs)
+            return self.draft_tokens[:num_reqs]
+
+        def _multi_step_decode(self, num_reqs):
+            n = 0
+            for step in range(1, self.num_speculative_steps):
+                self.draft_tokens[:num_reqs, step] = 100 + step
+                n += 1
+            passes.append(n)
+
+    class Batch:
+        num_reqs = 3
+
+    assert vllm_patches.patch_draft_model_speculator(Spec)
+    assert vllm_patches.patch_draft_model_speculator(Spec)  # idempotent
+    s = Spec()
+    for k in (0, 1, 2, 4, 6):
+        out = s.propose(Batch(), None, num_speculative_tokens=k)
+        assert tuple(out.shape) == (3, 4)  # always K_max wide: the runner fills from K on with -1
+        assert s.num_speculative_steps == 4  # restored
+    s.propose(Batch(), None, dummy_run=True, num_speculative_tokens=1)  # capture/profile runs stay whole
+    s.propose(Batch(), None)  # K not given: unchanged
+    assert passes == [0, 0, 1, 3, 3, 3, 3]
+    assert out[:, :3].tolist() == [[100, 101, 102]] * 3
+
+    class Broken(Spec):  # inherits the patched propose
+        def _multi_step_decode(self, num_reqs):
+            raise RuntimeError("draft model failed")
+
+    b = Broken()
+    with pytest.raises(RuntimeError, match="draft model failed"):
+        b.propose(Batch(), None, num_speculative_tokens=2)
+    assert b.num_speculative_steps == 4  # restored after an error too
+
+    class Other:
+        def propose(self, input_batch, dummy_run=False, num_speculative_tokens=None):  # pragma: no cover
+            return input_batch
+
+    with pytest.raises(vllm_patches.VllmShapeError, match="_multi_step_decode"):
+        vllm_patches.check_draft_model_shape(Other)
+    assert vllm_patches.patch_draft_model_speculator(Other) is False
 
 
 def test_installed_vllm_has_the_seeded_partial_prefill_shape_the_patch_was_written_for():
