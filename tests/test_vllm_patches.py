@@ -334,11 +334,14 @@ def test_gpu_draft_model_speculator_runs_decode_passes_up_to_the_step_k():
         b.propose(Batch(), None, num_speculative_tokens=2)
     assert b.num_speculative_steps == 4  # restored after an error too
 
-    class Other:
+    class Other:  # propose as vLLM's, but no _multi_step_decode to limit
         def propose(self, input_batch, dummy_run=False, num_speculative_tokens=None):  # pragma: no cover
-            return input_batch
+            num_reqs = input_batch.num_reqs
+            if self.num_speculative_steps == 1:
+                return self.draft_tokens[:num_reqs, :1]
+            return self.draft_tokens[:num_reqs]
 
-    with pytest.raises(vllm_patches.VllmShapeError, match="_multi_step_decode"):
+    with pytest.raises(vllm_patches.VllmShapeError, match="_multi_step_decode is missing"):
         vllm_patches.check_draft_model_shape(Other)
     assert vllm_patches.patch_draft_model_speculator(Other) is False
 
