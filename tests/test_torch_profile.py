@@ -25,6 +25,7 @@ def test_summary_per_step_regions_and_kernels_without_double_counting():
     events = [
         Event("draft model: decode passes", 10, 50_000.0, 8_000.0, 0.0),
         Event("step: execute_model (target forward)", 10, 20_000.0, 30_000.0, 0.0),
+        Event("step: execute_model (target forward)", 10, 0.0, 45_000.0, 45_000.0, "DeviceType.CUDA"),  # GPU span
         Event("aten::mm", 40, 4_000.0, 12_000.0, 12_000.0),  # CPU op: its kernel is listed below
         Event("sm90_gemm_kernel", 40, 0.0, 12_000.0, 12_000.0, "DeviceType.CUDA"),
         Event("flash_fwd_kernel", 20, 0.0, 6_000.0, 6_000.0, "DeviceType.CUDA"),
@@ -32,7 +33,12 @@ def test_summary_per_step_regions_and_kernels_without_double_counting():
     ]
     s = torch_profile.summarize(events, ["draft model: decode passes", STEP, "absent region"], steps=10)
     assert list(s["regions"]) == ["draft model: decode passes", STEP]  # by CPU time, absent left out
-    assert s["regions"][STEP] == {"calls": 10, "cpu_ms_per_step": 2.0, "gpu_ms_per_step": 3.0}
+    assert s["regions"][STEP] == {
+        "calls": 10,
+        "cpu_ms_per_step": 2.0,
+        "gpu_ms_per_step": 3.0,
+        "gpu_span_ms_per_step": 4.5,
+    }
     assert s["regions"]["draft model: decode passes"]["cpu_ms_per_step"] == 5.0
     assert s["gpu_busy_ms_per_step"] == pytest.approx(1.9)  # kernels and copies, not aten::mm again
     assert [k["name"] for k in s["kernels"]] == [

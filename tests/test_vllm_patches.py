@@ -421,3 +421,142 @@ def test_seeded_request_in_a_chunked_prefill_does_not_kill_the_engine(engine_hos
     c.completions.create(model=model, prompt="ok", max_tokens=2, temperature=0)
     trace = json.loads(engine_host.ngram_trace.read_text())
     assert trace.get("seeded_discarded_rows", 0) > 0, trace
+
+
+def test_installed_vllm_and_vllm_033_have_the_draft_model_graph_shape_the_patch_was_written_for():
+    """Fails when vLLM's StandaloneARSpeculator starts capturing CUDA graphs itself or changes
+    ``_run_model`` (installed 0.32 source and the 0.33 GPU wheel's file): recheck the patch."""
+    import gzip
+    from pathlib import Path
+
+    vllm_patches.check_draft_model_graphs_shape(_draft_model_class())
+    src_033 = gzip.open(
+        Path(__file__).parent / "data/vllm-0.33.0/v1/worker/gpu/spec_decode/standalone_ar/speculator.py.gz", "rt"
+    ).read()
+    assert vllm_patches.DRAFT_MODEL_CAPTURE_LINE in src_033
+    run = src_033[src_033.index("    def _run_model(") :]
+    run = run[: run.index("\n    def ", 10)]
+    assert vllm_patches.DRAFT_MODEL_EAGER_LINE in run
+    params = [ln.strip().split(":")[0].rstrip(",") for ln in run.split(") -> torch.Tensor:")[0].splitlines()[1:] if ln.strip()]
+    assert params == vllm_patches.DRAFT_MODEL_RUN_PARAMS
+
+
+class _Entry:
+    def __init__(self, graph):
+        self.cudagraph = graph
+
+
+class _Wrapper:  # the part of vLLM's CUDAGraphWrapper the patch reads
+    def __init__(self):
+        self.concrete_cudagraph_entries = {"desc-1": _Entry(object())}
+
+
+def _draft_stub():
+    import torch
+
+    calls = {"original": 0, "model": []}
+
+    class Spec:  # StandaloneARSpeculator's capture and _run_model, as vLLM 0.33 has them
+        vllm_config = "config"
+
+        def capture(self):
+            pass  # CUDA graph not yet supported for standalone AR speculator.
+
+        def _run_model(self, input_ids, positions, attn_metadata, slot_mappings, num_tokens_across_dp):
+            # cudagraph_runtime_mode=CUDAGraphMode.NONE,
+            calls["original"] += 1
+            return torch.full((input_ids.shape[0], 2), -1.0)
+
+        def model(self, input_ids, positions):
+            calls["model"].append((input_ids.clone(), positions.clone()))
+            return torch.arange(input_ids.shape[0] * 2, dtype=torch.float32).reshape(-1, 2)
+
+    return Spec, calls
+
+
+def test_draft_model_passes_replay_piecewise_graphs_padded_to_a_captured_size(monkeypatch):
+    import contextlib
+
+    import torch
+
+    Spec, calls = _draft_stub()
+    contexts = []
+
+    @contextlib.contextmanager
+    def fake_context(attn_metadata, vllm_config, **kw):
+        contexts.append({"attn_metadata": attn_metadata, **kw})
+        yield
+
+    monkeypatch.setattr(
+        vllm_patches, "_forward_context_api", lambda: (fake_context, lambda num_tokens: ("d", num_tokens), "PIECEWISE")
+    )
+    assert vllm_patches.patch_draft_model_graphs(Spec)
+    assert vllm_patches.patch_draft_model_graphs(Spec)  # idempotent: _run_model wrapped once
+    s = Spec()
+    ids, pos = torch.tensor([7, 8, 9]), torch.tensor([10, 11, 12])
+    out = s._run_model(ids, pos, {"layer": "md"}, {"layer": "slots"}, None)  # no graphs yet: eager
+    assert calls["original"] == 1 and out.shape == (3, 2)
+
+    wrapper = _Wrapper()
+    s._specpilot_draft_graphs = vllm_patches.DraftGraphs(
+        (8, 1, 4, 2), torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64), (wrapper, "desc-1")
+    )
+    out = s._run_model(ids, pos, {"layer": "md"}, {"layer": "slots"}, None)
+    assert calls["original"] == 1  # replayed, not eager
+    model_ids, model_pos = calls["model"][-1]
+    assert model_ids.shape == (4,) and model_ids[:3].tolist() == [7, 8, 9]  # padded to the captured 4
+    assert model_pos[:3].tolist() == [10, 11, 12]
+    assert contexts[-1] == {
+        "attn_metadata": {"layer": "md"},
+        "num_tokens": 4,
+        "cudagraph_runtime_mode": "PIECEWISE",
+        "num_tokens_across_dp": None,
+        "slot_mapping": {"layer": "slots"},
+        "batch_descriptor": ("d", 4),
+    }
+    assert out.shape == (3, 2) and out[0].tolist() == [0.0, 1.0]  # the real rows only
+
+    big = torch.arange(9)
+    s._run_model(big, big, {"layer": "md"}, None, None)  # larger than every captured size
+    s._run_model(ids, pos, None, None, None)  # dummy run without attention
+    s._run_model(ids, pos, {"layer": "md"}, None, torch.tensor([3, 3]))  # data parallel
+    assert calls["original"] == 4
+    wrapper.concrete_cudagraph_entries["desc-1"].cudagraph = None  # vLLM dropped the graphs
+    s._run_model(ids, pos, {"layer": "md"}, None, None)
+    assert calls["original"] == 5 and len(calls["model"]) == 1
+
+
+def test_draft_graph_capture_failure_leaves_the_passes_eager(monkeypatch, caplog):
+    Spec, _ = _draft_stub()
+
+    def broken(spec):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(vllm_patches, "capture_draft_graphs", broken)
+    assert vllm_patches.patch_draft_model_graphs(Spec)
+    s = Spec()
+    s._specpilot_draft_graphs = "stale"
+    with caplog.at_level("ERROR"):
+        s.capture()  # does not raise
+    assert s._specpilot_draft_graphs is None
+    assert "passes stay eager" in caplog.text
+
+    class Other:  # a speculator that captures graphs itself
+        def capture(self):  # pragma: no cover
+            self.graphs = {}
+
+        def _run_model(
+            self, input_ids, positions, attn_metadata, slot_mappings, num_tokens_across_dp
+        ):  # pragma: no cover
+            pass
+
+    with pytest.raises(vllm_patches.VllmShapeError, match="captures CUDA graphs itself"):
+        vllm_patches.check_draft_model_graphs_shape(Other)
+    assert vllm_patches.patch_draft_model_graphs(Other) is False
+
+
+def test_draft_graphs_pad_to_the_next_captured_size():
+    g = vllm_patches.DraftGraphs((16, 1, 2, 4, 8), None, None, (None, None))
+    assert [g.padded(n) for n in (1, 2, 3, 5, 8, 9, 16, 17)] == [1, 2, 4, 8, 8, 16, 16, None]
+    with pytest.raises(ValueError):
+        vllm_patches.DraftGraphs((), None, None, (None, None))
