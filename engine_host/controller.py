@@ -104,17 +104,50 @@ class AcceptanceEstimator:
     estimates at once, and they keep the shape of n-gram drafts (a draft whose first
     tokens are accepted tends to be accepted further). Explorations then measure them.
 
+    A change detector shortens the memory at a change of workload: beside the estimate of
+    position 1 it keeps a short one (memory about ``1/(detect_factor * alpha)``
+    request-steps). When the short estimate carries enough weight and stands at least
+    ``detect_min_gap`` (absolute) and a factor ``detect_ratio`` away from the long one, the
+    weights of every position are multiplied by ``forget``, so that the request-steps after
+    the change outweigh those before it; the conditional acceptances used for stale positions
+    are kept. Without it, a change from a quoting workload (acceptance 0.5) to one that
+    accepts nothing keeps the deep estimates high for about ``1/alpha`` request-steps, long
+    enough for a short run of requests to be served at a K that only costs.
+
     Args:
         k_max: number of draft positions tracked (the engine's K_max).
         alpha: weight of one decode request-step, 0..1 (memory about 1/alpha request-steps).
         prior_decay: prior conditional acceptance per position, 0..1.
         fresh_weight: weight (request-steps) under which a position is stale.
+        detect_factor: the short estimate's alpha is ``min(0.5, detect_factor * alpha)``
+            (0 turns the detector off).
+        detect_ratio: factor (> 1) between the short and the long estimate of position 1
+            that counts as a change.
+        detect_min_gap: absolute gap (fraction 0..1) that counts as a change.
+        forget: factor (0..1) applied to every weight at a change.
     """
 
-    def __init__(self, k_max: int, alpha: float = 0.01, prior_decay: float = 0.5, fresh_weight: float = 4.0):
+    def __init__(
+        self,
+        k_max: int,
+        alpha: float = 0.01,
+        prior_decay: float = 0.5,
+        fresh_weight: float = 4.0,
+        detect_factor: float = 5.0,
+        detect_ratio: float = 3.0,
+        detect_min_gap: float = 0.1,
+        forget: float = 0.01,
+    ):
         self.k_max = k_max
         self.alpha = alpha
         self.fresh_weight = fresh_weight
+        self.detect_factor = detect_factor
+        self.detect_ratio = detect_ratio
+        self.detect_min_gap = detect_min_gap
+        self.forget = forget
+        self.short_num = 0.0  # short estimate of position 1: weighted accepted, weight
+        self.short_den = 0.0
+        self.changes = 0  # workload changes detected
         w0 = 0.5 * alpha  # the prior weighs half a request-step
         self.num = [w0 * prior_decay ** (i + 1) for i in range(k_max)]
         self.drf = [w0] * k_max
@@ -168,6 +201,27 @@ class AcceptanceEstimator:
             if self.fresh(i) and prev >= 0.02:
                 self.cond[i] = min(ri / prev, 1.0)
             prev = ri
+        self._detect_change(accepted_hist[0] / batch_size if accepted_hist else 0.0, batch_size)
+
+    def _detect_change(self, accepted_1: float, batch_size: int) -> None:
+        """Fold position 1's acceptance of one step (fraction 0..1 of its ``batch_size``
+        decode requests) into the short estimate; at a change, forget (class doc)."""
+        a_s = min(0.5, self.detect_factor * self.alpha)
+        if a_s <= 0.0:
+            return
+        f = (1.0 - a_s) ** batch_size
+        self.short_num = self.short_num * f + (1.0 - f) * accepted_1
+        self.short_den = self.short_den * f + (1.0 - f)
+        if self.short_den < 0.6 or self.den[0] <= 0.0:
+            return
+        short, long = self.short_num / self.short_den, self.num[0] / self.den[0]
+        lo, hi = min(short, long), max(short, long)
+        if hi - lo >= self.detect_min_gap and hi >= self.detect_ratio * lo:
+            for arr in (self.num, self.drf, self.den):
+                for i in range(self.k_max):
+                    arr[i] *= self.forget
+            self.short_num = self.short_den = 0.0
+            self.changes += 1
 
     def fresh(self, i: int) -> bool:
         """True when position ``i`` (0-based) carries at least ``fresh_weight`` request-steps."""
@@ -792,6 +846,7 @@ class SpeculationController:
             "conditional_acceptance": measured(self.acceptance.conditional()),
             "draft_reach_per_position": measured(self.acceptance.q()),
             "acceptance_measured_request_steps": counts,
+            "acceptance_changes_detected": acc.changes,
             "expected_tokens_per_step": e,
             "step_time_ms": t,
             "step_time_ms_by_batch": self._step_time_table_cached(),

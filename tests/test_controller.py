@@ -122,18 +122,57 @@ def test_acceptance_estimator_per_position_and_expected_tokens():
     assert est.observed_request_steps == [20, 10, 10, 10]
 
 
-def test_estimate_weighs_request_steps_so_batch_one_is_not_one_request():
-    # batch 1, requests alternate: one whose drafts are all accepted, two without any draft
+def test_estimate_weighs_request_steps_so_batch_one_is_not_one_step():
+    # batch 1, one step in three has all its drafts accepted, the others none, at random
+    rnd = random.Random(3)
     est = AcceptanceEstimator(8, alpha=0.01)
-    r1 = []
-    for req in range(30):
-        hit = req % 3 == 0
-        for _ in range(64):
-            est.observe(8, 1, [1] * 8 if hit else [0] * 8, [1] * 8 if hit else [0] * 8)
-            r1.append(est.expected_tokens(8))
-    tail = r1[-3 * 64 * 5 :]
+    e8 = []
+    for _ in range(30 * 64):
+        hit = rnd.random() < 1 / 3
+        est.observe(8, 1, [1] * 8 if hit else [0] * 8, [1] * 8 if hit else [0] * 8)
+        e8.append(est.expected_tokens(8))
+    tail = e8[-3 * 64 * 5 :]
     # true mean E(8) = 1 + 8/3; a per-step EMA (memory 20 steps) swings between 1 and 9
     assert 2.0 < min(tail) and max(tail) < 6.0, (min(tail), max(tail))
+    assert est.changes == 0  # noise is not a change of workload
+
+
+def _docs_then_nothing(est, rnd, docs_steps=800, first=0.46):
+    """Docs-like drafts (position 1 accepted ``first``, then 85 % each) at K = 8 and batch 1,
+    then a workload that accepts nothing; returns E(8) after each step of the second part."""
+    for _ in range(docs_steps):
+        n = 0
+        if rnd.random() < first:
+            n = 1
+            while n < 8 and rnd.random() < 0.85:
+                n += 1
+        est.observe(8, 1, [1 if i < n else 0 for i in range(8)])
+    out = []
+    for _ in range(300):
+        est.observe(8, 1, [0] * 8)
+        out.append(est.expected_tokens(8))
+    return out
+
+
+@pytest.mark.parametrize("first", [0.46, 0.25])
+def test_a_change_of_workload_is_followed_within_tens_of_request_steps(first):
+    with_detector = _docs_then_nothing(AcceptanceEstimator(8, alpha=0.01), random.Random(0), first=first)
+    without = _docs_then_nothing(AcceptanceEstimator(8, alpha=0.01, detect_factor=0.0), random.Random(0), first=first)
+    assert with_detector[75] < 1.05 and with_detector[150] < 1.01
+    assert without[75] > 1.3 and without[150] > 1.1  # memory of 1/alpha = 100 request-steps alone
+    est = AcceptanceEstimator(8, alpha=0.01)
+    _docs_then_nothing(est, random.Random(0), first=first)
+    assert est.changes == 1
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("p", [0.05, 0.15, 0.2, 0.3, 0.6])
+def test_change_detector_is_quiet_at_a_steady_acceptance(batch, p):
+    rnd = random.Random(1)
+    est = AcceptanceEstimator(8, alpha=0.01)
+    for _ in range(20_000 // batch):
+        est.observe(8, batch, [sum(rnd.random() < p for _ in range(batch))] + [0] * 7)
+    assert est.changes <= 10  # at most one false alarm per 2000 request-steps; it only forgets the past
 
 
 def test_time_passes_at_k0_and_old_estimates_fade():
