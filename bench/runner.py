@@ -36,6 +36,7 @@ CONTROLLER_FIELDS = (
     "acceptance_rate",
     "acceptance_per_position",
     "conditional_acceptance",
+    "acceptance_changes_detected",
     "expected_tokens_per_step",
     "step_time_ms",
     "step_time_model",
