@@ -437,7 +437,9 @@ def test_installed_vllm_and_vllm_033_have_the_draft_model_graph_shape_the_patch_
     run = src_033[src_033.index("    def _run_model(") :]
     run = run[: run.index("\n    def ", 10)]
     assert vllm_patches.DRAFT_MODEL_EAGER_LINE in run
-    params = [ln.strip().split(":")[0].rstrip(",") for ln in run.split(") -> torch.Tensor:")[0].splitlines()[1:] if ln.strip()]
+    params = [
+        ln.strip().split(":")[0].rstrip(",") for ln in run.split(") -> torch.Tensor:")[0].splitlines()[1:] if ln.strip()
+    ]
     assert params == vllm_patches.DRAFT_MODEL_RUN_PARAMS
 
 
