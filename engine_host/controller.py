@@ -106,8 +106,11 @@ class AcceptanceEstimator:
 
     A change detector shortens the memory at a change of workload: beside the estimate of
     position 1 it keeps a short one (memory about ``1/(detect_factor * alpha)``
-    request-steps). When the short estimate carries enough weight and stands at least
-    ``detect_min_gap`` (absolute) and a factor ``detect_ratio`` away from the long one, the
+    request-steps, from consecutive steps of at most ``detect_max_batch`` decode requests:
+    at batch 1, 1/alpha request-steps are 1/alpha steps). When the short estimate carries
+    enough weight and stands at least
+    ``detect_min_gap`` (absolute) and a factor ``detect_ratio`` away from the long one (a drop
+    only down to ``detect_floor``), the
     weights of every position are multiplied by ``forget``, so that the request-steps after
     the change outweigh those before it; the conditional acceptances used for stale positions
     are kept. Without it, a change from a quoting workload (acceptance 0.5) to one that
@@ -124,6 +127,11 @@ class AcceptanceEstimator:
         detect_ratio: factor (> 1) between the short and the long estimate of position 1
             that counts as a change.
         detect_min_gap: absolute gap (fraction 0..1) that counts as a change.
+        detect_floor: a drop counts only when the short estimate is at most this (fraction
+            0..1): a workload that accepts (nearly) nothing.
+        detect_max_batch: the detector watches steps of at most this many decode requests
+            only (at a larger batch the long memory passes in a few steps anyway, and the
+            requests' own ups and downs look like changes).
         forget: factor (0..1) applied to every weight at a change.
     """
 
@@ -136,6 +144,8 @@ class AcceptanceEstimator:
         detect_factor: float = 5.0,
         detect_ratio: float = 3.0,
         detect_min_gap: float = 0.1,
+        detect_floor: float = 0.02,
+        detect_max_batch: int = 1,
         forget: float = 0.01,
     ):
         self.k_max = k_max
@@ -144,6 +154,8 @@ class AcceptanceEstimator:
         self.detect_factor = detect_factor
         self.detect_ratio = detect_ratio
         self.detect_min_gap = detect_min_gap
+        self.detect_floor = detect_floor
+        self.detect_max_batch = detect_max_batch
         self.forget = forget
         self.short_num = 0.0  # short estimate of position 1: weighted accepted, weight
         self.short_den = 0.0
@@ -209,6 +221,9 @@ class AcceptanceEstimator:
         a_s = min(0.5, self.detect_factor * self.alpha)
         if a_s <= 0.0:
             return
+        if batch_size > self.detect_max_batch:  # detect from consecutive small batches only
+            self.short_num = self.short_den = 0.0
+            return
         f = (1.0 - a_s) ** batch_size
         self.short_num = self.short_num * f + (1.0 - f) * accepted_1
         self.short_den = self.short_den * f + (1.0 - f)
@@ -216,6 +231,10 @@ class AcceptanceEstimator:
             return
         short, long = self.short_num / self.short_den, self.num[0] / self.den[0]
         lo, hi = min(short, long), max(short, long)
+        # a drop counts only down to (nearly) nothing accepted: at a batch of several requests
+        # the short estimate dips whenever they are all past the text they copy at once
+        if short < long and short > self.detect_floor:
+            return
         if hi - lo >= self.detect_min_gap and hi >= self.detect_ratio * lo:
             for arr in (self.num, self.drf, self.den):
                 for i in range(self.k_max):

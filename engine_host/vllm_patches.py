@@ -421,6 +421,7 @@ def _wrap_method(
     original = getattr(cls, attr)
     wrapped = wrap(original)
     wrapped.__doc__ = original.__doc__
+    wrapped.__wrapped__ = original  # shape checks (inspect) see vLLM's own method
     setattr(cls, attr, wrapped)
     setattr(cls, flag, True)
     logger.info("SpecPilot: %s", done)
@@ -832,6 +833,7 @@ def patch_draft_model_graphs(cls: type[Any]) -> bool:
         original_run = cls._run_model
         wrapped = draft_passes_with_graphs(original_run, _trace())
         wrapped.__doc__ = original_run.__doc__
+        wrapped.__wrapped__ = original_run  # type: ignore[attr-defined]
         cls._run_model = wrapped  # type: ignore[attr-defined]
     return ok
 
