@@ -337,7 +337,16 @@ def _py_spy(exe: str | None, out_file: Path) -> Iterator[dict[str, Any]]:
 def run_batch(
     llm: Any, regions: Regions, prompts: list[Any], max_tokens: int, out_dir: Path, py_spy: str | None = None
 ) -> dict[str, Any]:
-    """The timed and the profiled pass for one batch of ``prompts`` (see the module doc)."""
+    """The timed and the profiled pass for one batch of ``prompts`` (see the module doc),
+    ``max_tokens`` output tokens each; writes ``out_dir/ops-B.txt`` (and ``pyspy-B.txt``).
+
+    Returns:
+        ``{"batch", "timed": {"steps", "wall_s", "tokens", "ms_per_step", "tokens_per_s",
+        "tokens_per_step"}, "profiled": {"steps", "wall_s", "ms_per_step"}, "profile"``
+        (:func:`summarize`) ``, "py_spy"`` (:func:`top_frames`, empty without py-spy)``}``.
+    Raises:
+        Whatever vLLM's ``generate`` raises.
+    """
     import torch
     from torch.profiler import ProfilerActivity, profile
 

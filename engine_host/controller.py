@@ -167,13 +167,17 @@ class AcceptanceEstimator:
         self.cond = [prior_decay] * k_max
         self.observed_request_steps = [0] * k_max
 
+    def _scale_weights(self, factor: float) -> None:
+        """Multiply every position's weights (accepted, drafted, observed) by ``factor``."""
+        for arr in (self.num, self.drf, self.den):
+            for i in range(self.k_max):
+                arr[i] *= factor
+
     def _fade(self, request_steps: int) -> float:
         """Fade every weight by ``request_steps`` decode request-steps; returns the weight
         (0..1) that ``request_steps`` new request-steps carry."""
         f = (1.0 - self.alpha) ** request_steps
-        for arr in (self.num, self.drf, self.den):
-            for i in range(self.k_max):
-                arr[i] *= f
+        self._scale_weights(f)
         for i in range(self.k_max):
             if 0.0 < self.den[i] < 1e-150:  # long spells at K=0: keep the ratios defined
                 self.num[i] *= 1e100
@@ -236,9 +240,7 @@ class AcceptanceEstimator:
         if short < long and short > self.detect_floor:
             return
         if hi - lo >= self.detect_min_gap and hi >= self.detect_ratio * lo:
-            for arr in (self.num, self.drf, self.den):
-                for i in range(self.k_max):
-                    arr[i] *= self.forget
+            self._scale_weights(self.forget)
             self.short_num = self.short_den = 0.0
             self.changes += 1
 
