@@ -1082,13 +1082,13 @@ def draft_decode_passes_with_graphs(original: Any, trace: _Trace | None = None) 
         skip_attn: bool,
         num_tokens_across_dp: Any,
     ) -> None:
-        manager = getattr(self, DRAFT_DECODE_GRAPHS_ATTR, None)
+        manager: Any = getattr(self, DRAFT_DECODE_GRAPHS_ATTR, None)
         desc = None
         if manager is not None and not skip_attn and num_tokens_across_dp is None:
             desc = manager.dispatch(num_reqs, num_reqs, 1, 0)
             if desc not in manager.graphs:
                 desc = None
-        if desc is None:
+        if desc is None or manager is None:
             if trace is not None:
                 trace.add("draft_model_decode_eager")
             return original(self, input_batch, num_rejected, num_reqs, skip_attn, num_tokens_across_dp)
