@@ -20,8 +20,10 @@ The control law (adaptive mode):
       G(K) = B * E(K) / T(B, K)     [tokens/s]
 
   with ``T(B, K)`` the measured step time (s) for that batch-size bucket and depth,
-  learned online, with the fallback model ``t0 + t1 * B * (K + 1)``, and never
-  below T(B, 0) (verifying drafts is never faster than plain decoding);
+  learned online, with the fallback model ``t0 + t1 * B * (K + 1)`` plus a cost per
+  step of drafting (a draft model's passes; for n-gram drafts the engine core's fetch
+  of the drafts, which happens outside the step), and never below T(B, 0) (verifying
+  drafts is never faster than plain decoding);
 * ``K* = argmax G(K)`` over ``k_min..k_max``, with hysteresis, K = 0 unless
   speculation beats plain decoding by a margin, and periodic exploration of
   neighbouring depths so the estimates stay fresh. Under load T grows with B*(K+1)
@@ -57,6 +59,10 @@ class StepObservation:
         draft_hist: ``draft_hist[i]`` = requests whose draft had at least i+1 tokens
             (None: every request drafted ``k_drafted`` tokens).
         step_time_s: wall time of the step (schedule -> outputs), seconds.
+        draft_fetch_s: time (s) the engine core spent fetching this step's drafts from the
+            worker after the previous step's output (``EngineCore.post_step``, synchronous
+            scheduling at K > 0): outside ``step_time_s``, yet part of what drafting costs
+            (1.2-1.4 ms of a 24 ms step at batch 1 on the CPU, docs/benchmarks.md).
         pure_decode: True when no prefill shared the step (step time usable for T).
         now: monotonic timestamp (s).
         k_proposed: depth K the drafter ran at in this step for the next one (tokens;
@@ -77,6 +83,7 @@ class StepObservation:
     draft_hist: list[int] | None = None
     k_proposed: int | None = None
     warmup: bool = False
+    draft_fetch_s: float = 0.0
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -97,12 +104,16 @@ class AcceptanceEstimator:
     longer dominates the estimate, at batch 32 a workload change is followed within a
     few steps. Time passes for every position at every decode step, at any K (K = 0
     included), so a position that is no longer drafted loses weight; under
-    ``fresh_weight`` request-steps of weight it is *stale*. A stale ``r_i`` is
-    extrapolated from the deepest fresh position with the conditional acceptances
-    ``a_j = r_j / r_{j-1}`` last measured while position j was fresh (``prior_decay``
-    before any measurement): a workload change seen at shallow depth moves the deep
+    ``fresh_weight`` request-steps of weight it is *stale*. ``r_1`` is measured; deeper,
+    ``r_i = r_(i-1) * a_i`` with ``a_i`` the conditional acceptance of position i, measured
+    on the requests whose positions 1..i-1 were all accepted (exponentially weighted the
+    same way; the last value with at least ``fresh_weight`` request-steps of such evidence,
+    ``prior_decay`` before any): a workload change seen at shallow depth moves the deep
     estimates at once, and they keep the shape of n-gram drafts (a draft whose first
     tokens are accepted tends to be accepted further). Explorations then measure them.
+    (Taking ``r_i`` itself where position i was fresh mixed windows: a short exploration at
+    a new depth in which no request got that far read as "never accepted", and every depth
+    beyond it was priced at nothing for the rest of the traffic.)
 
     A change detector shortens the memory at a change of workload: beside the estimate of
     position 1 it keeps a short one (memory about ``1/(detect_factor * alpha)``
@@ -165,11 +176,15 @@ class AcceptanceEstimator:
         self.drf = [w0] * k_max
         self.den = [w0] * k_max
         self.cond = [prior_decay] * k_max
+        # evidence for cond[i] (0-based i >= 1): weighted requests with positions 1..i+1 all
+        # accepted (cnum) among those with 1..i accepted (cden), from steps drafted at depth > i
+        self.cnum = [0.0] * k_max
+        self.cden = [0.0] * k_max
         self.observed_request_steps = [0] * k_max
 
     def _scale_weights(self, factor: float) -> None:
         """Multiply every position's weights (accepted, drafted, observed) by ``factor``."""
-        for arr in (self.num, self.drf, self.den):
+        for arr in (self.num, self.drf, self.den, self.cnum, self.cden):
             for i in range(self.k_max):
                 arr[i] *= factor
 
@@ -183,6 +198,9 @@ class AcceptanceEstimator:
                 self.num[i] *= 1e100
                 self.drf[i] *= 1e100
                 self.den[i] *= 1e100
+            if 0.0 < self.cden[i] < 1e-150:
+                self.cnum[i] *= 1e100
+                self.cden[i] *= 1e100
         return 1.0 - f
 
     def observe(
@@ -211,12 +229,21 @@ class AcceptanceEstimator:
             self.drf[i] += g * drf / batch_size
             self.den[i] += g
             self.observed_request_steps[i] += batch_size
-        prev = 1.0
-        for i in range(depth):  # remember the conditional acceptance measured now
-            ri = self.num[i] / self.den[i]
-            if self.fresh(i) and prev >= 0.02:
-                self.cond[i] = min(ri / prev, 1.0)
-            prev = ri
+            given = (accepted_hist[i - 1] if i - 1 < len(accepted_hist) else 0) if i > 0 else 0
+            if given > 0:  # requests that could have had position i+1 accepted
+                self.cnum[i] += g * min(acc, given) / batch_size
+                self.cden[i] += g * given / batch_size
+        # remember the conditional acceptance measured now: position 1 from its estimate,
+        # deeper ones from requests that reached them with every earlier position accepted
+        # (a ratio r_i / r_(i-1) of the two estimates, as before, read a few request-steps
+        # at a new depth in which no request got that far as "position i is never
+        # accepted", and the depths beyond it were extrapolated to nothing from then on)
+        if self.fresh(0):
+            self.cond[0] = min(self.num[0] / self.den[0], 1.0)
+        need = min(self.fresh_weight * self.alpha, 0.5)
+        for i in range(1, depth):
+            if self.cden[i] >= need:
+                self.cond[i] = min(self.cnum[i] / self.cden[i], 1.0)
         self._detect_change(accepted_hist[0] / batch_size if accepted_hist else 0.0, batch_size)
 
     def _detect_change(self, accepted_1: float, batch_size: int) -> None:
@@ -252,12 +279,12 @@ class AcceptanceEstimator:
         return max((i for i in range(self.k_max) if self.fresh(i)), default=-1)
 
     def r(self) -> list[float]:
-        """``r_i`` for i = 1..K_max (fractions 0..1, non-increasing)."""
-        deepest = max(self._deepest_fresh(), 0)
+        """``r_i`` for i = 1..K_max (fractions 0..1, non-increasing): ``r_1`` measured,
+        ``r_i = r_(i-1) * a_i`` beyond (class doc)."""
         out, prev = [], 1.0
         for i in range(self.k_max):
-            if i <= deepest:
-                v = self.num[i] / self.den[i] if self.den[i] > 0 else self.cond[i]
+            if i == 0:
+                v = self.num[0] / self.den[0] if self.den[0] > 0 else self.cond[0]
             else:
                 v = prev * self.cond[i]
             v = min(prev, v, 1.0)
@@ -301,9 +328,10 @@ class StepTimeModel:
     the expected draft length (:meth:`AcceptanceEstimator.expected_draft`):
     ``T = (t0 + t1 * x) * c``, with ``t0, t1`` fitted by exponentially weighted least
     squares on the measured (tokens, time) of every step (the fallback model of
-    SmartSpec, arXiv 2406.14066), and ``c`` a correction, a weighted mean of
-    measured / fitted: per (batch-size bucket, K) where that depth ran recently at that
-    batch size, else per batch-size bucket. The corrections absorb what a line cannot
+    SmartSpec, arXiv 2406.14066), and ``c`` a correction, measured / fitted: per
+    (batch-size bucket, K) where that depth ran recently at that batch size (its mean step
+    time over the current fit at its mean tokens, :meth:`correction`), else per batch-size
+    bucket (a weighted mean of each step's ratio). The corrections absorb what a line cannot
     (a GPU step is nearly flat in tokens at small batch; on a CPU, verifying a draft
     costs more than its share of tokens) and follow drift (longer contexts) quickly.
 
@@ -318,17 +346,33 @@ class StepTimeModel:
     (arXiv 2406.14066) split of a step into proposal and verification time. While K has not
     varied enough to separate td from t0, td is held near a prior ``draft_cost_ratio *
     T(B=1, K=0)`` by a ridge term worth ``prior_steps`` steps (the ratio comes from the draft's
-    size against the target's). For n-gram drafts (``draft_passes=False``) there is no such
-    term: proposing costs no forward pass.
+    size against the target's).
+
+    For n-gram drafts (``draft_passes=False``) proposing costs no forward pass, but every
+    step that verifies drafts (K > 0) pays a cost that does not follow its tokens: the
+    engine core's fetch of the drafts from the worker before the step (``draft_fetch_s`` of
+    :class:`StepObservation`, added to the step's time), which vLLM skips at K = 0. Measured
+    at batch 1 on the CPU with chat traffic, where drafts are rare (docs/benchmarks.md): 1.2-1.4
+    ms per step at K = 1, 4 and 8 alike, 5-6 % of a 24 ms step, and the whole difference
+    between K = 8 and K = 0 for a step without a draft. The third term is then this cost,
+    ``P = 1`` at K > 0 and 0 at K = 0 (``td`` in s per step), fitted the same way with a
+    prior ``spec_step_cost_ratio * T(B=1, K=0)``. Without it, only the per-(bucket, K)
+    corrections knew that K > 0 costs more than its verified tokens at equal x; after
+    ``fresh_steps`` steps at K = 0 they fall back to the bucket's, and every depth was
+    priced as K = 0 plus its few verified tokens.
 
     Args:
         alpha: weight of one step in the corrections, 0..1.
         forget: forgetting factor of the regression (per step), 0..1.
         fresh_steps: a (bucket, K) correction is used while that cell was measured within
             this many pure-decode steps.
+        cell_steps: steps from which a (bucket, K) correction counts fully (fewer: blended
+            with the bucket's).
         draft_passes: True when the drafter is a model (draft_model, EAGLE, MTP).
-        draft_cost_ratio: prior of td / T(1, 0), fraction (> 0).
+        draft_cost_ratio: prior of td / T(1, 0) with draft passes, fraction (> 0).
         prior_steps: weight of the prior on td, in steps.
+        spec_step_cost_ratio: prior of td / T(1, 0) for n-gram drafts (the per-step cost at
+            K > 0), fraction (>= 0); 0.05 from the fetch measured on the CPU.
     """
 
     def __init__(
@@ -336,33 +380,51 @@ class StepTimeModel:
         alpha: float = 0.1,
         forget: float = 0.995,
         fresh_steps: int = 400,
+        cell_steps: int = 8,
         draft_passes: bool = False,
         draft_cost_ratio: float = 0.25,
         prior_steps: float = 4.0,
+        spec_step_cost_ratio: float = 0.05,
     ):
         self.alpha = alpha
         self.forget = forget
         self.fresh_steps = fresh_steps
+        self.cell_steps = cell_steps
         self.draft_passes = draft_passes
         self.draft_cost_ratio = draft_cost_ratio
         self.prior_steps = prior_steps
+        self.spec_step_cost_ratio = spec_step_cost_ratio
         self.buckets: dict[int, list[float]] = {}  # bucket -> [correction, n]
-        self.cells: dict[tuple[int, int], list[float]] = {}  # (bucket, K) -> [correction, n, last step]
+        # (bucket, K) -> [mean step time (s), n, last step, mean tokens x, mean P]
+        self.cells: dict[tuple[int, int], list[float]] = {}
         self.steps = 0
         self._s = [0.0] * 5  # n, sx, st, sxx, sxt
-        self._sp = [0.0] * 4  # sp, spp, sxp, spt (draft passes)
+        self._sp = [0.0] * 4  # sp, spp, sxp, spt (third term: draft passes or speculative steps)
+        self._coef: tuple[float, float, float] | None = None  # coefficients3() until the next step
 
     @staticmethod
     def passes(k: int | None) -> int:
         """Draft forward passes beyond the one every step runs, at depth ``k``."""
         return max(int(k or 0) - 1, 0)
 
+    def extra(self, k: int | None, k_proposed: int | None = None) -> int:
+        """The third term's count P for a step verifying drafts of depth ``k`` while the
+        drafter runs at ``k_proposed`` (default ``k``): extra draft passes at ``k_proposed``
+        with draft passes, else 1 for a step at K > 0 (its drafts were fetched) and 0 at K = 0."""
+        if self.draft_passes:
+            return self.passes(k if k_proposed is None else k_proposed)
+        return 1 if (k or 0) > 0 else 0
+
+    def _prior_ratio(self) -> float:
+        return self.draft_cost_ratio if self.draft_passes else self.spec_step_cost_ratio
+
     def observe(
         self, batch_size: int, tokens: int, step_time_s: float, k: int | None = None, k_proposed: int | None = None
     ) -> None:
         """Fold in one pure-decode step of ``batch_size`` requests verifying ``tokens``
         (drafts proposed at depth ``k``; None: no per-depth correction). ``k_proposed``:
-        the depth the drafter ran at in this step (default ``k``)."""
+        the depth the drafter ran at in this step (default ``k``). ``step_time_s`` includes
+        the fetch of the step's drafts (:attr:`StepObservation.draft_fetch_s`)."""
         if batch_size <= 0 or tokens <= 0 or step_time_s <= 0 or not math.isfinite(step_time_s):
             return
         self.steps += 1
@@ -374,12 +436,13 @@ class StepTimeModel:
         s[2] = f * s[2] + step_time_s
         s[3] = f * s[3] + x * x
         s[4] = f * s[4] + x * step_time_s
-        p = float(self.passes(k if k_proposed is None else k_proposed))
+        p = float(self.extra(k, k_proposed))
         sp = self._sp
         sp[0] = f * sp[0] + p
         sp[1] = f * sp[1] + p * p
         sp[2] = f * sp[2] + x * p
         sp[3] = f * sp[3] + p * step_time_s
+        self._coef = None
         t0, t1, td = self.coefficients3()
         ratio = step_time_s / max(t0 + t1 * x + td * p, 1e-9)
         b = batch_bucket(batch_size)
@@ -390,36 +453,51 @@ class StepTimeModel:
         if k is not None:
             kc = self.cells.get((b, k))
             if kc is None or self.steps - kc[2] > self.fresh_steps:
-                kc = self.cells[(b, k)] = [ratio, 1.0, float(self.steps)]
+                kc = self.cells[(b, k)] = [step_time_s, 1.0, float(self.steps), x, p]
             else:
                 a = max(self.alpha, 1.0 / (kc[1] + 1.0))
-                kc[0] += a * (ratio - kc[0])
+                kc[0] += a * (step_time_s - kc[0])
+                kc[3] += a * (x - kc[3])
+                kc[4] += a * (p - kc[4])
                 kc[1] += 1.0
                 kc[2] = float(self.steps)
 
     def coefficients3(self) -> tuple[float, float, float]:
-        """``(t0 [s], t1 [s per token], td [s per draft pass])``; td is 0 without draft passes."""
-        if not self.draft_passes:
-            return (*self.coefficients(), 0.0)
+        """``(t0 [s], t1 [s per token], td [s per unit of P])``: td per extra draft pass with
+        draft passes, else per step at K > 0 (see the class doc); computed once per step."""
+        if self._coef is None:
+            self._coef = self._fit3()
+        return self._coef
+
+    def _fit3(self) -> tuple[float, float, float]:
         n, sx, st, sxx, sxt = self._s
         spp_, spp, sxp, spt = self._sp
         t0l, t1l = self.coefficients()
+        prior = self._prior_ratio() * (t0l + t1l)
         if n < 1e-9:
-            return t0l, t1l, self.draft_cost_ratio * (t0l + t1l)
-        prior = self.draft_cost_ratio * (t0l + t1l)
+            return t0l, t1l, prior
         lam = self.prior_steps
         # weighted least squares on (1, x, P) with a ridge on td toward its prior
         a = [[n, sx, spp_], [sx, sxx, sxp], [spp_, sxp, spp + lam]]
         b = [st, sxt, spt + lam * prior]
-        sol = _solve3(a, b)
+        var = sxx - sx * sx / n
+        sol = _solve3(a, b) if var > 1e-6 * max(1.0, sxx) else None
         if sol is None:
-            return t0l, t1l, prior
+            # the tokens per step did not vary (one batch size, no drafts found): the slope
+            # is the line's, and (t0, td) are fitted on what is left, so that K = 0 against
+            # K > 0 at the same tokens still sets td
+            if spp - spp_ * spp_ / n <= 1e-6 * max(1.0, spp):  # nor did P: the line, td its prior
+                return t0l, t1l, prior
+            rt, rpt = st - t1l * sx, spt - t1l * sxp + lam * prior
+            det = n * (spp + lam) - spp_ * spp_
+            td = max((n * rpt - spp_ * rt) / det, 0.0)
+            t0 = (rt - td * spp_) / n
+            return (t0, t1l, td) if t0 >= 0.0 else (t0l, t1l, prior)
         t0, t1, td = sol
         if t1 < 1e-7 or t0 < 0 or td < 0:  # keep the physical signs; fall back to the line
             td = max(td, 0.0)
             rest_t = st - td * spp_
             rest_xt = sxt - td * sxp
-            var = sxx - sx * sx / n
             t1 = max((rest_xt - sx * rest_t / n) / var, 1e-7) if var > 1e-6 * max(1.0, sxx) else t1l
             t0 = max(rest_t / n - t1 * sx / n, 0.0)
         return t0, t1, td
@@ -437,21 +515,36 @@ class StepTimeModel:
         t0 = max(mean_t - t1 * mean_x, 0.0)
         return t0, t1
 
-    def correction(self, batch_size: int, k: int | None = None) -> float:
-        """Measured / fitted for this batch size (and depth, where measured recently)."""
+    def correction(
+        self, batch_size: int, k: int | None = None, coef: tuple[float, float, float] | None = None
+    ) -> float:
+        """Measured / fitted for this batch size (and depth, where measured recently).
+
+        A depth's correction is its cell's mean measured step time over what the current fit
+        (``coef``, default :meth:`coefficients3`) gives at the cell's mean tokens and P: the
+        fit moves as steps come in (at start-up the warm-up runs each depth in turn, each
+        against a line fitted on the shallower ones), and a ratio taken against an earlier
+        fit would price that depth by the fit's old error for ``fresh_steps`` steps. A cell of
+        fewer than ``cell_steps`` steps is blended with the bucket's correction in proportion
+        (the warm-up gives each depth two steps per batch size, often at other tokens per
+        step than the traffic's)."""
         b = batch_bucket(batch_size)
+        cell = self.buckets.get(b)
+        c_bucket = cell[0] if cell else 1.0
         if k is not None:
             kc = self.cells.get((b, k))
             if kc is not None and self.steps - kc[2] <= self.fresh_steps:
-                return kc[0]
-        cell = self.buckets.get(b)
-        return cell[0] if cell else 1.0
+                t0, t1, td = coef if coef is not None else self.coefficients3()
+                w = min(1.0, kc[1] / self.cell_steps)
+                return w * kc[0] / max(t0 + t1 * kc[3] + td * kc[4], 1e-9) + (1.0 - w) * c_bucket
+        return c_bucket
 
     def predict_tokens(self, batch_size: int, tokens: float, k: int | None = None) -> float:
         """Predicted step time (s) for ``batch_size`` requests verifying ``tokens`` at depth ``k``
         (the drafter, if a model, running at depth ``k`` too)."""
-        t0, t1, td = self.coefficients3()
-        return max((t0 + t1 * tokens + td * self.passes(k)) * self.correction(batch_size, k), 1e-6)
+        coef = self.coefficients3()
+        t0, t1, td = coef
+        return max((t0 + t1 * tokens + td * self.extra(k)) * self.correction(batch_size, k, coef), 1e-6)
 
     def predict(self, batch_size: int, k: int, draft_per_request: float | None = None) -> float:
         """Predicted step time (s) at depth ``k``; ``draft_per_request`` = D(K) (default K)."""
@@ -792,7 +885,11 @@ class SpeculationController:
         self.total_steps += 1
         if obs.pure_decode:
             self.step_time.observe(
-                obs.batch_size, obs.batch_size + obs.num_draft_tokens, obs.step_time_s, obs.k_drafted, obs.k_proposed
+                obs.batch_size,
+                obs.batch_size + obs.num_draft_tokens,
+                obs.step_time_s + max(obs.draft_fetch_s, 0.0),
+                obs.k_drafted,
+                obs.k_proposed,
             )
         if obs.warmup:
             return
@@ -875,7 +972,8 @@ class SpeculationController:
             "step_time_model": {
                 "t0_ms": round(t0 * 1000, 4),
                 "t1_ms_per_token": round(t1 * 1000, 5),
-                "td_ms_per_draft_pass": round(td * 1000, 4),
+                "td_ms_per_draft_pass": round(td * 1000, 4) if self.step_time.draft_passes else 0.0,
+                "ts_ms_per_speculative_step": 0.0 if self.step_time.draft_passes else round(td * 1000, 4),
                 "draft_passes": self.step_time.draft_passes,
             },
             "predicted_goodput_tokens_per_s": g,

@@ -150,6 +150,8 @@ class _SpecPilotHook:
         self._accepted = 0
         self._overhead_s = 0.0
         self._busy_s = 0.0
+        self._t_output_done = 0.0  # perf_counter() when the hook last handed back a step's outputs
+        self._draft_fetch_s = 0.0  # the engine core's fetch of the next step's drafts (s)
         self._last_publish = 0.0
         self._started_at = time.time()
         self._warmup_k: int | None = None
@@ -365,8 +367,10 @@ class _SpecPilotHook:
                     pure_decode=(n_dec == total),
                     now=time.monotonic(),
                     warmup=self._warmup_k is not None,
+                    draft_fetch_s=self._draft_fetch_s,
                 )
             )
+        self._draft_fetch_s = 0.0
         if self._drafted or n_dec:
             self._drafted = self._accepted = 0
             hist, dh = self._hist, self._dhist
@@ -378,7 +382,19 @@ class _SpecPilotHook:
         self._busy_s += step_time
         if now - self._last_publish >= PUBLISH_INTERVAL_S or running == 0:
             self._publish(now)
+        self._t_output_done = time.perf_counter()
         return outputs
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:  # type: ignore[override]
+        """vLLM's engine core hands over the drafts it fetched from the worker after a step
+        (``EngineCore.post_step``, synchronous scheduling at K > 0). The time since this
+        step's outputs were handed back, the fetch included, is part of what the next step
+        (which verifies these drafts) costs: it is reported with that step
+        (:attr:`StepObservation.draft_fetch_s`), since the step clock does not see it."""
+        super().update_draft_token_ids(draft_token_ids)  # type: ignore[misc]
+        if self._t_output_done > 0.0:
+            self._draft_fetch_s += time.perf_counter() - self._t_output_done
+            self._t_output_done = 0.0
 
     # -- state ---------------------------------------------------------------
     def _publish(self, now: float) -> None:

@@ -34,11 +34,22 @@ def test_without_variation_in_k_the_draft_term_stays_at_its_prior():
     assert m.predict(1, 4) == pytest.approx(0.02, rel=0.05)  # the measured cell is kept
 
 
-def test_ngram_model_has_no_draft_term():
+def test_ngram_model_prices_a_step_at_k_above_0_not_each_draft_pass():
+    # n-gram drafts: no draft passes, but a step at K > 0 costs 1 ms more at equal tokens
+    # (the engine core's draft fetch); the third term is that, once per step at any K > 0
     m = StepTimeModel()
-    for k in (0, 2, 4):
-        m.observe(1, 1 + k, 0.01 + 0.002 * (1 + k), k)
-    assert m.coefficients3()[2] == 0.0
+    rng = random.Random(2)
+    for _ in range(40):
+        for b in (1, 2, 4):
+            for k in (0, 2, 4, 8):
+                x = b * (1 + k)
+                m.observe(b, x, 0.01 + 0.002 * x + (0.001 if k else 0.0) + rng.uniform(-1e-4, 1e-4), k)
+    t0, t1, td = m.coefficients3()
+    assert td == pytest.approx(0.001, rel=0.2)
+    assert t1 == pytest.approx(0.002, rel=0.05) and t0 == pytest.approx(0.01, rel=0.05)
+    # the same at every depth: K = 8 and K = 1 differ by their verified tokens only
+    assert m.predict(1, 8, 0.0) == pytest.approx(m.predict(1, 1, 0.0), rel=0.03)
+    assert m.predict(1, 1, 0.0) - m.predict(1, 0, 0.0) == pytest.approx(0.001, rel=0.3)
 
 
 def run(ctl: SpeculationController, steps: int, accept: float, t_pass: float, seed: int = 0) -> list[int]:
