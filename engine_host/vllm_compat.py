@@ -150,7 +150,13 @@ def scheduler_class(async_on: bool) -> str:
 EXPECTED_SHAPE: dict[str, Any] = {
     "scheduler_init_sets": ["dynamic_sd_lookup", "max_num_running_reqs", "max_num_scheduled_tokens", "num_spec_tokens"],
     "schedule_indexes_dynamic_sd_lookup": True,
-    "scheduler_methods": ["has_requests", "make_spec_decoding_stats", "schedule", "update_from_output"],
+    "scheduler_methods": [
+        "has_requests",
+        "make_spec_decoding_stats",
+        "schedule",
+        "update_draft_token_ids",
+        "update_from_output",
+    ],
     "make_spec_decoding_stats_params": [
         "self",
         "spec_decoding_stats",
