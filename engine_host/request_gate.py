@@ -29,6 +29,13 @@ of 3.3) and drops drafts that pay. A request whose drafts were dropped is drafte
 every ``probe_every`` of its steps, so one that starts accepting (e.g. it begins to
 quote its prompt) is picked up again.
 
+The gate also sets the step's K: when the hook decides K for the next step and no running
+request's drafts would pay (:meth:`RequestDraftGate.plan`, counting toward each request's
+probe), that step runs at K = 0. A step at K > 0 costs something even when every draft is
+then dropped (the proposer's run, and on the CPU the engine core's fetch of the drafts:
+docs/benchmarks.md), so at batch 1 a request whose drafts do not pay costs what plain
+decoding costs between its probes, and a new request is drafted from its first step on.
+
 Pure Python, no vLLM import; the scheduler hook (``engine_host.scheduler``) calls it.
 """
 
@@ -45,6 +52,7 @@ class _RequestStats:
     accepted: float = 0.0  # of those, accepted (decayed count)
     rejections: float = 0.0  # verifications that ended at a rejected token (decayed count)
     steps_gated: int = 0  # consecutive steps whose drafts were dropped
+    probe_pending: bool = False  # a probe was planned: its drafts are verified once
 
 
 class RequestDraftGate:
@@ -150,6 +158,11 @@ class RequestDraftGate:
         """
         s = self._reqs.get(req_id)
         self.last_total += 1
+        if s is not None and s.probe_pending:  # drafted for a probe (plan): verify them
+            s.probe_pending = False
+            s.steps_gated = 0
+            self.last_verified += 1
+            return True
         if self.pays(req_id, k, draft_token_cost):
             if s is not None:
                 s.steps_gated = 0
@@ -161,6 +174,32 @@ class RequestDraftGate:
         if s.steps_gated >= self.probe_every:
             s.steps_gated = 0
             self.last_verified += 1
+            return True
+        return False
+
+    def plan(self, req_id: str, k: int, draft_token_cost: float) -> bool:
+        """Whether request ``req_id`` should get a k-token draft in the next step at all:
+        True when its drafts pay (:meth:`pays`) or it is due for a probe.
+
+        The step's K is one number: when no running request should get a draft, the
+        scheduler hook schedules the next step at K = 0, which also spares the proposer
+        and the engine core's draft fetch that a step at K > 0 pays even with every
+        draft dropped. Each call counts one step the request is kept from drafting;
+        after ``probe_every`` of them it plans a probe, and :meth:`allows` then lets that
+        draft through once, so a request that starts accepting is found again.
+        """
+        if self.pays(req_id, k, draft_token_cost):
+            s = self._reqs.get(req_id)
+            if s is not None:
+                s.steps_gated = 0
+            return True
+        s = self._reqs.get(req_id)
+        if s is None:
+            s = self._reqs[req_id] = _RequestStats()
+        s.steps_gated += 1
+        if s.steps_gated >= self.probe_every:
+            s.steps_gated = 0
+            s.probe_pending = True
             return True
         return False
 

@@ -238,6 +238,8 @@ class _SpecPilotHook:
             self._warmup_steps[k] += 1
         else:
             k = self.controller.k_for_batch(batch_size)
+            if k > 0 and not self._any_request_wants_drafts(k):
+                k = 0
         self._k_decided = k
         if self._k_first_use_step is None:
             self._k_first_use_step = self._step_index
@@ -290,6 +292,32 @@ class _SpecPilotHook:
         self._step_index += 1
         return out
 
+    def _draft_token_cost(self, batch_size: int, k: int) -> float:
+        """Cost ``c`` of one verified draft token at depth ``k`` for ``batch_size``
+        requests (``engine_host.request_gate.draft_token_cost``): only verification is
+        saved by dropping a request's drafts (a draft model's own passes run for the whole
+        batch), so the extra tokens' time at depth k against a plain step."""
+        tm = self.controller.step_time
+        b = batch_size
+        verify_s = tm.predict_tokens(b, b * (1.0 + k), k) - tm.predict_tokens(b, float(b), k)
+        t_plain = tm.predict(b, 0)
+        return draft_token_cost(t_plain, t_plain + verify_s, k)
+
+    def _any_request_wants_drafts(self, k: int) -> bool:
+        """False when the per-request gate is on and no running request's drafts would pay
+        at depth ``k`` (nor is due for a probe): the next step then runs at K = 0
+        (``RequestDraftGate.plan``). True whenever the gate is off."""
+        if not self._gate_on or not self.GATE_DRAFTS:
+            return True
+        running = self.running  # type: ignore[attr-defined]
+        if not running:
+            return True
+        cost = self._draft_token_cost(len(running), k)
+        wants = False
+        for req in running:  # every request is planned, so each one's probe count advances
+            wants = self._gate.plan(req.request_id, k, cost) or wants
+        return wants
+
     def _gate_drafts(self) -> None:
         """Draft length per request (``engine_host.request_gate``): before vLLM schedules
         the step, drop the drafts of running requests whose own acceptance does not pay
@@ -305,12 +333,7 @@ class _SpecPilotHook:
         k = self._k_drafted
         if b == 0 or k <= 0:
             return
-        tm = self.controller.step_time
-        # only verification is saved by dropping a request's drafts (a draft model's own
-        # passes run for the whole batch): the extra tokens' time at depth k
-        verify_s = tm.predict_tokens(b, b * (1.0 + k), k) - tm.predict_tokens(b, float(b), k)
-        t_plain = tm.predict(b, 0)
-        cost = draft_token_cost(t_plain, t_plain + verify_s, k)
+        cost = self._draft_token_cost(b, k)
         for req in running:
             drafts = req.spec_token_ids
             if drafts and not gate.allows(req.request_id, len(drafts), cost):

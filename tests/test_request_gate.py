@@ -115,3 +115,55 @@ def test_a_draft_accepted_whole_counts_no_rejection():
     assert g.acceptance("r") == pytest.approx(8 / 9)  # only the prior's failure
     g.observe("r", 4, 0)
     assert g.acceptance("r") < 8 / 9
+
+
+def test_plan_keeps_a_request_whose_drafts_do_not_pay_from_drafting_and_probes_it():
+    """The step's K follows the plans: a request planned out gets no draft at all (the
+    hook runs the step at K = 0 when no request is planned in), every probe_every-th plan
+    is a probe whose draft is then verified once, and a request that starts accepting is
+    planned in again."""
+    g = RequestDraftGate(probe_every=4)
+    _feed(g, "chat", 0.0)
+    _feed(g, "copy", 0.8, k=5)
+    assert g.plan("copy", 4, COST) is True
+    plans = [g.plan("chat", 4, COST) for _ in range(8)]
+    assert plans == [False, False, False, True, False, False, False, True]
+    g.begin_step()
+    assert g.allows("chat", 4, COST) is True  # the planned probe's draft is verified
+    assert g.allows("chat", 4, COST) is False  # once
+    assert g.plan("new", 4, COST) is True  # a new request is drafted on the prior
+    _feed(g, "chat", 1.0, steps=10)
+    assert g.plan("chat", 4, COST) is True
+
+
+def test_hook_runs_the_next_step_at_k0_when_no_running_request_would_draft():
+    """The scheduler hook's K for the next step (``_decide_k``): the controller's K while a
+    running request's drafts pay, 0 when the gate plans every running request out (at
+    batch 1 on chat this spares the proposer and the draft fetch), the probe's K again
+    after probe_every steps; the gate off (or fixed modes) leaves the controller's K."""
+    import types
+
+    from engine_host.controller import StepTimeModel
+    from engine_host.scheduler import _SpecPilotHook
+
+    step_time = StepTimeModel()
+    for _ in range(50):  # a step verifying 8 drafts costs 30 % more than a plain one
+        step_time.observe(1, 1, 0.020, k=0)
+        step_time.observe(1, 9, 0.026, k=8)
+    hook = object.__new__(_SpecPilotHook)
+    hook.controller = types.SimpleNamespace(step_time=step_time, k_for_batch=lambda b: 8)
+    hook._gate = RequestDraftGate(probe_every=4)
+    hook._gate_on = True
+    hook._warmup_k = None
+    hook._k_first_use_step = 0
+    hook._step_index = 0
+    hook._overhead_s = 0.0
+    hook.running = [types.SimpleNamespace(request_id="chat")]
+    _feed(hook._gate, "chat", 0.0, k=8)
+    assert [hook._decide_k(1) for _ in range(8)] == [0, 0, 0, 8, 0, 0, 0, 8]
+    hook.running.append(types.SimpleNamespace(request_id="copy"))
+    _feed(hook._gate, "copy", 0.9, k=8)
+    assert hook._decide_k(2) == 8  # one request's drafts pay: the step drafts
+    hook._gate_on = False  # fixed K, or adaptive without the per-request gate
+    hook.running = hook.running[:1]
+    assert [hook._decide_k(1) for _ in range(3)] == [8, 8, 8]
