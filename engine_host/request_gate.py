@@ -53,6 +53,8 @@ class _RequestStats:
     rejections: float = 0.0  # verifications that ended at a rejected token (decayed count)
     steps_gated: int = 0  # consecutive steps whose drafts were dropped
     probe_pending: bool = False  # a probe was planned: its drafts are verified once
+    offered: float = 0.0  # steps at K > 0 after which the request could have had a draft (decayed)
+    found: float = 0.0  # of those, steps it had one (decayed)
 
 
 class RequestDraftGate:
@@ -108,6 +110,25 @@ class RequestDraftGate:
         s.drafted = s.drafted * self.decay + num_draft_tokens
         s.accepted = s.accepted * self.decay + n
         s.rejections = s.rejections * self.decay + (1.0 if n < num_draft_tokens else 0.0)
+
+    def observe_offer(self, req_id: str, drafted: bool) -> None:
+        """Fold in one step at K > 0 after which request ``req_id`` (past its prefill)
+        could have got a draft: ``drafted`` says whether the proposer found one (an n-gram
+        proposer finds none where the text does not repeat)."""
+        s = self._reqs.get(req_id)
+        if s is None:
+            s = self._reqs[req_id] = _RequestStats()
+        s.offered = s.offered * self.decay + 1.0
+        s.found = s.found * self.decay + (1.0 if drafted else 0.0)
+
+    def draft_rate(self, req_id: str) -> float:
+        """Estimated share (fraction 0..1) of steps at K > 0 after which the request has a
+        draft: ``(found + 1) / (offered + 1)``, 1.0 before any offer (a new request is
+        assumed to draft)."""
+        s = self._reqs.get(req_id)
+        if s is None:
+            return 1.0
+        return (s.found + 1.0) / (s.offered + 1.0)
 
     def acceptance(self, req_id: str) -> float:
         """Estimated per-token acceptance ``a`` of the request's drafts, fraction 0..1:
@@ -177,9 +198,15 @@ class RequestDraftGate:
             return True
         return False
 
-    def plan(self, req_id: str, k: int, draft_token_cost: float) -> bool:
+    def plan(self, req_id: str, k: int, draft_token_cost: float, step_cost: float = 0.0) -> bool:
         """Whether request ``req_id`` should get a k-token draft in the next step at all:
-        True when its drafts pay (:meth:`pays`) or it is due for a probe.
+        True when drafting pays for it, or it is due for a probe.
+
+        Drafting pays when ``r * (x(k) - k * c) >= step_cost`` (times ``1 + margin``):
+        ``r`` the share of steps in which it has a draft (:meth:`draft_rate`), ``x(k)``
+        the expected accepted tokens of its k-token draft, ``c = draft_token_cost``, and
+        ``step_cost`` what a step at K > 0 costs with no draft verified, as a fraction of a
+        plain step (the proposer and the draft fetch; >= 0).
 
         The step's K is one number: when no running request should get a draft, the
         scheduler hook schedules the next step at K = 0, which also spares the proposer
@@ -188,11 +215,13 @@ class RequestDraftGate:
         after ``probe_every`` of them it plans a probe, and :meth:`allows` then lets that
         draft through once, so a request that starts accepting is found again.
         """
-        if self.pays(req_id, k, draft_token_cost):
-            s = self._reqs.get(req_id)
-            if s is not None:
-                s.steps_gated = 0
-            return True
+        if k > 0:
+            surplus = self.expected_gain(self.acceptance(req_id), k) - k * max(draft_token_cost, 0.0)
+            if self.draft_rate(req_id) * surplus >= (1.0 + self.margin) * max(step_cost, 0.0) and surplus >= 0.0:
+                s = self._reqs.get(req_id)
+                if s is not None:
+                    s.steps_gated = 0
+                return True
         s = self._reqs.get(req_id)
         if s is None:
             s = self._reqs[req_id] = _RequestStats()

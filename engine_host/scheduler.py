@@ -312,10 +312,15 @@ class _SpecPilotHook:
         running = self.running  # type: ignore[attr-defined]
         if not running:
             return True
-        cost = self._draft_token_cost(len(running), k)
+        b = len(running)
+        cost = self._draft_token_cost(b, k)
+        tm = self.controller.step_time
+        t_plain = tm.predict(b, 0)
+        # a step at depth k that verifies no draft, against a plain step (fraction)
+        step_cost = max(tm.predict_tokens(b, float(b), k) - t_plain, 0.0) / t_plain if t_plain > 0 else 0.0
         wants = False
         for req in running:  # every request is planned, so each one's probe count advances
-            wants = self._gate.plan(req.request_id, k, cost) or wants
+            wants = self._gate.plan(req.request_id, k, cost, step_cost) or wants
         return wants
 
     def _gate_drafts(self) -> None:
@@ -336,6 +341,8 @@ class _SpecPilotHook:
         cost = self._draft_token_cost(b, k)
         for req in running:
             drafts = req.spec_token_ids
+            if getattr(req, "num_output_tokens", 0) > 0:  # past its prefill: it could have drafted
+                gate.observe_offer(req.request_id, bool(drafts))
             if drafts and not gate.allows(req.request_id, len(drafts), cost):
                 req.spec_token_ids = []
 

@@ -167,3 +167,24 @@ def test_hook_runs_the_next_step_at_k0_when_no_running_request_would_draft():
     hook._gate_on = False  # fixed K, or adaptive without the per-request gate
     hook.running = hook.running[:1]
     assert [hook._decide_k(1) for _ in range(3)] == [8, 8, 8]
+
+
+def test_a_request_that_never_has_a_draft_is_planned_out_when_a_step_at_k_costs_something():
+    """An n-gram proposer finds no draft where the text does not repeat, so such a request
+    teaches the acceptance estimate nothing; the share of steps in which it had a draft
+    does: with the 2-core CPU's costs at batch 1 (a verified draft token 5.7 % of a plain
+    step, a step at K > 0 6 % even with nothing verified), it is planned out at K = 4, though
+    its drafts, when it has one, would pay their verification; a new request, and one that
+    drafts every step, are planned in."""
+    g = RequestDraftGate(probe_every=100)
+    for i in range(20):
+        g.observe_offer("chat", i == 19)  # one draft in 20 steps, rejected
+        g.observe_offer("copy", True)
+    _feed(g, "chat", 0.0, steps=1, k=8)
+    assert g.draft_rate("new") == 1.0 and g.draft_rate("chat") < 0.25 < 0.9 < g.draft_rate("copy")
+    assert 0.25 < g.acceptance("chat") < 0.5  # one verified draft says little
+    assert g.pays("chat", 4, 0.057) is True  # a draft it has pays its verification
+    assert g.plan("chat", 4, 0.057, step_cost=0.06) is False  # but it seldom has one
+    assert g.plan("chat", 4, 0.057, step_cost=0.0) is True  # a free step at K > 0: let it draft
+    assert g.plan("new", 4, 0.057, step_cost=0.06) is True
+    assert g.plan("copy", 4, 0.057, step_cost=0.06) is True
