@@ -108,7 +108,8 @@ class AcceptanceEstimator:
     ``r_i = r_(i-1) * a_i`` with ``a_i`` the conditional acceptance of position i, measured
     on the requests whose positions 1..i-1 were all accepted (exponentially weighted the
     same way; the last value with at least ``fresh_weight`` request-steps of such evidence,
-    ``prior_decay`` before any): a workload change seen at shallow depth moves the deep
+    ``prior_decay`` before any; one below ``prior_decay`` returns toward it with the same
+    memory once that evidence has faded): a workload change seen at shallow depth moves the deep
     estimates at once, and they keep the shape of n-gram drafts (a draft whose first
     tokens are accepted tends to be accepted further). Explorations then measure them.
     (Taking ``r_i`` itself where position i was fresh mixed windows: a short exploration at
@@ -175,6 +176,7 @@ class AcceptanceEstimator:
         self.num = [w0 * prior_decay ** (i + 1) for i in range(k_max)]
         self.drf = [w0] * k_max
         self.den = [w0] * k_max
+        self.prior_decay = prior_decay
         self.cond = [prior_decay] * k_max
         # evidence for cond[i] (0-based i >= 1): weighted requests with positions 1..i+1 all
         # accepted (cnum) among those with 1..i accepted (cden), from steps drafted at depth > i
@@ -219,6 +221,16 @@ class AcceptanceEstimator:
         if batch_size <= 0:
             return
         g = self._fade(batch_size)
+        # a conditional acceptance below the prior that is no longer measured returns toward
+        # the prior with the estimates' memory: one measured in another workload (e.g. 0 in
+        # chat, where a draft's first token is accepted now and then and its second never)
+        # would otherwise keep every later workload at the depth it was measured at, since
+        # the controller never drafts deep enough to measure it again. One above the prior
+        # is kept: the depth it suggests is drafted, and so measured.
+        need = min(self.fresh_weight * self.alpha, 0.5)
+        for i in range(1, self.k_max):
+            if self.cden[i] < need and self.cond[i] < self.prior_decay:
+                self.cond[i] += g * (self.prior_decay - self.cond[i])
         if k_drafted <= 0:
             return
         depth = min(k_drafted, self.k_max)
@@ -240,7 +252,6 @@ class AcceptanceEstimator:
         # accepted", and the depths beyond it were extrapolated to nothing from then on)
         if self.fresh(0):
             self.cond[0] = min(self.num[0] / self.den[0], 1.0)
-        need = min(self.fresh_weight * self.alpha, 0.5)
         for i in range(1, depth):
             if self.cden[i] >= need:
                 self.cond[i] = min(self.cnum[i] / self.cden[i], 1.0)

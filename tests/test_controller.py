@@ -115,11 +115,21 @@ def test_acceptance_estimator_per_position_and_expected_tokens():
     assert est.r() == pytest.approx([0.8, 0.6, 0.5, 0.0])
     assert est.conditional() == pytest.approx([0.8, 0.75, 5 / 6, 0.0])
     assert est.expected_tokens(2) == pytest.approx(2.4)
-    # positions beyond the drafted depth are not measured: they fade and are extrapolated
-    # from position 1 with the conditional acceptance measured before
     est.observe(1, 10, [5, 0, 0, 0])
-    assert est.r() == pytest.approx([0.5, 0.375, 0.3125, 0.0])
     assert est.observed_request_steps == [20, 10, 10, 10]
+    # positions beyond the drafted depth are not measured: they are extrapolated from
+    # position 1 with the conditional acceptance measured before; one below the prior (0.5)
+    # returns toward it with the estimates' memory once its evidence has faded (a 0
+    # measured in one workload must not hold every later one at a shallow depth)
+    est = AcceptanceEstimator(4, alpha=0.01)
+    for _ in range(50):
+        est.observe(4, 10, [8, 6, 5, 0])
+    est.observe(1, 10, [5, 0, 0, 0])
+    assert est.conditional()[1:] == pytest.approx([0.75, 5 / 6, 0.0], abs=0.01)
+    for _ in range(100):  # 1000 request-steps at K = 1
+        est.observe(1, 10, [5, 0, 0, 0])
+    assert est.conditional()[0] == pytest.approx(0.5, abs=0.01)
+    assert est.conditional()[1:] == pytest.approx([0.75, 5 / 6, 0.5], abs=0.05)
 
 
 def test_estimate_weighs_request_steps_so_batch_one_is_not_one_step():
