@@ -425,6 +425,17 @@ def plain_sampler_without_drafts(original: Any, trace: _Trace | None = None) -> 
     return _prepare_inputs
 
 
+def _replace_method(cls: type[Any], attr: str, wrap: Any) -> None:
+    """Set ``cls.<attr>`` to ``wrap(original)``, keeping the original's docstring and the
+    original itself as ``__wrapped__`` (shape checks, through ``inspect``, see vLLM's own
+    method)."""
+    original = getattr(cls, attr)
+    wrapped = wrap(original)
+    wrapped.__doc__ = original.__doc__
+    wrapped.__wrapped__ = original
+    setattr(cls, attr, wrapped)
+
+
 def _wrap_method(
     cls: type[Any],
     attr: str,
@@ -449,11 +460,7 @@ def _wrap_method(
     except VllmShapeError as e:
         logger.warning("SpecPilot: %s left unpatched (%s); checked against vLLM %s", what, e, ", ".join(versions))
         return False
-    original = getattr(cls, attr)
-    wrapped = wrap(original)
-    wrapped.__doc__ = original.__doc__
-    wrapped.__wrapped__ = original  # shape checks (inspect) see vLLM's own method
-    setattr(cls, attr, wrapped)
+    _replace_method(cls, attr, wrap)
     setattr(cls, flag, True)
     logger.info("SpecPilot: %s", done)
     return True
@@ -861,11 +868,7 @@ def patch_draft_model_graphs(cls: type[Any]) -> bool:
         versions=CHECKED_VLLM_VERSIONS_V2,
     )
     if ok:
-        original_run = cls._run_model
-        wrapped = draft_passes_with_graphs(original_run, _trace())
-        wrapped.__doc__ = original_run.__doc__
-        wrapped.__wrapped__ = original_run  # type: ignore[attr-defined]
-        cls._run_model = wrapped  # type: ignore[attr-defined]
+        _replace_method(cls, "_run_model", lambda original: draft_passes_with_graphs(original, _trace()))
     return ok
 
 
@@ -1149,15 +1152,8 @@ def patch_draft_model_decode_graphs(cls: type[Any]) -> bool:
         versions=CHECKED_VLLM_VERSIONS_V2,
     )
     if ok:
-        for attr, wrap in (
-            ("capture", draft_capture_with_decode_graphs),
-            ("_multi_step_decode", draft_decode_passes_with_graphs),
-        ):
-            original = getattr(cls, attr)
-            wrapped = wrap(original, _trace())
-            wrapped.__doc__ = original.__doc__
-            wrapped.__wrapped__ = original  # type: ignore[attr-defined]
-            setattr(cls, attr, wrapped)
+        _replace_method(cls, "capture", lambda original: draft_capture_with_decode_graphs(original, _trace()))
+        _replace_method(cls, "_multi_step_decode", lambda original: draft_decode_passes_with_graphs(original, _trace()))
     return ok
 
 
