@@ -19,7 +19,8 @@
 # DURATION (timed window, s, 8), MODES (adaptive,fixed:0,fixed:2,fixed:4), REQS (fixed work per
 # client, low=8,medium=4,high=2), RUNS (the whole table this many times, 2: matrix-ngram-1, ...),
 # DRAFT (a draft model folder: a third engine, `--speculative-method draft_model`, with its own
-# table matrix-draft-N after each n-gram table, modes DRAFT_MODES, default adaptive,fixed:2,fixed:4),
+# table matrix-draft-N after each of the first DRAFT_RUNS (default RUNS) n-gram tables, modes
+# DRAFT_MODES, default adaptive,fixed:2,fixed:4),
 # STOP=1 stops the engines at the end.
 set -uo pipefail
 M=${1:?usage: single_engine.sh MODEL RESULTS [MATRIX_ARGS...]}
@@ -67,7 +68,7 @@ matrix() {  # URL TOKEN OUT PLAIN?
 }
 for i in $(seq 1 "${RUNS:-2}"); do
   matrix "$NGRAM_URL" "$NGRAM_TOKEN" "$R/matrix-ngram-$i" plain "$@"
-  if [ -n "${DRAFT_URL:-}" ]; then
+  if [ -n "${DRAFT_URL:-}" ] && [ "$i" -le "${DRAFT_RUNS:-${RUNS:-2}}" ]; then
     MODES=${DRAFT_MODES:-adaptive,fixed:2,fixed:4} matrix "$DRAFT_URL" "$DRAFT_TOKEN" "$R/matrix-draft-$i" "" "$@"
   fi
 done
