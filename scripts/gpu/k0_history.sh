@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# K = 0 in the n-gram engine at 64 clients, before and after speculative steps, against plain
+# vLLM and plain vLLM with SpecPilot's stat logger (docs/gpu.md).
+#
+#   bash scripts/gpu/k0_history.sh MODEL RESULTS
+#
+# Run inside the offline environment (`bash scripts/gpu/runner.sh -- bash scripts/gpu/k0_history.sh ...`).
+# Three engines start together and stay up together on the one GPU (16 GiB of KV cache each):
+# plain `vllm serve`, plain `vllm serve` with only the specpilot_stats logger plugin, and the
+# engine host (ngram_gpu, K_max 4) at fixed K = 0. Then, in this order:
+#   1. `bench host-overhead`: vLLM's generation counter over 6 s windows of chat at 64 clients,
+#      one round over the three engines (engine-side throughput, the engine host never drafted);
+#   2. `bench matrix` code and chat at 64 clients (client-side throughput, fixed work):
+#      cold    fixed:0 with plain vLLM's column, before any speculative step;
+#      stats   fixed:0 with the stats engine as the plain column;
+#      after4  fixed:4 then fixed:0;
+#      afterA  adaptive then fixed:0;
+#   3. `bench host-overhead` once more (engine-side, now after speculative steps), then stops all.
+set -uo pipefail
+M=${1:?usage: k0_history.sh MODEL RESULTS}
+R=${2:?usage: k0_history.sh MODEL RESULTS}
+S=$R/state.json
+KV=${KV_BYTES:-17179869184}
+PLAIN="--gpu-memory-utilization 0.3 --kv-cache-memory-bytes $KV --no-enable-prefix-caching --max-num-seqs 64"
+engines=(
+  --engine "serve:plain:$PLAIN"
+  --engine "serve:stats:VLLM_PLUGINS=specpilot_stats $PLAIN"
+  --engine "host:ngram:--speculative-method ngram_gpu --k-max 4 --speculation-mode fixed --k 0 --no-prefix-caching --max-num-seqs 64 --max-model-len 2048 --gpu-memory-utilization 0.3 --warmup quick -- --kv-cache-memory-bytes $KV"
+)
+mkdir -p "$R"
+overhead() {  # OUT
+  python3 -m bench host-overhead --model "$M" --parallel-start --keep --state "$S" --out "$1" \
+    --workloads chat --loads 64 --rounds 1 --duration 6 --warm 3 --only plain,stats,ngram "${engines[@]}"
+}
+overhead "$R/overhead-before" || exit $?
+eval "$(python3 - "$S" <<'EOF'
+import json, shlex, sys
+live = {e["name"]: e for e in json.load(open(sys.argv[1]))["live"]}
+for name, e in live.items():
+    print(f"{name.upper()}_URL={shlex.quote(e['url'])} {name.upper()}_TOKEN={shlex.quote(e['token'] or '')}")
+EOF
+)"
+[ -n "${NGRAM_URL:-}" ] && [ -n "${PLAIN_URL:-}" ] && [ -n "${STATS_URL:-}" ] || { echo "the engines are not up (see $S)" >&2; exit 3; }
+m() {  # PLAIN_URL MODES OUT
+  SPECPILOT_CONTROL_TOKEN=$NGRAM_TOKEN python3 -m bench matrix --url "$NGRAM_URL" --plain-baseline --plain-url "$1" \
+    --workloads code,chat --loads high --load-def high=c64 --modes "$2" --requests-per-client high=2 \
+    --out "$3" --no-png --quiet
+}
+m "$PLAIN_URL" fixed:0 "$R/cold"
+m "$STATS_URL" fixed:0 "$R/stats"
+m "$PLAIN_URL" fixed:4,fixed:0 "$R/after4"
+m "$PLAIN_URL" adaptive,fixed:0 "$R/afterA"
+overhead "$R/overhead-after"
+python3 -m bench host-overhead --model "$M" --state "$S" --out "$R/overhead-after" --rounds 0
