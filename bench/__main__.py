@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import httpx
 from tqdm import tqdm
 
 from engine_host import envs
@@ -633,6 +634,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (BenchError, SourceMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except httpx.TransportError as exc:  # an engine that is not up, or went away mid-run
+        try:
+            where = str(exc.request.url)
+        except RuntimeError:  # no request attached
+            where = "the engine"
+        print(
+            f"error: cannot reach {where}: {exc or type(exc).__name__}. Is the engine running? "
+            "Check --url / --plain-url, or let the bench start one with --start-engine.",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

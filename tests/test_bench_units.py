@@ -784,3 +784,20 @@ def test_profile_components_name_the_speculators_and_the_hook():
     assert component_of(ar + "forward (vllm/model_executor/models/qwen2.py:300)") == "draft-model / EAGLE speculator"
     assert component_of(v2 + "forward (vllm/model_executor/models/qwen2.py:300)") == "model forward"
     assert component_of("main (x.py:1)") == "other"
+
+
+def test_matrix_against_an_engine_that_is_not_up_says_so(tmp_path, capsys):
+    import socket
+
+    from bench.__main__ import main
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    rc = main(["matrix", "--url", url, "--workloads", "code", "--loads", "low", "--modes", "fixed:0",
+               "--out", str(tmp_path / "out"), "--no-png", "--quiet"])  # fmt: skip
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"cannot reach http://127.0.0.1:{port}/" in err and "--start-engine" in err
+    assert "Traceback" not in err
