@@ -16,6 +16,9 @@
 #      after4  fixed:4 then fixed:0;
 #      afterA  adaptive then fixed:0;
 #   3. `bench host-overhead` once more (engine-side, now after speculative steps), then stops all.
+# Around each matrix call it prints the CPU seconds each engine's API-server process spent (ps
+# cputimes): with the cells' output tokens, the frontend's CPU per streamed token, which the
+# engine-side windows of step 1 do not see (their requests are not streamed).
 set -uo pipefail
 M=${1:?usage: k0_history.sh MODEL RESULTS}
 R=${2:?usage: k0_history.sh MODEL RESULTS}
@@ -37,14 +40,20 @@ eval "$(python3 - "$S" <<'EOF'
 import json, shlex, sys
 live = {e["name"]: e for e in json.load(open(sys.argv[1]))["live"]}
 for name, e in live.items():
-    print(f"{name.upper()}_URL={shlex.quote(e['url'])} {name.upper()}_TOKEN={shlex.quote(e['token'] or '')}")
+    print(f"{name.upper()}_URL={shlex.quote(e['url'])} {name.upper()}_TOKEN={shlex.quote(e['token'] or '')} "
+          f"{name.upper()}_PID={int(e['pid'])}")
 EOF
 )"
 [ -n "${NGRAM_URL:-}" ] && [ -n "${PLAIN_URL:-}" ] && [ -n "${STATS_URL:-}" ] || { echo "the engines are not up (see $S)" >&2; exit 3; }
+api_cpu() { ps -o pid=,cputimes= -p "$PLAIN_PID" -p "$STATS_PID" -p "$NGRAM_PID" | xargs; }
 m() {  # PLAIN_URL MODES OUT
+  local c0 c1
+  c0=$(api_cpu)
   SPECPILOT_CONTROL_TOKEN=$NGRAM_TOKEN python3 -m bench matrix --url "$NGRAM_URL" --plain-baseline --plain-url "$1" \
     --workloads code,chat --loads high --load-def high=c64 --modes "$2" --requests-per-client high=2 \
     --out "$3" --no-png --quiet
+  c1=$(api_cpu)
+  echo "$3: API-server pid and CPU s (plain $PLAIN_PID, stats $STATS_PID, ngram $NGRAM_PID) before: $c0  after: $c1" | tee -a "$R/api-cpu.txt"
 }
 m "$PLAIN_URL" fixed:0 "$R/cold"
 m "$STATS_URL" fixed:0 "$R/stats"
