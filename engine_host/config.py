@@ -59,10 +59,15 @@ class AdaptiveParams(_Strict):
     per_request: bool = Field(
         True,
         description="verify drafts only of the requests whose own acceptance makes "
-        "them pay (engine_host.request_gate); the others are verified without drafts",
+        "them pay (engine_host.request_gate); the others are verified without drafts, and a "
+        "step in which none pays runs at K = 0 (under async scheduling only the latter)",
     )
     probe_every: int = Field(
-        16, ge=1, le=10000, description="a request whose drafts were dropped is drafted again after this many steps"
+        16,
+        ge=1,
+        le=10000,
+        description="a request whose drafts were dropped is drafted again after this many steps "
+        "(under async scheduling: one step for every request after this many steps at K = 0)",
     )
 
 

@@ -35,6 +35,10 @@ probe), that step runs at K = 0. A step at K > 0 costs something even when every
 then dropped (the proposer's run, and on the CPU the engine core's fetch of the drafts:
 docs/benchmarks.md), so at batch 1 a request whose drafts do not pay costs what plain
 decoding costs between its probes, and a new request is drafted from its first step on.
+Under async scheduling (GPU) the drafts reach the scheduler as placeholders and cannot be
+dropped per request; there the gate sets only the step's K, and probes every request at once
+(one step at the controller's K after ``probe_every`` steps at K = 0), so that a batch of
+many planned-out requests does not draft in every step for one request's probe.
 
 Pure Python, no vLLM import; the scheduler hook (``engine_host.scheduler``) calls it.
 """
@@ -198,9 +202,9 @@ class RequestDraftGate:
             return True
         return False
 
-    def plan(self, req_id: str, k: int, draft_token_cost: float, step_cost: float = 0.0) -> bool:
+    def plan(self, req_id: str, k: int, draft_token_cost: float, step_cost: float = 0.0, probe: bool = True) -> bool:
         """Whether request ``req_id`` should get a k-token draft in the next step at all:
-        True when drafting pays for it, or it is due for a probe.
+        True when drafting pays for it, or (``probe`` True) it is due for a probe.
 
         Drafting pays when ``r * (x(k) - k * c) >= step_cost`` (times ``1 + margin``):
         ``r`` the share of steps in which it has a draft (:meth:`draft_rate`), ``x(k)``
@@ -213,7 +217,10 @@ class RequestDraftGate:
         and the engine core's draft fetch that a step at K > 0 pays even with every
         draft dropped. Each call counts one step the request is kept from drafting;
         after ``probe_every`` of them it plans a probe, and :meth:`allows` then lets that
-        draft through once, so a request that starts accepting is found again.
+        draft through once, so a request that starts accepting is found again. With
+        ``probe`` False nothing is counted and no probe is planned: the caller probes
+        (under async scheduling, where drafts cannot be dropped per request, the hook runs
+        one step at K > 0 for every request at once every ``probe_every`` steps).
         """
         if k > 0:
             surplus = self.expected_gain(self.acceptance(req_id), k) - k * max(draft_token_cost, 0.0)
@@ -222,6 +229,8 @@ class RequestDraftGate:
                 if s is not None:
                     s.steps_gated = 0
                 return True
+        if not probe:
+            return False
         s = self._reqs.get(req_id)
         if s is None:
             s = self._reqs[req_id] = _RequestStats()

@@ -94,7 +94,8 @@ class _SpecPilotHook:
 
     # Per-request draft dropping edits ``request.spec_token_ids`` before scheduling; with
     # async scheduling those hold placeholders whose count vLLM tracks elsewhere, so there
-    # it stays off until checked on that path.
+    # it stays off until checked on that path, and the gate sets only the step's K
+    # (``_any_request_wants_drafts``).
     GATE_DRAFTS = True
 
     # Attributes of vLLM's Scheduler (set in its __init__) that the hook reads and caps.
@@ -138,6 +139,7 @@ class _SpecPilotHook:
         self._cap_tokens = self._startup_max_tokens
         self._max_running_seen = 0
         self._k_decided = 0  # K chosen for the step being scheduled
+        self._steps_planned_out = 0  # steps in a row the gate ran at K = 0 (async probes)
         self._k_drafted = 0  # K of the drafts verified in the step being scheduled
         self._k_first_use_step: int | None = None
         self._t_sched = 0.0
@@ -306,8 +308,13 @@ class _SpecPilotHook:
     def _any_request_wants_drafts(self, k: int) -> bool:
         """False when the per-request gate is on and no running request's drafts would pay
         at depth ``k`` (nor is due for a probe): the next step then runs at K = 0
-        (``RequestDraftGate.plan``). True whenever the gate is off."""
-        if not self._gate_on or not self.GATE_DRAFTS:
+        (``RequestDraftGate.plan``). True whenever the gate is off.
+
+        Where drafts cannot be dropped per request (``GATE_DRAFTS`` False: async
+        scheduling), a request's probe would make every request of the step draft, so the
+        probes are taken together: after ``probe_every`` steps in a row at K = 0 one step
+        runs at depth ``k`` for all."""
+        if not self._gate_on:
             return True
         running = self.running  # type: ignore[attr-defined]
         if not running:
@@ -319,8 +326,14 @@ class _SpecPilotHook:
         # a step at depth k that verifies no draft, against a plain step (fraction)
         step_cost = max(tm.predict_tokens(b, float(b), k) - t_plain, 0.0) / t_plain if t_plain > 0 else 0.0
         wants = False
+        per_request_probes = self.GATE_DRAFTS
         for req in running:  # every request is planned, so each one's probe count advances
-            wants = self._gate.plan(req.request_id, k, cost, step_cost) or wants
+            wants = self._gate.plan(req.request_id, k, cost, step_cost, probe=per_request_probes) or wants
+        if not per_request_probes:
+            self._steps_planned_out = 0 if wants else self._steps_planned_out + 1
+            if self._steps_planned_out >= self._gate.probe_every:
+                self._steps_planned_out = 0
+                wants = True
         return wants
 
     def _gate_drafts(self) -> None:

@@ -169,6 +169,57 @@ def test_hook_runs_the_next_step_at_k0_when_no_running_request_would_draft():
     assert [hook._decide_k(1) for _ in range(3)] == [8, 8, 8]
 
 
+def test_under_async_scheduling_the_gate_sets_the_step_k_and_probes_every_request_at_once():
+    """With async scheduling (``GATE_DRAFTS`` False) drafts cannot be dropped per request,
+    so one request's probe would make the whole step draft. The hook then plans without
+    per-request probes and runs one step at the controller's K for all after probe_every
+    steps at K = 0: requests that joined at different steps do not probe in turn (with
+    per-request probes, two requests two steps apart make every other step draft)."""
+    import types
+
+    from engine_host.controller import StepTimeModel
+    from engine_host.scheduler import SpecPilotAsyncScheduler, _SpecPilotHook
+
+    assert SpecPilotAsyncScheduler.GATE_DRAFTS is False and _SpecPilotHook.GATE_DRAFTS is True
+    step_time = StepTimeModel()
+    for _ in range(50):  # a step verifying 8 drafts costs 30 % more than a plain one
+        step_time.observe(1, 1, 0.020, k=0)
+        step_time.observe(1, 9, 0.026, k=8)
+
+    def hook(gate_drafts: bool):
+        h = object.__new__(_SpecPilotHook)
+        h.GATE_DRAFTS = gate_drafts
+        h.controller = types.SimpleNamespace(step_time=step_time, k_for_batch=lambda b: 8)
+        h._gate = RequestDraftGate(probe_every=4)
+        h._gate_on = True
+        h._warmup_k = None
+        h._k_first_use_step = 0
+        h._step_index = 0
+        h._overhead_s = 0.0
+        h._steps_planned_out = 0
+        h.running = [types.SimpleNamespace(request_id="chat-1")]
+        _feed(h._gate, "chat-1", 0.0, k=8)
+        return h
+
+    ks = {}
+    for gate_drafts in (True, False):
+        h = hook(gate_drafts)
+        seq = [h._decide_k(1) for _ in range(2)]
+        h.running.append(types.SimpleNamespace(request_id="chat-2"))  # joins two steps later
+        _feed(h._gate, "chat-2", 0.0, k=8)
+        seq += [h._decide_k(2) for _ in range(10)]
+        ks[gate_drafts] = seq
+    assert ks[True] == [0, 0, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8]  # each request's own probe
+    assert ks[False] == [0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0, 8]  # one probe step for both
+    h = hook(False)
+    h.running.append(types.SimpleNamespace(request_id="copy"))
+    _feed(h._gate, "copy", 0.9, k=8)
+    assert [h._decide_k(2) for _ in range(3)] == [8, 8, 8]  # one request's drafts pay
+    h._gate_on = False
+    h.running = h.running[:1]
+    assert [h._decide_k(1) for _ in range(3)] == [8, 8, 8]
+
+
 def test_a_request_that_never_has_a_draft_is_planned_out_when_a_step_at_k_costs_something():
     """An n-gram proposer finds no draft where the text does not repeat, so such a request
     teaches the acceptance estimate nothing; the share of steps in which it had a draft
