@@ -162,6 +162,24 @@ class RequestDraftGate:
             return float(k)
         return a * (1.0 - a**k) / (1.0 - a)
 
+    def depth(self, req_id: str, draft_token_cost: float, k_max: int) -> int:
+        """The request's own draft length (tokens, 0..``k_max``) by the marginal rule: the
+        j-th draft token is accepted with probability ``a^j`` (Leviathan et al., arXiv
+        2211.17192) and costs ``c = draft_token_cost`` to verify, so positions are added
+        while ``a^j >= (1 + margin) * c``. A request with no verified drafts is judged at
+        the prior's mean."""
+        a = self.acceptance(req_id)
+        if k_max <= 0 or a <= 0.0:
+            return 0
+        if a >= 1.0:
+            return k_max
+        bar = (1.0 + self.margin) * max(draft_token_cost, 1e-12)
+        j, p = 0, a
+        while j < k_max and p >= bar:
+            j += 1
+            p *= a
+        return j
+
     def pays(self, req_id: str, k: int, draft_token_cost: float) -> bool:
         """True when verifying a k-token draft of this request beats plain decoding.
 

@@ -239,7 +239,7 @@ class _SpecPilotHook:
             k = self._warmup_k
             self._warmup_steps[k] += 1
         else:
-            k = self.controller.k_for_batch(batch_size)
+            k = self._per_request_k(self.controller.k_for_batch(batch_size))
             if k > 0 and not self._any_request_wants_drafts(k):
                 k = 0
         self._k_decided = k
@@ -304,6 +304,22 @@ class _SpecPilotHook:
         verify_s = tm.predict_tokens(b, b * (1.0 + k), k) - tm.predict_tokens(b, float(b), k)
         t_plain = tm.predict(b, 0)
         return draft_token_cost(t_plain, t_plain + verify_s, k)
+
+    def _per_request_k(self, k: int) -> int:
+        """The step's K with one running request: the deeper of the controller's ``k`` and
+        the request's own depth (``RequestDraftGate.depth``, up to the policy's upper
+        bound). The controller's per-position estimates are the traffic's, so after chat a
+        new docs request would otherwise run at chat's K = 0, where nothing is learned, until
+        the controller explores its way up; with several requests the step's K stays the
+        controller's. Unchanged when the gate is off."""
+        if not self._gate_on:
+            return k
+        running = self.running  # type: ignore[attr-defined]
+        hi = int(getattr(self.controller.policy, "k_hi", self._k_engine))
+        if len(running) != 1 or k >= hi:
+            return k
+        own = self._gate.depth(running[0].request_id, self._draft_token_cost(1, hi), hi)
+        return max(k, own)
 
     def _any_request_wants_drafts(self, k: int) -> bool:
         """False when the per-request gate is on and no running request's drafts would pay

@@ -151,7 +151,10 @@ def test_hook_runs_the_next_step_at_k0_when_no_running_request_would_draft():
         step_time.observe(1, 1, 0.020, k=0)
         step_time.observe(1, 9, 0.026, k=8)
     hook = object.__new__(_SpecPilotHook)
-    hook.controller = types.SimpleNamespace(step_time=step_time, k_for_batch=lambda b: 8)
+    hook.controller = types.SimpleNamespace(
+        step_time=step_time, k_for_batch=lambda b: 8, policy=types.SimpleNamespace(k_hi=8)
+    )
+    hook._k_engine = 8
     hook._gate = RequestDraftGate(probe_every=4)
     hook._gate_on = True
     hook._warmup_k = None
@@ -189,7 +192,10 @@ def test_under_async_scheduling_the_gate_sets_the_step_k_and_probes_every_reques
     def hook(gate_drafts: bool):
         h = object.__new__(_SpecPilotHook)
         h.GATE_DRAFTS = gate_drafts
-        h.controller = types.SimpleNamespace(step_time=step_time, k_for_batch=lambda b: 8)
+        h.controller = types.SimpleNamespace(
+            step_time=step_time, k_for_batch=lambda b: 8, policy=types.SimpleNamespace(k_hi=8)
+        )
+        h._k_engine = 8
         h._gate = RequestDraftGate(probe_every=4)
         h._gate_on = True
         h._warmup_k = None
@@ -218,6 +224,60 @@ def test_under_async_scheduling_the_gate_sets_the_step_k_and_probes_every_reques
     h._gate_on = False
     h.running = h.running[:1]
     assert [h._decide_k(1) for _ in range(3)] == [8, 8, 8]
+
+
+def test_depth_adds_draft_positions_while_their_acceptance_beats_their_cost():
+    gate = RequestDraftGate()
+    assert gate.depth("new", 0.0375, 8) == 4  # prior 0.5: 0.5^4 = 0.0625 >= 0.0375 > 0.5^5
+    _feed(gate, "copy", 0.95, k=8)
+    assert gate.depth("copy", 0.0375, 8) == 8
+    assert gate.depth("copy", 0.0375, 3) == 3  # never past k_max
+    _feed(gate, "chat", 0.0, k=8)  # a = 1 / 12 under the prior and decay 0.9
+    assert gate.depth("chat", 0.0375, 8) == 1  # its first token still beats its verification;
+    assert gate.depth("chat", 0.1, 8) == 0  # whether that pays for a step at K > 0: plan()
+    assert gate.depth("copy", 0.0375, 0) == 0
+
+
+def test_at_batch_1_a_request_runs_at_its_own_depth_when_the_controller_says_less():
+    """After chat the controller's per-position estimates say K = 0, where nothing is
+    learned; a new request alone in the batch is drafted at its own depth (the prior's
+    first, then what its drafts show), a request whose drafts are rejected stays at K = 0,
+    and with two requests the step's K is the controller's (the gate may only lower it)."""
+    import types
+
+    from engine_host.controller import StepTimeModel
+    from engine_host.scheduler import _SpecPilotHook
+
+    step_time = StepTimeModel()
+    for _ in range(50):  # 8 verified drafts cost 30 % more than a plain step; a step at
+        step_time.observe(1, 1, 0.020, k=0)  # K > 0 verifying none 7.5 % more (proposer, fetch)
+        step_time.observe(1, 9, 0.026, k=8)
+        step_time.observe(1, 1, 0.0215, k=1)
+    hook = object.__new__(_SpecPilotHook)
+    hook.controller = types.SimpleNamespace(
+        step_time=step_time, k_for_batch=lambda b: 0, policy=types.SimpleNamespace(k_hi=8)
+    )
+    hook._k_engine = 8
+    hook._gate = RequestDraftGate(probe_every=16)
+    hook._gate_on = True
+    hook._warmup_k = None
+    hook._k_first_use_step = 0
+    hook._step_index = 0
+    hook._overhead_s = 0.0
+    hook._steps_planned_out = 0
+    hook.running = [types.SimpleNamespace(request_id="docs")]
+    k_new = hook._decide_k(1)
+    assert 1 <= k_new < 8  # judged at the prior (0.5)
+    _feed(hook._gate, "docs", 0.95, k=k_new)
+    assert hook._decide_k(1) == 8  # its drafts are accepted: its own depth
+    hook.running = [types.SimpleNamespace(request_id="chat")]
+    _feed(hook._gate, "chat", 0.0, k=8)
+    assert [hook._decide_k(1) for _ in range(3)] == [0, 0, 0]
+    hook.running = [types.SimpleNamespace(request_id="docs"), types.SimpleNamespace(request_id="chat")]
+    assert hook._decide_k(2) == 0  # several requests: the controller's K
+    hook._gate_on = False
+    hook.running = hook.running[:1]
+    assert hook._decide_k(1) == 0
 
 
 def test_a_request_that_never_has_a_draft_is_planned_out_when_a_step_at_k_costs_something():
