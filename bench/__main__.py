@@ -640,8 +640,9 @@ def main(argv: list[str] | None = None) -> int:
             where = str(exc.request.url)
         except RuntimeError:  # no request attached
             where = "the engine"
+        why = str(exc) or type(exc).__name__  # some transport errors carry no message
         print(
-            f"error: cannot reach {where}: {exc or type(exc).__name__}. Is the engine running? "
+            f"error: cannot reach {where}: {why}. Is the engine running? "
             "Check --url / --plain-url, or let the bench start one with --start-engine.",
             file=sys.stderr,
         )

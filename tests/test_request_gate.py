@@ -136,35 +136,60 @@ def test_plan_keeps_a_request_whose_drafts_do_not_pay_from_drafting_and_probes_i
     assert g.plan("chat", 4, COST) is True
 
 
+def _step_time(idle_step_cost: bool = False):
+    """A fitted step-time model at batch 1: a step verifying 8 drafts costs 30 % more than
+    a plain one; with ``idle_step_cost`` a step at K > 0 verifying none costs 7.5 % more
+    (the proposer and the draft fetch)."""
+    from engine_host.controller import StepTimeModel
+
+    step_time = StepTimeModel()
+    for _ in range(50):
+        step_time.observe(1, 1, 0.020, k=0)
+        step_time.observe(1, 9, 0.026, k=8)
+        if idle_step_cost:
+            step_time.observe(1, 1, 0.0215, k=1)
+    return step_time
+
+
+def _hook(step_time, controller_k: int, probe_every: int, request_ids, gate_drafts: bool = True):
+    """The scheduler hook's K decision (``_decide_k``) without vLLM: an adaptive policy
+    that answers ``controller_k`` (bound 8), the per-request gate on, these requests running."""
+    import types
+
+    from engine_host.scheduler import _SpecPilotHook
+
+    h = object.__new__(_SpecPilotHook)
+    h.GATE_DRAFTS = gate_drafts
+    h.controller = types.SimpleNamespace(
+        step_time=step_time, k_for_batch=lambda b: controller_k, policy=types.SimpleNamespace(k_hi=8)
+    )
+    h._k_engine = 8
+    h._gate = RequestDraftGate(probe_every=probe_every)
+    h._gate_on = True
+    h._warmup_k = None
+    h._k_first_use_step = 0
+    h._step_index = 0
+    h._overhead_s = 0.0
+    h._steps_planned_out = 0
+    h.running = [_req(r) for r in request_ids]
+    return h
+
+
+def _req(request_id: str):
+    import types
+
+    return types.SimpleNamespace(request_id=request_id)
+
+
 def test_hook_runs_the_next_step_at_k0_when_no_running_request_would_draft():
     """The scheduler hook's K for the next step (``_decide_k``): the controller's K while a
     running request's drafts pay, 0 when the gate plans every running request out (at
     batch 1 on chat this spares the proposer and the draft fetch), the probe's K again
     after probe_every steps; the gate off (or fixed modes) leaves the controller's K."""
-    import types
-
-    from engine_host.controller import StepTimeModel
-    from engine_host.scheduler import _SpecPilotHook
-
-    step_time = StepTimeModel()
-    for _ in range(50):  # a step verifying 8 drafts costs 30 % more than a plain one
-        step_time.observe(1, 1, 0.020, k=0)
-        step_time.observe(1, 9, 0.026, k=8)
-    hook = object.__new__(_SpecPilotHook)
-    hook.controller = types.SimpleNamespace(
-        step_time=step_time, k_for_batch=lambda b: 8, policy=types.SimpleNamespace(k_hi=8)
-    )
-    hook._k_engine = 8
-    hook._gate = RequestDraftGate(probe_every=4)
-    hook._gate_on = True
-    hook._warmup_k = None
-    hook._k_first_use_step = 0
-    hook._step_index = 0
-    hook._overhead_s = 0.0
-    hook.running = [types.SimpleNamespace(request_id="chat")]
+    hook = _hook(_step_time(), 8, 4, ["chat"])
     _feed(hook._gate, "chat", 0.0, k=8)
     assert [hook._decide_k(1) for _ in range(8)] == [0, 0, 0, 8, 0, 0, 0, 8]
-    hook.running.append(types.SimpleNamespace(request_id="copy"))
+    hook.running.append(_req("copy"))
     _feed(hook._gate, "copy", 0.9, k=8)
     assert hook._decide_k(2) == 8  # one request's drafts pay: the step drafts
     hook._gate_on = False  # fixed K, or adaptive without the per-request gate
@@ -178,32 +203,13 @@ def test_under_async_scheduling_the_gate_sets_the_step_k_and_probes_every_reques
     per-request probes and runs one step at the controller's K for all after probe_every
     steps at K = 0: requests that joined at different steps do not probe in turn (with
     per-request probes, two requests two steps apart make every other step draft)."""
-    import types
-
-    from engine_host.controller import StepTimeModel
     from engine_host.scheduler import SpecPilotAsyncScheduler, _SpecPilotHook
 
     assert SpecPilotAsyncScheduler.GATE_DRAFTS is False and _SpecPilotHook.GATE_DRAFTS is True
-    step_time = StepTimeModel()
-    for _ in range(50):  # a step verifying 8 drafts costs 30 % more than a plain one
-        step_time.observe(1, 1, 0.020, k=0)
-        step_time.observe(1, 9, 0.026, k=8)
+    step_time = _step_time()
 
     def hook(gate_drafts: bool):
-        h = object.__new__(_SpecPilotHook)
-        h.GATE_DRAFTS = gate_drafts
-        h.controller = types.SimpleNamespace(
-            step_time=step_time, k_for_batch=lambda b: 8, policy=types.SimpleNamespace(k_hi=8)
-        )
-        h._k_engine = 8
-        h._gate = RequestDraftGate(probe_every=4)
-        h._gate_on = True
-        h._warmup_k = None
-        h._k_first_use_step = 0
-        h._step_index = 0
-        h._overhead_s = 0.0
-        h._steps_planned_out = 0
-        h.running = [types.SimpleNamespace(request_id="chat-1")]
+        h = _hook(step_time, 8, 4, ["chat-1"], gate_drafts=gate_drafts)
         _feed(h._gate, "chat-1", 0.0, k=8)
         return h
 
@@ -211,14 +217,14 @@ def test_under_async_scheduling_the_gate_sets_the_step_k_and_probes_every_reques
     for gate_drafts in (True, False):
         h = hook(gate_drafts)
         seq = [h._decide_k(1) for _ in range(2)]
-        h.running.append(types.SimpleNamespace(request_id="chat-2"))  # joins two steps later
+        h.running.append(_req("chat-2"))  # joins two steps later
         _feed(h._gate, "chat-2", 0.0, k=8)
         seq += [h._decide_k(2) for _ in range(10)]
         ks[gate_drafts] = seq
     assert ks[True] == [0, 0, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8]  # each request's own probe
     assert ks[False] == [0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0, 8]  # one probe step for both
     h = hook(False)
-    h.running.append(types.SimpleNamespace(request_id="copy"))
+    h.running.append(_req("copy"))
     _feed(h._gate, "copy", 0.9, k=8)
     assert [h._decide_k(2) for _ in range(3)] == [8, 8, 8]  # one request's drafts pay
     h._gate_on = False
@@ -243,37 +249,15 @@ def test_at_batch_1_a_request_runs_at_its_own_depth_when_the_controller_says_les
     learned; a new request alone in the batch is drafted at its own depth (the prior's
     first, then what its drafts show), a request whose drafts are rejected stays at K = 0,
     and with two requests the step's K is the controller's (the gate may only lower it)."""
-    import types
-
-    from engine_host.controller import StepTimeModel
-    from engine_host.scheduler import _SpecPilotHook
-
-    step_time = StepTimeModel()
-    for _ in range(50):  # 8 verified drafts cost 30 % more than a plain step; a step at
-        step_time.observe(1, 1, 0.020, k=0)  # K > 0 verifying none 7.5 % more (proposer, fetch)
-        step_time.observe(1, 9, 0.026, k=8)
-        step_time.observe(1, 1, 0.0215, k=1)
-    hook = object.__new__(_SpecPilotHook)
-    hook.controller = types.SimpleNamespace(
-        step_time=step_time, k_for_batch=lambda b: 0, policy=types.SimpleNamespace(k_hi=8)
-    )
-    hook._k_engine = 8
-    hook._gate = RequestDraftGate(probe_every=16)
-    hook._gate_on = True
-    hook._warmup_k = None
-    hook._k_first_use_step = 0
-    hook._step_index = 0
-    hook._overhead_s = 0.0
-    hook._steps_planned_out = 0
-    hook.running = [types.SimpleNamespace(request_id="docs")]
+    hook = _hook(_step_time(idle_step_cost=True), 0, 16, ["docs"])
     k_new = hook._decide_k(1)
     assert 1 <= k_new < 8  # judged at the prior (0.5)
     _feed(hook._gate, "docs", 0.95, k=k_new)
     assert hook._decide_k(1) == 8  # its drafts are accepted: its own depth
-    hook.running = [types.SimpleNamespace(request_id="chat")]
+    hook.running = [_req("chat")]
     _feed(hook._gate, "chat", 0.0, k=8)
     assert [hook._decide_k(1) for _ in range(3)] == [0, 0, 0]
-    hook.running = [types.SimpleNamespace(request_id="docs"), types.SimpleNamespace(request_id="chat")]
+    hook.running = [_req("docs"), _req("chat")]
     assert hook._decide_k(2) == 0  # several requests: the controller's K
     hook._gate_on = False
     hook.running = hook.running[:1]

@@ -15,7 +15,8 @@
 #      stats   fixed:0 with the stats engine as the plain column;
 #      after4  fixed:4 then fixed:0;
 #      afterA  adaptive then fixed:0;
-#   3. `bench host-overhead` once more (engine-side, now after speculative steps), then stops all.
+#   3. `bench host-overhead` once more (engine-side, now after speculative steps); every engine is
+#      stopped when the script ends, however it ends.
 # Around each matrix call it prints the CPU seconds each engine's API-server process spent (ps
 # cputimes): with the cells' output tokens, the frontend's CPU per streamed token, which the
 # engine-side windows of step 1 do not see (their requests are not streamed).
@@ -31,6 +32,8 @@ engines=(
   --engine "host:ngram:--speculative-method ngram_gpu --k-max 4 --speculation-mode fixed --k 0 --no-prefix-caching --max-num-seqs 64 --max-model-len 2048 --gpu-memory-utilization 0.3 --warmup quick -- --kv-cache-memory-bytes $KV"
 )
 mkdir -p "$R"
+# the engines are kept up between the steps (--keep); stop them however the script ends
+trap 'python3 -m bench host-overhead --model "$M" --state "$S" --out "$R/overhead-after" --rounds 0 >/dev/null 2>&1' EXIT
 overhead() {  # OUT
   python3 -m bench host-overhead --model "$M" --parallel-start --keep --state "$S" --out "$1" \
     --workloads chat --loads 64 --rounds 1 --duration 6 --warm 3 --only plain,stats,ngram "${engines[@]}"
@@ -60,4 +63,3 @@ m "$STATS_URL" fixed:0 "$R/stats"
 m "$PLAIN_URL" fixed:4,fixed:0 "$R/after4"
 m "$PLAIN_URL" adaptive,fixed:0 "$R/afterA"
 overhead "$R/overhead-after"
-python3 -m bench host-overhead --model "$M" --state "$S" --out "$R/overhead-after" --rounds 0
