@@ -15,7 +15,12 @@
 #      stats   fixed:0 with the stats engine as the plain column;
 #      after4  fixed:4 then fixed:0;
 #      afterA  adaptive then fixed:0;
-#   3. `bench host-overhead` once more (engine-side, now after speculative steps); every engine is
+#   3. with PY_SPY=<py-spy executable>: `bench profile-step --attach` at 64 clients on plain vLLM
+#      and the engine host at K = 0, after the cold cells and again after adaptive (CPU ms per step
+#      by component in the engine-core process);
+#   4. `bench matrix` code, docs, chat and mixed at 1 client (adaptive, K = 0, K = 4, plain): the
+#      per-request gate under async scheduling (LOW=0 skips it);
+#   5. `bench host-overhead` once more (engine-side, now after speculative steps); every engine is
 #      stopped when the script ends, however it ends.
 # Around each matrix call it prints the CPU seconds each engine's API-server process spent (ps
 # cputimes): with the cells' output tokens, the frontend's CPU per streamed token, which the
@@ -36,7 +41,7 @@ mkdir -p "$R"
 trap 'python3 -m bench host-overhead --model "$M" --state "$S" --out "$R/overhead-after" --rounds 0 >/dev/null 2>&1' EXIT
 overhead() {  # OUT
   python3 -m bench host-overhead --model "$M" --parallel-start --keep --state "$S" --out "$1" \
-    --workloads chat --loads 64 --rounds 1 --duration 6 --warm 3 --only plain,stats,ngram "${engines[@]}"
+    --workloads chat,code --loads 64 --rounds 1 --duration 6 --warm 3 --only plain,stats,ngram "${engines[@]}"
 }
 overhead "$R/overhead-before" || exit $?
 eval "$(python3 - "$S" <<'EOF'
@@ -58,8 +63,19 @@ m() {  # PLAIN_URL MODES OUT
   c1=$(api_cpu)
   echo "$3: API-server pid and CPU s (plain $PLAIN_PID, stats $STATS_PID, ngram $NGRAM_PID) before: $c0  after: $c1" | tee -a "$R/api-cpu.txt"
 }
+profile() {  # OUT [profile-step args]
+  [ -n "${PY_SPY:-}" ] || return 0
+  python3 -m bench profile-step --attach "$S" --clients 64 --seconds 10 --py-spy "$PY_SPY" --out "$1" "${@:2}" | tee "$1.md"
+}
 m "$PLAIN_URL" fixed:0 "$R/cold"
 m "$STATS_URL" fixed:0 "$R/stats"
+profile "$R/profile-cold" --engines plain,ngram
 m "$PLAIN_URL" fixed:4,fixed:0 "$R/after4"
 m "$PLAIN_URL" adaptive,fixed:0 "$R/afterA"
+profile "$R/profile-afterA" --engines ngram --mode fixed:0
+if [ "${LOW:-1}" != 0 ]; then
+  SPECPILOT_CONTROL_TOKEN=$NGRAM_TOKEN python3 -m bench matrix --url "$NGRAM_URL" --plain-baseline --plain-url "$PLAIN_URL" \
+    --workloads code,docs,chat,mixed --loads low --load-def low=c1 --modes adaptive,fixed:0,fixed:4 \
+    --requests-per-client low=8 --out "$R/low" --no-png --quiet
+fi
 overhead "$R/overhead-after"
