@@ -160,9 +160,9 @@ maps each token count only to the graphs of the smallest captured token count at
 it. With several query lengths, that smallest count often belongs to another query length
 (at K_max 4 and 64 requests: 57 tokens is a graph of query length 3, 58-60 one of query
 length 5), and ``dispatch`` finds no FULL graph for a decode batch that a larger graph of
-its own query length would serve: 57-60 requests at K = 0 ran PIECEWISE, also 10-12, 17-20,
-25, 33-35, 41-42 and 49-50 (vLLM's ``--cudagraph-metrics`` on an offline GPU host;
-docs/gpu.md). The patch keeps ``dispatch`` as it is and, when it returns no FULL graph for a
+its own query length would serve, so the step runs PIECEWISE (the batch sizes it hit, from
+vLLM's ``--cudagraph-metrics``, are in docs/gpu.md). The patch keeps ``dispatch`` as it is
+and, when it returns no FULL graph for a
 uniform decode batch, takes the smallest captured FULL graph that
 ``cudagraph_utils._is_compatible`` accepts for the batch (the same padding vLLM applies
 within a range). Answers are cached per batch shape. Checked against vLLM 0.32.0 (the
@@ -1291,8 +1291,8 @@ CUDAGRAPH_CANDIDATE_LINES = (
 def check_cudagraph_dispatch_shape(cls: type[Any]) -> None:
     """Check that ``cls`` (Model Runner V2's ``CudaGraphManager``) has ``dispatch(self,
     num_reqs, num_tokens, uniform_token_count, num_active_loras, max_query_len=...,
-    num_ubatches=...)``, the ``graphs`` it replays, the module's ``_is_compatible`` and the
-    candidate grouping of :data:`CUDAGRAPH_CANDIDATE_LINES`.
+    num_ubatches=...)``, its module's ``_is_compatible(desc, <the same batch arguments>)``
+    and the candidate grouping of :data:`CUDAGRAPH_CANDIDATE_LINES`.
 
     Raises:
         VllmShapeError: a method, a parameter, the helper or a line is not there.
@@ -1315,15 +1315,7 @@ def check_cudagraph_dispatch_shape(cls: type[Any]) -> None:
         raise VllmShapeError(f"{cls.__name__}.dispatch{tuple(params)}: expected {tuple(want)}")
     module = sys.modules.get(inspect.unwrap(fn).__module__)
     helper = getattr(module, "_is_compatible", None)
-    if not callable(helper) or list(inspect.signature(helper).parameters) != [
-        "desc",
-        "num_reqs",
-        "num_tokens",
-        "uniform_token_count",
-        "num_active_loras",
-        "max_query_len",
-        "num_ubatches",
-    ]:
+    if not callable(helper) or list(inspect.signature(helper).parameters) != ["desc", *want[1:]]:
         raise VllmShapeError(f"{inspect.unwrap(fn).__module__}._is_compatible is missing or changed")
     src = inspect.getsource(init)
     for needle in CUDAGRAPH_CANDIDATE_LINES:

@@ -50,5 +50,5 @@ if [ "${TABLE:-0}" = 1 ]; then
 fi
 if [ -n "${PY_SPY:-}" ]; then
   python3 -m bench profile-step --attach "$S" --clients 64 --seconds 10 --py-spy "$PY_SPY" --out "$R/profile" \
-    --engines plain,vk0,ngram | tee "$R/profile.md"
+    --engines plain,vk0,ngram --mode fixed:0 | tee "$R/profile.md"  # the engine host back at K = 0 after the table
 fi
