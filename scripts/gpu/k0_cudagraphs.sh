@@ -13,6 +13,7 @@
 # 64 clients; adaptive, K = 0, 2, 4 and plain vLLM; REQS requests per client, default
 # low=8,medium=4,high=2); with PY_SPY, `bench profile-step --attach` at 64 clients on all three.
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 M=${1:?usage: k0_cudagraphs.sh MODEL RESULTS}
 R=${2:?usage: k0_cudagraphs.sh MODEL RESULTS}
 S=$R/state.json
@@ -25,16 +26,10 @@ engines=(
   --engine "host:ngram:--speculative-method ngram_gpu --k-max 4 --speculation-mode fixed --k 0 --no-prefix-caching --max-num-seqs 64 --max-model-len 2048 --gpu-memory-utilization 0.3 --warmup quick -- --kv-cache-memory-bytes $KV --cudagraph-metrics"
 )
 mkdir -p "$R"
-trap 'python3 -m bench host-overhead --model "$M" --state "$S" --out "$R/overhead" --rounds 0 >/dev/null 2>&1' EXIT
+trap 'stop_engines "$M" "$S" "$R/overhead"' EXIT
 python3 -m bench host-overhead --model "$M" --parallel-start --keep --state "$S" --out "$R/overhead" \
   --workloads chat,code --loads 64 --rounds 1 --duration 6 --warm 3 "${engines[@]}" || exit $?
-eval "$(python3 - "$S" <<'PY'
-import json, shlex, sys
-live = {e["name"]: e for e in json.load(open(sys.argv[1]))["live"]}
-for name, e in live.items():
-    print(f"{name.upper()}_URL={shlex.quote(e['url'])} {name.upper()}_TOKEN={shlex.quote(e['token'] or '')}")
-PY
-)"
+eval "$(engine_vars "$S")"
 [ -n "${NGRAM_URL:-}" ] && [ -n "${PLAIN_URL:-}" ] && [ -n "${VK0_URL:-}" ] || { echo "the engines are not up (see $S)" >&2; exit 3; }
 for other in PLAIN VK0; do
   url=${other}_URL

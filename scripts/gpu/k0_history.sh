@@ -26,6 +26,7 @@
 # cputimes): with the cells' output tokens, the frontend's CPU per streamed token, which the
 # engine-side windows of step 1 do not see (their requests are not streamed).
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 M=${1:?usage: k0_history.sh MODEL RESULTS}
 R=${2:?usage: k0_history.sh MODEL RESULTS}
 S=$R/state.json
@@ -38,20 +39,13 @@ engines=(
 )
 mkdir -p "$R"
 # the engines are kept up between the steps (--keep); stop them however the script ends
-trap 'python3 -m bench host-overhead --model "$M" --state "$S" --out "$R/overhead-after" --rounds 0 >/dev/null 2>&1' EXIT
+trap 'stop_engines "$M" "$S" "$R/overhead-after"' EXIT
 overhead() {  # OUT
   python3 -m bench host-overhead --model "$M" --parallel-start --keep --state "$S" --out "$1" \
     --workloads chat,code --loads 64 --rounds 1 --duration 6 --warm 3 --only plain,stats,ngram "${engines[@]}"
 }
 overhead "$R/overhead-before" || exit $?
-eval "$(python3 - "$S" <<'EOF'
-import json, shlex, sys
-live = {e["name"]: e for e in json.load(open(sys.argv[1]))["live"]}
-for name, e in live.items():
-    print(f"{name.upper()}_URL={shlex.quote(e['url'])} {name.upper()}_TOKEN={shlex.quote(e['token'] or '')} "
-          f"{name.upper()}_PID={int(e['pid'])}")
-EOF
-)"
+eval "$(engine_vars "$S")"
 [ -n "${NGRAM_URL:-}" ] && [ -n "${PLAIN_URL:-}" ] && [ -n "${STATS_URL:-}" ] || { echo "the engines are not up (see $S)" >&2; exit 3; }
 api_cpu() { ps -o pid=,cputimes= -p "$PLAIN_PID" -p "$STATS_PID" -p "$NGRAM_PID" | xargs; }
 m() {  # PLAIN_URL MODES OUT

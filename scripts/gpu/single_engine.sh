@@ -23,6 +23,7 @@
 # DRAFT_MODES, default adaptive,fixed:2,fixed:4),
 # STOP=1 stops the engines at the end.
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 M=${1:?usage: single_engine.sh MODEL RESULTS [MATRIX_ARGS...]}
 R=${2:?usage: single_engine.sh MODEL RESULTS [MATRIX_ARGS...]}
 shift 2
@@ -51,13 +52,7 @@ if [ -n "${PY_SPY:-}" ]; then
 fi
 
 # the kept engines' addresses and control tokens, from the state file
-eval "$(python3 - "$S" <<'EOF'
-import json, shlex, sys
-live = {e["name"]: e for e in json.load(open(sys.argv[1]))["live"]}
-for name, e in live.items():
-    print(f"{name.upper()}_URL={shlex.quote(e['url'])} {name.upper()}_TOKEN={shlex.quote(e['token'] or '')}")
-EOF
-)"
+eval "$(engine_vars "$S")"
 [ -n "${NGRAM_URL:-}" ] && [ -n "${PLAIN_URL:-}" ] || { echo "the engines are not up (see $S)" >&2; exit 3; }
 matrix() {  # URL TOKEN OUT PLAIN?
   SPECPILOT_CONTROL_TOKEN=$2 python3 -m bench matrix --url "$1" ${4:+--plain-baseline --plain-url "$PLAIN_URL"} \
@@ -73,5 +68,5 @@ for i in $(seq 1 "${RUNS:-2}"); do
   fi
 done
 if [ -n "${STOP:-}" ]; then
-  python3 -m bench host-overhead --model "$M" --state "$S" --out "$R/overhead" --rounds 0
+  stop_engines "$M" "$S" "$R/overhead"
 fi
