@@ -27,6 +27,7 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -236,6 +237,20 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated modes, run in this order in each cell group")
     m.add_argument("--duration", type=float, default=25.0, help="measurement window per cell (s)")
     m.add_argument("--resume", action="store_true", help="skip cells whose JSON already exists in --out")
+    m.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each (workload, load) group's modes this many times, one round after another, the even "
+        "rounds in reverse order; round r goes to OUT/round-r and the spread over the rounds to OUT/spread.md",
+    )
+    m.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="with --start-engine --plain-baseline: keep the plain engine up beside the speculative one and "
+        "run each group's plain cell inside the group's round (always so with --plain-url); otherwise the "
+        "plain engine is started after the speculative one has run every cell",
+    )
     _common(m)
 
     rp = sub.add_parser("report", help="rebuild summary tables and charts from the cell JSON files of a results folder")
@@ -314,38 +329,64 @@ async def _warm_up(control: EngineControl, model: str, spec: CellSpec, seconds: 
     )
 
 
+@dataclass(frozen=True)
+class CellJob:
+    """One cell to run: ``engine`` names the engine it runs on (a key of the ``engines`` map
+    of :func:`_run_cells`), ``spec`` the cell, ``out`` the folder its JSON goes to."""
+
+    engine: str
+    spec: CellSpec
+    out: Path
+
+
 async def _run_cells(
-    url: str,
-    token: str | None,
-    specs: Sequence[CellSpec],
-    out: Path,
+    engines: dict[str, tuple[str, str | None]],
+    jobs: Sequence[CellJob],
     api_key: str | None,
     quiet: bool,
     outer=None,
     resume: bool = False,
     warmup_s: float = 0.0,
 ) -> list[dict[str, Any]]:
+    """Run ``jobs`` in order; ``engines`` maps an engine name to its (base URL, control token).
+
+    Each engine gets ``warmup_s`` seconds of untimed load on the workload of its first cell
+    before that cell. A cell whose JSON exists in its folder is read back instead of run when
+    ``resume`` is set.
+
+    Returns:
+        The cell results, in the order of ``jobs``.
+    Raises:
+        BenchError: an engine is unreachable or refuses a mode.
+    """
     from .report import cell_figure, save_figure
 
-    control = EngineControl(url, token)
+    controls: dict[str, EngineControl] = {}
+    models: dict[str, str] = {}
     results = []
     try:
-        model = await control.served_model()
-        if warmup_s > 0 and specs:
-            await _warm_up(control, model, specs[0], warmup_s, api_key)
-        for spec in specs:
+        for job in jobs:
+            spec, out = job.spec, job.out
             path = out / f"{spec.label}.json"
             if resume and path.is_file():
                 results.append(json.loads(path.read_text()))
                 if outer is not None:
                     outer.update(1)
                 continue
+            control = controls.get(job.engine)
+            if control is None:
+                url, token = engines[job.engine]
+                control = controls[job.engine] = EngineControl(url, token)
+                models[job.engine] = await control.served_model()
+                if warmup_s > 0:
+                    await _warm_up(control, models[job.engine], spec, warmup_s, api_key)
             bar, progress = _bar(spec, quiet, position=1 if outer is not None else 0)
             try:
-                res = await run_cell(control, spec, model=model, api_key=api_key, progress=progress)
+                res = await run_cell(control, spec, model=models[job.engine], api_key=api_key, progress=progress)
             finally:
                 if bar is not None:
                     bar.close()
+            out.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(res, indent=1))
             save_figure(cell_figure(res), out / "charts" / f"{spec.label}.html", png=False)
             results.append(res)
@@ -355,14 +396,79 @@ async def _run_cells(
                 f"TTFT p50 {c['ttft_ms']['p50']} ms, ITL mean {c['itl_ms']['mean']} ms, "
                 f"acceptance {res['acceptance']['acceptance_rate']}, mean K {res['k']['mean_k_steps']}"
             )
+            if out.name.startswith("round-"):
+                line = f"[{out.name}] " + line
             if c["requests"]["failed"]:
                 line += f"; {c['requests']['failed']} requests failed, e.g. {c['errors'][0]['error']}"
             (outer.write if outer is not None else (lambda s: print(s, file=sys.stderr)))(line)
             if outer is not None:
                 outer.update(1)
     finally:
-        await control.aclose()
+        for control in controls.values():
+            await control.aclose()
     return results
+
+
+def matrix_jobs(
+    groups: Sequence[tuple[str, str]],
+    modes: Sequence[str],
+    cell: Any,
+    out: Path,
+    rounds: int = 1,
+    plain: bool = False,
+    together: bool = False,
+) -> list[list[CellJob]]:
+    """The order of a matrix run's cells, as phases (each a list of jobs run one after another).
+
+    Args:
+        groups: (workload, load name) cell groups, in order.
+        modes: the speculative engine's modes, in order.
+        cell: ``cell(workload, load name, mode) -> CellSpec``.
+        out: the results folder; with ``rounds > 1`` round r goes to ``out/round-r``.
+        rounds: how many times each group's modes run (>= 1). Even rounds run the modes in
+            reverse order, so that a drift of the host over a group weighs on every mode alike.
+        plain: add the plain-vLLM column (mode ``plain``, engine ``plain``).
+        together: both engines are up at once: each group's plain cell runs inside the group's
+            round, beside the modes (one phase). Otherwise the plain engine's cells run in a
+            second phase, after every cell of the speculative engine.
+    Returns:
+        ``[phase, ...]``; each job's ``engine`` is ``"spec"`` or ``"plain"``.
+    Raises:
+        ValueError: ``rounds < 1``.
+    """
+    if rounds < 1:
+        raise ValueError("rounds must be >= 1")
+
+    def folder(r: int) -> Path:
+        return out if rounds == 1 else out / f"round-{r}"
+
+    def ordered(seq: list[str], r: int) -> list[str]:
+        return seq if r % 2 == 1 else list(reversed(seq))
+
+    spec_modes = list(modes)
+    if plain and together:
+        both = spec_modes + ["plain"]
+        return [
+            [
+                CellJob("plain" if m == "plain" else "spec", cell(w, ld, m), folder(r))
+                for w, ld in groups
+                for r in range(1, rounds + 1)
+                for m in ordered(both, r)
+            ]
+        ]
+    phases = [
+        [
+            CellJob("spec", cell(w, ld, m), folder(r))
+            for w, ld in groups
+            for r in range(1, rounds + 1)
+            for m in ordered(spec_modes, r)
+        ]
+    ]
+    if plain:
+        phases.append(
+            [CellJob("plain", cell(w, ld, "plain"), folder(r)) for w, ld in groups for r in range(1, rounds + 1)]
+        )
+    return [p for p in phases if p]
 
 
 def _finish(results: list[dict[str, Any]], out: Path, png: bool, meta: dict[str, Any]) -> dict[str, Path]:
@@ -436,7 +542,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     ]
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
     results = asyncio.run(
-        _run_cells(args.url, resolve_token(args.token_env), specs, out, api_key, args.quiet, warmup_s=args.warmup)
+        _run_cells(
+            {"spec": (args.url, resolve_token(args.token_env))},
+            [CellJob("spec", spec, out) for spec in specs],
+            api_key,
+            args.quiet,
+            warmup_s=args.warmup,
+        )
     )
     meta = {"command": "python -m bench " + shlex.join(sys.argv[1:]), "finished_at_unix": time.time()}
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
@@ -503,71 +615,84 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
 
-    def specs_for(mode_list: list[str]) -> list[CellSpec]:
-        return [
-            CellSpec(
-                workload=w,
-                mode=m,
-                load=ld,
-                duration_s=args.duration,
-                max_tokens=args.max_tokens,
-                seed=args.seed,
-                shift_period_s=args.shift_period,
-                slo=_slo(args),
-                settle_s=args.settle,
-                ramp_s=args.ramp,
-                num_requests=_num_requests(args, ld, lname),
-                shift_period_requests=_shift_period(args, _num_requests(args, ld, lname)),
-                load_label=lname,
-            )
-            for w in workloads
-            for lname, ld in loads.items()
-            for m in mode_list
-        ]
+    def cell(w: str, lname: str, mode: str) -> CellSpec:
+        ld = loads[lname]
+        return CellSpec(
+            workload=w,
+            mode=mode,
+            load=ld,
+            duration_s=args.duration,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            shift_period_s=args.shift_period,
+            slo=_slo(args),
+            settle_s=args.settle,
+            ramp_s=args.ramp,
+            num_requests=_num_requests(args, ld, lname),
+            shift_period_requests=_shift_period(args, _num_requests(args, ld, lname)),
+            load_label=lname,
+        )
 
-    spec_cells = specs_for(modes)
-    plain_cells = specs_for(["plain"]) if args.plain_baseline else []
+    if args.rounds < 1:
+        raise BenchError("--rounds must be >= 1")
+    together = bool(args.plain_baseline and (args.plain_url or args.side_by_side))
+    groups = [(w, lname) for w in workloads for lname in loads]
+    phases = matrix_jobs(groups, modes, cell, out, args.rounds, args.plain_baseline, together)
     outer = (
         None
         if args.quiet
-        else tqdm(
-            total=len(spec_cells) + len(plain_cells), desc="cells", position=0, file=sys.stderr, dynamic_ncols=True
-        )
+        else tqdm(total=sum(len(p) for p in phases), desc="cells", position=0, file=sys.stderr, dynamic_ncols=True)
     )
-    results: list[dict[str, Any]] = []
+    done: list[tuple[Path, dict[str, Any]]] = []  # (folder, cell result)
+    started: list[Any] = []
     try:
-        for plain, cells in ((False, spec_cells), (True, plain_cells)):
-            if not cells:
-                continue
-            eh = None
-            if args.start_engine:
-                eh = _start_engine(args, out, plain)
-                url, token = eh.url, eh.token
-            else:
-                url = args.plain_url if plain else args.url
-                token = resolve_token(args.plain_token_env if plain else args.token_env)
+        for jobs in phases:
+            names = sorted({j.engine for j in jobs})
+            engines: dict[str, tuple[str, str | None]] = {}
             try:
-                results += asyncio.run(
-                    _run_cells(url, token, cells, out, api_key, args.quiet, outer, args.resume, warmup_s=args.warmup)
+                for name in names:
+                    plain = name == "plain"
+                    if args.start_engine:
+                        eh = _start_engine(args, out, plain)
+                        started.append(eh)
+                        engines[name] = (eh.url, eh.token)
+                    else:
+                        url = args.plain_url if plain else args.url
+                        engines[name] = (url, resolve_token(args.plain_token_env if plain else args.token_env))
+                got = asyncio.run(
+                    _run_cells(engines, jobs, api_key, args.quiet, outer, args.resume, warmup_s=args.warmup)
                 )
+                done += [(job.out, res) for job, res in zip(jobs, got)]
             finally:
-                if eh is not None:
-                    eh.stop()
+                while started:
+                    started.pop().stop()
     finally:
         if outer is not None:
             outer.close()
-    # rows in workload/load order with the plain column beside the same-engine modes
-    order = {(w, ld): i for i, (w, ld) in enumerate((w, ld) for w in workloads for ld in loads)}
-    results.sort(key=lambda r: order.get((r["spec"]["workload"], r["spec"]["load"]["label"]), 0))
     meta = {
         "command": "python -m bench " + shlex.join(sys.argv[1:]),
         "finished_at_unix": time.time(),
         "loads": {k: loads_def[k] for k in loads},
         "modes": modes,
         "duration_s": args.duration,
+        "rounds": args.rounds,
+        "plain_beside_modes": together,
     }
-    paths = _finish(results, out, not args.no_png, meta)
-    print(paths["md"].read_text())
+    # rows in workload/load order with the plain column beside the same-engine modes
+    order = {g: i for i, g in enumerate(groups)}
+    folders = [out] if args.rounds == 1 else [out / f"round-{r}" for r in range(1, args.rounds + 1)]
+    for folder in folders:
+        mine = [res for f, res in done if f == folder]
+        mine.sort(key=lambda r: order.get((r["spec"]["workload"], r["spec"]["load"]["label"]), 0))
+        paths = _finish(mine, folder, not args.no_png, meta)
+        if args.rounds == 1:
+            print(paths["md"].read_text())
+    if args.rounds > 1:
+        from .spread import load_runs, render, spread_table
+
+        text = render(spread_table(load_runs(folders)), len(folders))
+        (out / "spread.md").write_text(f"Command: `{meta['command']}`\n\n{text}\n")
+        print(text)
     print(f"results: {out}")
     return 0
 

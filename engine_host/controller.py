@@ -129,6 +129,16 @@ class AcceptanceEstimator:
     accepts nothing keeps the deep estimates high for about ``1/alpha`` request-steps, long
     enough for a short run of requests to be served at a K that only costs.
 
+    n-gram acceptance comes in bursts: code at batch 1 accepts runs of drafts where it
+    repeats its prompt and nothing for tens of steps in between, at a steady mean. A drop
+    therefore also needs the run of request-steps with nothing accepted at position 1 to be
+    longer than ``detect_run_factor`` times the longest such run completed since the last
+    change (that reference fades with a memory of ``4/alpha`` request-steps). A workload
+    whose drafts are accepted steadily has short runs, so a change after it is seen as soon
+    as before; a bursty one is not taken for a change at each of its quiet stretches (each
+    such false change forgot every weight, and the estimate fell to the stretch's 0, where
+    nothing more is measured at K = 0).
+
     Args:
         k_max: number of draft positions tracked (the engine's K_max).
         alpha: weight of one decode request-step, 0..1 (memory about 1/alpha request-steps).
@@ -145,6 +155,9 @@ class AcceptanceEstimator:
             only (at a larger batch the long memory passes in a few steps anyway, and the
             requests' own ups and downs look like changes).
         forget: factor (0..1) applied to every weight at a change.
+        detect_run_factor: a drop needs the current run of request-steps with nothing
+            accepted to exceed this many times the longest run completed since the last
+            change (>= 0; 0: no such condition).
     """
 
     def __init__(
@@ -159,6 +172,7 @@ class AcceptanceEstimator:
         detect_floor: float = 0.02,
         detect_max_batch: int = 1,
         forget: float = 0.01,
+        detect_run_factor: float = 2.0,
     ):
         self.k_max = k_max
         self.alpha = alpha
@@ -172,6 +186,9 @@ class AcceptanceEstimator:
         self.short_num = 0.0  # short estimate of position 1: weighted accepted, weight
         self.short_den = 0.0
         self.changes = 0  # workload changes detected
+        self.detect_run_factor = detect_run_factor
+        self.zero_run = 0  # request-steps in a row (small batches) with nothing accepted at position 1
+        self.zero_run_ref = 0.0  # longest such run completed since the last change (fading)
         w0 = 0.5 * alpha  # the prior weighs half a request-step
         self.num = [w0 * prior_decay ** (i + 1) for i in range(k_max)]
         self.drf = [w0] * k_max
@@ -265,7 +282,14 @@ class AcceptanceEstimator:
             return
         if batch_size > self.detect_max_batch:  # detect from consecutive small batches only
             self.short_num = self.short_den = 0.0
+            self.zero_run = 0
             return
+        self.zero_run_ref *= (1.0 - self.alpha / 4.0) ** batch_size
+        if accepted_1 > 0.0:
+            self.zero_run_ref = max(self.zero_run_ref, float(self.zero_run))
+            self.zero_run = 0
+        else:
+            self.zero_run += batch_size
         f = (1.0 - a_s) ** batch_size
         self.short_num = self.short_num * f + (1.0 - f) * accepted_1
         self.short_den = self.short_den * f + (1.0 - f)
@@ -277,9 +301,13 @@ class AcceptanceEstimator:
         # the short estimate dips whenever they are all past the text they copy at once
         if short < long and short > self.detect_floor:
             return
+        if short < long and self.zero_run <= self.detect_run_factor * self.zero_run_ref:
+            return  # no longer quiet than the workload's own quiet stretches (class doc)
         if hi - lo >= self.detect_min_gap and hi >= self.detect_ratio * lo:
             self._scale_weights(self.forget)
             self.short_num = self.short_den = 0.0
+            self.zero_run = 0
+            self.zero_run_ref = 0.0
             self.changes += 1
 
     def fresh(self, i: int) -> bool:

@@ -140,3 +140,30 @@ def test_bench_fixed_work_sends_the_same_requests_and_waits_for_all(engine_host,
         assert c["output_tokens_per_s"] == pytest.approx(c["output_tokens"] / c["window_s"], rel=0.01)
         sources.append([q["source"] for q in r["requests"]])
     assert sources[0] == sources[1]  # every mode gets the same prompts
+
+
+def test_bench_matrix_rounds_write_one_folder_per_round_and_the_spread(engine_host, control, restore_config, tmp_path):
+    out = tmp_path / "matrix"
+    env = dict(os.environ, BENCH_TEST_TOKEN=engine_host.token)
+    cmd = [sys.executable, "-m", "bench", "matrix", "--url", engine_host.url, "--token-env", "BENCH_TEST_TOKEN",
+           "--workloads", "code", "--loads", "low", "--modes", "fixed:0,fixed:2", "--rounds", "2",
+           "--requests-per-client", "1", "--max-tokens", "16", "--settle", "0.2", "--warmup", "0",
+           "--out", str(out), "--no-png", "--quiet"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    starts = {}
+    for r in (1, 2):
+        folder = out / f"round-{r}"
+        for mode in ("fixed:0", "fixed:2"):
+            cell = json.loads((folder / f"code-low-{mode.replace(':', '')}.json").read_text())
+            assert cell["spec"]["mode"] == mode and cell["client"]["requests"]["finished"] == 1
+            starts[(r, mode)] = cell["started_at_unix"]
+        rows = json.loads((folder / "summary.json").read_text())["rows"]
+        assert sorted(row["mode"] for row in rows) == ["fixed:0", "fixed:2"]
+    # round 2 runs the modes in reverse order, right after round 1
+    assert starts[(1, "fixed:0")] < starts[(1, "fixed:2")] < starts[(2, "fixed:2")] < starts[(2, "fixed:0")]
+    spread = (out / "spread.md").read_text()
+    assert "| code | low |" in spread and "2 runs" in spread
+    assert "2 runs" in proc.stdout

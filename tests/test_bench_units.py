@@ -801,3 +801,46 @@ def test_matrix_against_an_engine_that_is_not_up_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"cannot reach http://127.0.0.1:{port}/" in err and "--start-engine" in err
     assert "Traceback" not in err
+
+
+def test_matrix_jobs_interleave_rounds_and_put_plain_beside_the_modes(tmp_path):
+    from types import SimpleNamespace
+
+    from bench.__main__ import matrix_jobs
+
+    def cell(w, ld, m):
+        return SimpleNamespace(label=f"{w}-{ld}-{m}", mode=m)
+
+    groups = [("code", "low"), ("chat", "low")]
+    # both engines up: one phase; each group's rounds run back to back, the even round reversed,
+    # and the plain cell sits inside every round of its group
+    (phase,) = matrix_jobs(groups, ["adaptive", "fixed:0"], cell, tmp_path, rounds=2, plain=True, together=True)
+    got = [(j.engine, j.spec.label, j.out.name) for j in phase]
+    assert got == [
+        ("spec", "code-low-adaptive", "round-1"),
+        ("spec", "code-low-fixed:0", "round-1"),
+        ("plain", "code-low-plain", "round-1"),
+        ("plain", "code-low-plain", "round-2"),
+        ("spec", "code-low-fixed:0", "round-2"),
+        ("spec", "code-low-adaptive", "round-2"),
+        ("spec", "chat-low-adaptive", "round-1"),
+        ("spec", "chat-low-fixed:0", "round-1"),
+        ("plain", "chat-low-plain", "round-1"),
+        ("plain", "chat-low-plain", "round-2"),
+        ("spec", "chat-low-fixed:0", "round-2"),
+        ("spec", "chat-low-adaptive", "round-2"),
+    ]
+    # engines one after the other: the plain engine's cells come in a second phase
+    spec_phase, plain_phase = matrix_jobs(groups, ["adaptive"], cell, tmp_path, rounds=2, plain=True)
+    assert {j.engine for j in spec_phase} == {"spec"} and len(spec_phase) == 4
+    assert [(j.spec.label, j.out.name) for j in plain_phase] == [
+        ("code-low-plain", "round-1"),
+        ("code-low-plain", "round-2"),
+        ("chat-low-plain", "round-1"),
+        ("chat-low-plain", "round-2"),
+    ]
+    # one round writes into the folder itself, as before
+    (one,) = matrix_jobs(groups, ["adaptive"], cell, tmp_path, rounds=1)
+    assert {j.out for j in one} == {tmp_path}
+    with pytest.raises(ValueError):
+        matrix_jobs(groups, ["adaptive"], cell, tmp_path, rounds=0)

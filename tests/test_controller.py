@@ -508,3 +508,33 @@ def test_a_new_depth_where_no_request_got_that_far_is_not_read_as_never_accepted
     for _ in range(40):
         est.observe(4, 4, [3, 3, 3, 1, 0, 0, 0, 0], [4, 4, 4, 4, 0, 0, 0, 0])
     assert est.conditional()[3] == pytest.approx(1 / 3, abs=0.05)
+
+
+def _bursty(est, rnd, stretches=60):
+    """Code-like n-gram acceptance at batch 1, K = 4: quiet stretches of 20-70 steps with
+    nothing accepted, then 5-15 steps where it repeats its prompt (position 1 accepted at 0.8;
+    mean about 0.14). Returns r_1 after each step."""
+    out = []
+    for _ in range(stretches):
+        for _ in range(rnd.randint(20, 70)):
+            est.observe(4, 1, [0] * 4)
+            out.append(est.r()[0])
+        for _ in range(rnd.randint(5, 15)):
+            est.observe(4, 1, [1, 1, 0, 0] if rnd.random() < 0.8 else [0] * 4)
+            out.append(est.r()[0])
+    return out
+
+
+def test_bursty_acceptance_is_not_taken_for_a_change_of_workload():
+    est = AcceptanceEstimator(4, alpha=0.01)
+    r1 = _bursty(est, random.Random(5))
+    assert est.changes == 0
+    assert min(r1[500:]) > 0.05  # the estimate stays near the mean through each quiet stretch
+    # without the run-length condition, quiet stretches read as changes and r_1 fell to ~0
+    old = AcceptanceEstimator(4, alpha=0.01, detect_run_factor=0.0)
+    r1_old = _bursty(old, random.Random(5))
+    assert old.changes >= 1 and min(r1_old[500:]) < 0.01
+    # after a bursty workload a real drop is followed by the estimates' own memory (1/alpha)
+    for _ in range(400):
+        est.observe(4, 1, [0] * 4)
+    assert est.r()[0] < 0.01
