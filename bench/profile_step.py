@@ -198,7 +198,7 @@ def profile_attached(
         BenchError: the engine host refused ``mode``.
     """
     url = live["url"]
-    if mode and live.get("token"):
+    if mode and live.get("kind", "host") == "host" and live.get("token"):  # bare vLLM: left as it is
         import asyncio
 
         from .engine_control import EngineControl

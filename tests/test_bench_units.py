@@ -844,3 +844,15 @@ def test_matrix_jobs_interleave_rounds_and_put_plain_beside_the_modes(tmp_path):
     assert {j.out for j in one} == {tmp_path}
     with pytest.raises(ValueError):
         matrix_jobs(groups, ["adaptive"], cell, tmp_path, rounds=0)
+
+
+def test_hook_cost_drives_the_real_hook_and_reports_per_step(capsys):
+    from bench.hook_cost import main, measure
+
+    r = measure("fixed:4", 2, 300)
+    assert 0 < r["hook_clock_us_per_step"] <= r["us_per_step"]
+    assert measure("adaptive", 1, 300)["hook_clock_us_per_step"] > 0
+    assert main(["--modes", "fixed:0", "--batch", "1", "--steps", "100"]) == 0
+    assert "| fixed:0 | 1 |" in capsys.readouterr().out
+    assert main(["--modes", "nonsense", "--batch", "1", "--steps", "10"]) == 2
+    assert "unknown mode" in capsys.readouterr().err

@@ -27,7 +27,7 @@ python3 -m bench host-overhead --model "$M" --parallel-start --keep --state "$S"
   "${engines[@]}" || exit $?
 if [ -n "${PY_SPY:-}" ]; then
   for c in ${CLIENTS:-1 8}; do
-    python3 -m bench profile-step --attach "$S" --engines plain,ngram --mode fixed:0 --clients "$c" --seconds 12 \
+    python3 -m bench profile-step --attach "$S" --engines plain,ngram --clients "$c" --seconds 12 \
       --py-spy "$PY_SPY" --out "$R/profile-c$c" | tee "$R/profile-c$c.md"
   done
 fi

@@ -1,0 +1,171 @@
+"""``python -m bench hook-cost``: the CPU time SpecPilot's scheduler hook adds to one engine step.
+
+The hook (``engine_host.scheduler``) is combined here with a stand-in for vLLM's scheduler
+that schedules ``--batch`` one-token decode requests and returns at once, so that the loop
+measures only SpecPilot's own work per step: reading the config channel, the batch caps, the
+step's K (``dynamic_sd_lookup``), the per-request gate, the step clock, the controller's
+estimates (``SpeculationController.observe``) and the state published every 0.25 s. vLLM's own
+scheduling, the model and the engine core's other threads are not in it.
+
+Why: the hook's own clock (``overhead.hook_seconds`` in the published state) is wall time
+inside its spans of the engine-core thread, and includes whatever holds that thread up there
+(another thread of the process taking the GIL, the OS). This figure is the code's own cost,
+for comparison with that clock and with a step's time (docs/benchmarks.md, docs/gpu.md).
+
+Prints microseconds per step for each mode given, the hook's own clock over the same loop, and
+with ``--profile`` the functions that take the time (cProfile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import types
+from typing import Any
+
+#: Modes measured by default: speculation off inside the engine, a fixed K, adaptive.
+DEFAULT_MODES = ("fixed:0", "fixed:4", "adaptive")
+
+
+class _SchedulerStandIn:
+    """The attributes and methods of vLLM's ``Scheduler`` the hook uses, doing no work."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.vllm_config = types.SimpleNamespace(
+            model_config=types.SimpleNamespace(model="stand-in", max_model_len=2048, hf_config=None),
+            speculative_config=types.SimpleNamespace(method="ngram", num_speculative_tokens=4, draft_model_config=None),
+        )
+        self.scheduler_config = types.SimpleNamespace(max_num_batched_tokens=8192)
+        self.max_num_running_reqs = 64
+        self.max_num_scheduled_tokens = 8192
+        self.num_spec_tokens = 4
+        self.running: list[Any] = []
+        self.waiting: list[Any] = []
+        self.requests: dict[str, Any] = {}
+
+    def has_requests(self) -> bool:
+        return True
+
+    def schedule(self) -> Any:
+        k = self.dynamic_sd_lookup[len(self.running)]  # type: ignore[attr-defined]
+        spec = {r.request_id: [-1] * k for r in self.running} if k else {}
+        return types.SimpleNamespace(
+            num_spec_tokens_to_schedule=k,
+            num_scheduled_tokens={r.request_id: 1 + k for r in self.running},
+            scheduled_spec_decode_tokens=spec,
+        )
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict:
+        return {}
+
+    def make_spec_decoding_stats(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def measure(mode: str, batch: int, steps: int, profile: bool = False) -> dict[str, float]:
+    """Run ``steps`` hook steps at ``batch`` decode requests in ``mode`` (``fixed:K``,
+    ``adaptive``, ``off``).
+
+    Returns:
+        ``{"us_per_step": wall µs per step of the whole loop, "hook_clock_us_per_step": the
+        hook's own clock per step}``.
+    Raises:
+        BenchError: an unknown mode.
+    """
+    from bench.engine_control import mode_patch
+    from engine_host import envs
+    from engine_host.channel import Channel
+    from engine_host.config import LiveConfig
+    from engine_host.scheduler import _SpecPilotHook
+
+    class Hook(_SpecPilotHook, _SchedulerStandIn):
+        pass
+
+    patch = mode_patch(mode)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "channel")
+        channel = Channel(path, create=True)
+        cfg = LiveConfig().model_dump(mode="json")
+        for key, value in patch.get("speculation", {}).items():
+            if isinstance(value, dict):
+                cfg["speculation"][key] = {**cfg["speculation"].get(key, {}), **value}
+            elif value is not None:
+                cfg["speculation"][key] = value
+        channel.write_config(1, cfg)
+        old = os.environ.get(envs.CHANNEL)
+        os.environ[envs.CHANNEL] = path
+        try:
+            hook = Hook()
+        finally:
+            if old is None:
+                os.environ.pop(envs.CHANNEL, None)
+            else:
+                os.environ[envs.CHANNEL] = old
+        hook.running = [
+            types.SimpleNamespace(request_id=f"r{i}", spec_token_ids=[], num_output_tokens=8) for i in range(batch)
+        ]
+        hook.requests = {r.request_id: r for r in hook.running}
+
+        def step() -> None:
+            hook.has_requests()
+            out = hook.schedule()
+            for rid, drafts in out.scheduled_spec_decode_tokens.items():
+                hook.make_spec_decoding_stats(None, len(drafts), 0, request_id=rid)
+            hook.update_from_output(out, None)
+
+        for _ in range(200):  # warm
+            step()
+        hook._overhead_s = 0.0
+        prof = None
+        if profile:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = time.perf_counter() - t
+        if prof is not None:
+            import pstats
+
+            prof.disable()
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(12)
+        channel.close()
+        return {"us_per_step": wall / steps * 1e6, "hook_clock_us_per_step": hook._overhead_s / steps * 1e6}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line; see the module docstring."""
+    ap = argparse.ArgumentParser(
+        prog="python -m bench hook-cost", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated modes (fixed:K, adaptive, off)")
+    ap.add_argument("--batch", default="1,8,64", help="comma-separated decode batch sizes (requests)")
+    ap.add_argument("--steps", type=int, default=20000, help="steps per measurement")
+    ap.add_argument("--profile", action="store_true", help="also print where the time goes (cProfile)")
+    args = ap.parse_args(argv)
+    from bench.engine_control import BenchError
+
+    try:
+        batches = [int(b) for b in args.batch.split(",") if b.strip()]
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        if not batches or min(batches) < 1 or args.steps < 1:
+            raise ValueError("--batch needs sizes >= 1 and --steps >= 1")
+        print("| mode | batch | µs per step (CPU, loop) | hook's own clock µs per step |")
+        print("|---|---:|---:|---:|")
+        for mode in modes:
+            for b in batches:
+                r = measure(mode, b, args.steps, args.profile)
+                print(f"| {mode} | {b} | {r['us_per_step']:.1f} | {r['hook_clock_us_per_step']:.1f} |")
+    except (ValueError, BenchError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
