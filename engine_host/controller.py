@@ -784,6 +784,11 @@ class AdaptivePolicy(Policy):
     name = "adaptive"
     BURST_REQUEST_STEPS = 16  # decode request-steps measured per exploration
     MAX_BACKOFF = 8  # exploration interval grows up to explore_every * MAX_BACKOFF while K holds
+    # the goodput comparison is redone every DECIDE_EVERY steps at one batch size (and at once
+    # when the batch size changes): evaluating T(B, K) and E(K) for every K costs tens of µs
+    # of the engine core's Python per step (python -m bench hook-cost), a few per cent of a GPU
+    # decode step, while the estimates it reads move over tens of request-steps
+    DECIDE_EVERY = 4
 
     def __init__(self, spec: SpeculationConfig, k_engine: int, ctl: "SpeculationController"):
         super().__init__(spec, k_engine, ctl)
@@ -797,6 +802,8 @@ class AdaptivePolicy(Policy):
         self.next_explore = self.p.explore_every
         self.last_goodput: dict[int, float] = {}
         self.last_batch = 1
+        self._decided_at = -self.DECIDE_EVERY  # self.steps of the last goodput comparison
+        self._decided_batch = 0
 
     def goodput(self, batch_size: int) -> dict[int, float]:
         """Predicted goodput (tokens/s) per K in bounds at this batch size."""
@@ -830,7 +837,11 @@ class AdaptivePolicy(Policy):
         if self.explore_left > 0 and self.explore_k is not None:
             self.explore_left -= 1
             return self.explore_k
-        best = self._best(batch_size)
+        if batch_size == self._decided_batch and self.steps - self._decided_at < self.DECIDE_EVERY:
+            best = self.current
+        else:
+            best = self._best(batch_size)
+            self._decided_at, self._decided_batch = self.steps, batch_size
         if best != self.current:
             self.interval = self.p.explore_every  # the decision moved: look around more
         self.current = best
