@@ -773,7 +773,8 @@ class HeuristicPolicy(Policy):
 class AdaptivePolicy(Policy):
     """Goodput-maximising K (module docstring; arXiv 2406.14066, 2211.17192, 2605.15051).
 
-    Each step: ``G(K) = B * E(K) / T(B, K)`` for K in ``k_min..k_max``; the best K
+    Every ``DECIDE_EVERY`` steps at one batch size, and at once when the batch size
+    changes: ``G(K) = B * E(K) / T(B, K)`` for K in ``k_min..k_max``; the best K
     replaces the current one only when it beats it by ``hysteresis``; any K > 0 must
     beat K = 0 by ``margin``. Now and then it spends a short burst at a neighbouring K
     (K*+1 and K*-1 in turn; K=1 when off) so that acceptance and step-time estimates stay
@@ -785,9 +786,9 @@ class AdaptivePolicy(Policy):
     BURST_REQUEST_STEPS = 16  # decode request-steps measured per exploration
     MAX_BACKOFF = 8  # exploration interval grows up to explore_every * MAX_BACKOFF while K holds
     # the goodput comparison is redone every DECIDE_EVERY steps at one batch size (and at once
-    # when the batch size changes): evaluating T(B, K) and E(K) for every K costs tens of µs
-    # of the engine core's Python per step (python -m bench hook-cost), a few per cent of a GPU
-    # decode step, while the estimates it reads move over tens of request-steps
+    # when the batch size changes): evaluating T(B, K) and E(K) for every K is the largest part
+    # of the hook's own per-step work (python -m bench hook-cost; figures in docs/gpu.md), while
+    # the estimates it reads move over tens of request-steps
     DECIDE_EVERY = 4
 
     def __init__(self, spec: SpeculationConfig, k_engine: int, ctl: "SpeculationController"):
