@@ -596,6 +596,10 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         raise BenchError("give --url of a running engine host, or --start-engine")
     if args.plain_baseline and not args.start_engine and not args.plain_url:
         raise BenchError("--plain-baseline needs --start-engine or --plain-url")
+    if args.rounds < 1:
+        raise BenchError("--rounds must be >= 1")
+    if args.side_by_side and not args.plain_baseline:
+        raise BenchError("--side-by-side keeps a plain engine beside the speculative one: add --plain-baseline")
     loads_def = dict(DEFAULT_LOADS)
     for d in args.load_def:
         name, _, val = d.partition("=")
@@ -634,8 +638,6 @@ def cmd_matrix(args: argparse.Namespace) -> int:
             load_label=lname,
         )
 
-    if args.rounds < 1:
-        raise BenchError("--rounds must be >= 1")
     together = bool(args.plain_baseline and (args.plain_url or args.side_by_side))
     groups = [(w, lname) for w in workloads for lname in loads]
     phases = matrix_jobs(groups, modes, cell, out, args.rounds, args.plain_baseline, together)

@@ -856,3 +856,16 @@ def test_hook_cost_drives_the_real_hook_and_reports_per_step(capsys):
     assert "| fixed:0 | 1 |" in capsys.readouterr().out
     assert main(["--modes", "nonsense", "--batch", "1", "--steps", "10"]) == 2
     assert "unknown mode" in capsys.readouterr().err
+
+
+def test_matrix_refuses_bad_rounds_and_side_by_side_without_plain(tmp_path, capsys):
+    from bench.__main__ import main
+
+    out = tmp_path / "out"
+    base = ["matrix", "--url", "http://127.0.0.1:9", "--workloads", "code", "--loads", "low", "--modes", "fixed:0",
+            "--out", str(out), "--no-png", "--quiet"]  # fmt: skip
+    assert main([*base, "--rounds", "0"]) == 2
+    assert "--rounds must be >= 1" in capsys.readouterr().err
+    assert main([*base, "--side-by-side"]) == 2
+    assert "add --plain-baseline" in capsys.readouterr().err
+    assert not out.exists()  # refused before anything was written
