@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import httpx
 from tqdm import tqdm
@@ -413,7 +413,7 @@ async def _run_cells(
 def matrix_jobs(
     groups: Sequence[tuple[str, str]],
     modes: Sequence[str],
-    cell: Any,
+    cell: Callable[[str, str, str], CellSpec],
     out: Path,
     rounds: int = 1,
     plain: bool = False,
@@ -516,6 +516,26 @@ def _shift_period(args: argparse.Namespace, num_requests: int | None) -> int:
     return max(1, (num_requests or 6) // 6)
 
 
+def _cell_spec(args: argparse.Namespace, workload: str, mode: str, load: Load, label: str | None = None) -> CellSpec:
+    """One cell of ``run`` or ``matrix`` from the common options (``label``: the load's name)."""
+    n = _num_requests(args, load, label)
+    return CellSpec(
+        workload=workload,
+        mode=mode,
+        load=load,
+        duration_s=args.duration,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        shift_period_s=args.shift_period,
+        slo=_slo(args),
+        settle_s=args.settle,
+        ramp_s=args.ramp,
+        num_requests=n,
+        shift_period_requests=_shift_period(args, n),
+        load_label=label,
+    )
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """``python -m bench run``."""
     modes = _csv(args.mode)
@@ -524,23 +544,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     load = Load(rate=args.rate) if args.rate is not None else Load(concurrency=args.concurrency)
     out = args.out or default_out("run")
     out.mkdir(parents=True, exist_ok=True)
-    specs = [
-        CellSpec(
-            workload=args.workload,
-            mode=m,
-            load=load,
-            duration_s=args.duration,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-            shift_period_s=args.shift_period,
-            slo=_slo(args),
-            settle_s=args.settle,
-            ramp_s=args.ramp,
-            num_requests=_num_requests(args, load),
-            shift_period_requests=_shift_period(args, _num_requests(args, load)),
-        )
-        for m in modes
-    ]
+    specs = [_cell_spec(args, args.workload, m, load) for m in modes]
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
     results = asyncio.run(
         _run_cells(
@@ -621,22 +625,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
 
     def cell(w: str, lname: str, mode: str) -> CellSpec:
-        ld = loads[lname]
-        return CellSpec(
-            workload=w,
-            mode=mode,
-            load=ld,
-            duration_s=args.duration,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-            shift_period_s=args.shift_period,
-            slo=_slo(args),
-            settle_s=args.settle,
-            ramp_s=args.ramp,
-            num_requests=_num_requests(args, ld, lname),
-            shift_period_requests=_shift_period(args, _num_requests(args, ld, lname)),
-            load_label=lname,
-        )
+        return _cell_spec(args, w, mode, loads[lname], lname)
 
     together = bool(args.plain_baseline and (args.plain_url or args.side_by_side))
     groups = [(w, lname) for w in workloads for lname in loads]
