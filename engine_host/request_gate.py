@@ -21,8 +21,13 @@ unit of step time beat what plain decoding yields in that time.
 ``a_i`` is the maximum-likelihood per-token acceptance under the prefix rule (a draft is
 accepted up to its first rejected token, so one verification of a k-token draft with n
 accepted is n successes and, when n < k, one failure; the tokens after the first
-rejection are never judged): ``a_i = accepted / (accepted + rejections)``, with a
-Beta(prior_accepted, prior_rejected) prior so a new request starts at the prior mean.
+rejection are never judged): ``a_i = accepted / (accepted + rejections)``, with a Beta
+prior of strength ``prior_accepted + prior_rejected`` whose mean is the traffic's own
+per-token acceptance (the same estimate pooled over every request's recent verifications,
+``pool_decay``; ``prior_accepted / (prior_accepted + prior_rejected)`` before any), so a
+new request starts where the requests before it stood: in traffic whose drafts are
+rejected (chat) a new request is not drafted at the prior's depth for its first steps, in
+traffic that quotes (docs) it is drafted from its first step.
 Accepted / drafted would be the mean accepted *fraction*, ``x_i(k) / k``, not ``a_i``;
 used as ``a`` it underestimates x_i(k) (at a = 0.8, k = 8 it gives 0.7 tokens instead
 of 3.3) and drops drafts that pay. A request whose drafts were dropped is drafted again
@@ -66,13 +71,20 @@ class RequestDraftGate:
 
     Args:
         prior_accepted: Beta prior pseudo-count of accepted tokens (>= 0).
-        prior_rejected: Beta prior pseudo-count of rejected tokens (>= 0). With the
-            defaults (1, 1) a request with no verified drafts is estimated at 0.5.
+        prior_rejected: Beta prior pseudo-count of rejected tokens (>= 0). The prior's
+            strength is ``prior_accepted + prior_rejected``; its mean is the pooled
+            acceptance (below), which starts at ``prior_accepted / (prior_accepted +
+            prior_rejected)``: with the defaults (1, 1) a request with no verified drafts
+            on an engine that has verified none is estimated at 0.5.
         decay: factor (0..1] applied to a request's counts before each new observation,
             so its estimate follows its recent text.
         margin: fraction (>= 0) by which a request's drafts must beat plain decoding.
         probe_every: a request whose drafts were dropped this many steps in a row is
             drafted again (steps, >= 1).
+        pool_decay: factor (0..1) applied to the pooled counts of every request's
+            verifications before each new one (memory about ``1 / (1 - pool_decay)``
+            verifications); 0 keeps the prior's mean fixed at ``prior_accepted /
+            (prior_accepted + prior_rejected)``.
     Raises:
         ValueError: a parameter out of range.
     """
@@ -84,6 +96,7 @@ class RequestDraftGate:
         decay: float = 0.9,
         margin: float = 0.0,
         probe_every: int = 16,
+        pool_decay: float = 0.98,
     ):
         if prior_accepted < 0 or prior_rejected < 0 or prior_accepted + prior_rejected <= 0:
             raise ValueError("the prior's pseudo-counts must be >= 0 and not both 0")
@@ -93,11 +106,16 @@ class RequestDraftGate:
             raise ValueError("margin must be >= 0")
         if probe_every < 1:
             raise ValueError("probe_every must be >= 1 step")
+        if not 0.0 <= pool_decay <= 1.0:
+            raise ValueError("pool_decay must be in [0, 1]")
         self.prior_accepted = prior_accepted
         self.prior_rejected = prior_rejected
         self.decay = decay
         self.margin = margin
         self.probe_every = probe_every
+        self.pool_decay = pool_decay
+        self._pool_accepted = 0.0  # every request's verifications (decayed counts)
+        self._pool_rejections = 0.0
         self._reqs: dict[str, _RequestStats] = {}
         self.last_total = 0  # requests with drafts considered in the last step
         self.last_verified = 0  # of those, drafts kept for verification
@@ -113,7 +131,11 @@ class RequestDraftGate:
         n = max(0, min(num_accepted_tokens, num_draft_tokens))
         s.drafted = s.drafted * self.decay + num_draft_tokens
         s.accepted = s.accepted * self.decay + n
-        s.rejections = s.rejections * self.decay + (1.0 if n < num_draft_tokens else 0.0)
+        rejected = 1.0 if n < num_draft_tokens else 0.0
+        s.rejections = s.rejections * self.decay + rejected
+        if self.pool_decay > 0.0:
+            self._pool_accepted = self._pool_accepted * self.pool_decay + n
+            self._pool_rejections = self._pool_rejections * self.pool_decay + rejected
 
     def observe_offer(self, req_id: str, drafted: bool) -> None:
         """Fold in one step at K > 0 after which request ``req_id`` (past its prefill)
@@ -134,15 +156,23 @@ class RequestDraftGate:
             return 1.0
         return (s.found + 1.0) / (s.offered + 1.0)
 
+    def prior_mean(self) -> float:
+        """Mean (fraction 0..1) of a request's prior: the per-token acceptance pooled over
+        every request's recent verifications, itself starting at the configured prior's
+        mean (module doc)."""
+        a0, r0 = self.prior_accepted, self.prior_rejected
+        return (self._pool_accepted + a0) / (self._pool_accepted + self._pool_rejections + a0 + r0)
+
     def acceptance(self, req_id: str) -> float:
         """Estimated per-token acceptance ``a`` of the request's drafts, fraction 0..1:
         the probability that the next draft token is accepted given the ones before it
         were (``accepted / (accepted + rejections)`` with the Beta prior; module doc)."""
         s = self._reqs.get(req_id)
-        a0, r0 = self.prior_accepted, self.prior_rejected
+        m = self.prior_mean()
         if s is None:
-            return a0 / (a0 + r0)
-        return (s.accepted + a0) / (s.accepted + s.rejections + a0 + r0)
+            return m
+        strength = self.prior_accepted + self.prior_rejected
+        return (s.accepted + strength * m) / (s.accepted + s.rejections + strength)
 
     def forget(self, live_ids: set[str] | None = None, req_id: str | None = None) -> None:
         """Drop one finished request, or every request not in ``live_ids``."""
@@ -265,9 +295,10 @@ class RequestDraftGate:
         self.last_verified = 0
 
     def summary(self) -> dict:
-        """JSON-able: requests drafted / considered in the last step, and the distribution
+        """JSON-able: requests drafted / considered in the last step, the distribution
         of per-request acceptance over the requests with verified drafts (counts per bin
-        of ``ACCEPTANCE_BUCKETS``)."""
+        of ``ACCEPTANCE_BUCKETS``), and ``prior_acceptance``: where a new request's
+        estimate starts (:meth:`prior_mean`, fraction 0..1)."""
         hist = [0] * len(ACCEPTANCE_BUCKETS)
         for rid, s in self._reqs.items():
             if s.drafted <= 0:
@@ -280,6 +311,7 @@ class RequestDraftGate:
             "requests_verified": self.last_verified,
             "acceptance_bins": list(ACCEPTANCE_BUCKETS),
             "acceptance_hist": hist,
+            "prior_acceptance": round(self.prior_mean(), 4),
         }
 
 

@@ -97,6 +97,10 @@ class _SpecPilotHook:
     # it stays off until checked on that path, and the gate sets only the step's K
     # (``_any_request_wants_drafts``).
     GATE_DRAFTS = True
+    # draft length (tokens) of a lone request's probe when neither the controller nor its own
+    # estimate drafts (``_per_request_k``): one verification at shallow depth says whether it
+    # has started to accept, at a fraction of a deep draft's verification
+    PROBE_DEPTH = 2
 
     # Attributes of vLLM's Scheduler (set in its __init__) that the hook reads and caps.
     max_num_running_reqs: int
@@ -311,7 +315,11 @@ class _SpecPilotHook:
         bound). The controller's per-position estimates are the traffic's, so after chat a
         new docs request would otherwise run at chat's K = 0, where nothing is learned, until
         the controller explores its way up; with several requests the step's K stays the
-        controller's. Unchanged when the gate is off."""
+        controller's. A request whose own depth is 0 where the controller's K is 0 is offered
+        ``PROBE_DEPTH`` drafts, which ``_any_request_wants_drafts`` turns into a probe every
+        ``probe_every`` steps and K = 0 otherwise: a new request starts at the traffic's
+        acceptance (``RequestDraftGate.prior_mean``), so a docs request after chat is found by
+        its probes. Unchanged when the gate is off."""
         if not self._gate_on:
             return k
         running = self.running  # type: ignore[attr-defined]
@@ -319,6 +327,8 @@ class _SpecPilotHook:
         if len(running) != 1 or k >= hi:
             return k
         own = self._gate.depth(running[0].request_id, self._draft_token_cost(1, hi), hi)
+        if own == 0 and k == 0:
+            return min(self.PROBE_DEPTH, hi)
         return max(k, own)
 
     def _any_request_wants_drafts(self, k: int) -> bool:

@@ -23,7 +23,7 @@ def test_cost_is_the_extra_step_time_per_draft_token_over_the_plain_step():
 
 
 def test_zero_acceptance_request_drafts_nothing_while_a_request_at_08_drafts_k():
-    g = RequestDraftGate()
+    g = RequestDraftGate(pool_decay=0.0)  # each request on its own (the pooled prior: below)
     _feed(g, "copy", 0.8, k=5)  # 4 of 5 accepted: 0.8
     _feed(g, "chat", 0.0)
     g.begin_step()
@@ -109,7 +109,7 @@ def test_acceptance_is_per_token_under_the_prefix_rule_not_the_accepted_fraction
 
 
 def test_a_draft_accepted_whole_counts_no_rejection():
-    g = RequestDraftGate(prior_accepted=0.0, prior_rejected=1.0, decay=1.0)
+    g = RequestDraftGate(prior_accepted=0.0, prior_rejected=1.0, decay=1.0, pool_decay=0.0)
     g.observe("r", 4, 4)
     g.observe("r", 4, 4)
     assert g.acceptance("r") == pytest.approx(8 / 9)  # only the prior's failure
@@ -151,9 +151,12 @@ def _step_time(idle_step_cost: bool = False):
     return step_time
 
 
-def _hook(step_time, controller_k: int, probe_every: int, request_ids, gate_drafts: bool = True):
+def _hook(
+    step_time, controller_k: int, probe_every: int, request_ids, gate_drafts: bool = True, pool_decay: float = 0.0
+):
     """The scheduler hook's K decision (``_decide_k``) without vLLM: an adaptive policy
-    that answers ``controller_k`` (bound 8), the per-request gate on, these requests running."""
+    that answers ``controller_k`` (bound 8), the per-request gate on, these requests running
+    (each request's prior fixed at 0.5 unless ``pool_decay`` > 0)."""
     import types
 
     from engine_host.scheduler import _SpecPilotHook
@@ -164,7 +167,7 @@ def _hook(step_time, controller_k: int, probe_every: int, request_ids, gate_draf
         step_time=step_time, k_for_batch=lambda b: controller_k, policy=types.SimpleNamespace(k_hi=8)
     )
     h._k_engine = 8
-    h._gate = RequestDraftGate(probe_every=probe_every)
+    h._gate = RequestDraftGate(probe_every=probe_every, pool_decay=pool_decay)
     h._gate_on = True
     h._warmup_k = None
     h._k_first_use_step = 0
@@ -233,7 +236,7 @@ def test_under_async_scheduling_the_gate_sets_the_step_k_and_probes_every_reques
 
 
 def test_depth_adds_draft_positions_while_their_acceptance_beats_their_cost():
-    gate = RequestDraftGate()
+    gate = RequestDraftGate(pool_decay=0.0)
     assert gate.depth("new", 0.0375, 8) == 4  # prior 0.5: 0.5^4 = 0.0625 >= 0.0375 > 0.5^5
     _feed(gate, "copy", 0.95, k=8)
     assert gate.depth("copy", 0.0375, 8) == 8
@@ -271,7 +274,7 @@ def test_a_request_that_never_has_a_draft_is_planned_out_when_a_step_at_k_costs_
     step, a step at K > 0 6 % even with nothing verified), it is planned out at K = 4, though
     its drafts, when it has one, would pay their verification; a new request, and one that
     drafts every step, are planned in."""
-    g = RequestDraftGate(probe_every=100)
+    g = RequestDraftGate(probe_every=100, pool_decay=0.0)
     for i in range(20):
         g.observe_offer("chat", i == 19)  # one draft in 20 steps, rejected
         g.observe_offer("copy", True)
@@ -283,3 +286,56 @@ def test_a_request_that_never_has_a_draft_is_planned_out_when_a_step_at_k_costs_
     assert g.plan("chat", 4, 0.057, step_cost=0.0) is True  # a free step at K > 0: let it draft
     assert g.plan("new", 4, 0.057, step_cost=0.06) is True
     assert g.plan("copy", 4, 0.057, step_cost=0.06) is True
+
+
+def test_a_new_request_starts_at_the_acceptance_of_the_traffic_before_it():
+    """A new request's prior is the per-token acceptance pooled over the requests before
+    it: after chat (drafts rejected) it starts low and is not drafted at the prior's depth,
+    after docs (drafts accepted) it starts high and is drafted at once; with nothing seen
+    yet, and with pooling off, it starts at the configured prior's mean."""
+    g = RequestDraftGate()
+    assert g.prior_mean() == g.acceptance("new") == 0.5
+    for i in range(6):
+        _feed(g, f"chat-{i}", 0.0, steps=10)
+    assert g.acceptance("new-chat") < 0.05
+    assert g.depth("new-chat", 0.0375, 8) == 0  # with the prior fixed at 0.5: 4 (above)
+    assert g.summary()["prior_acceptance"] < 0.05
+    for i in range(6):
+        _feed(g, f"docs-{i}", 0.8, steps=10, k=5)
+    assert g.acceptance("new-docs") > 0.6
+    assert g.depth("new-docs", 0.0375, 8) >= 6
+    fixed = RequestDraftGate(pool_decay=0.0)
+    _feed(fixed, "chat", 0.0, steps=30)
+    assert fixed.acceptance("new") == 0.5
+    with pytest.raises(ValueError):
+        RequestDraftGate(pool_decay=1.5)
+
+
+def test_at_batch_1_a_chat_request_after_chat_runs_at_k0_from_its_first_step():
+    """After chat traffic the controller says K = 0, and a new chat request alone in the
+    batch is not drafted at the prior's depth for its first steps either: its estimate
+    starts at the traffic's pooled acceptance (on the GPU each such request had run its
+    first steps at K > 0, and chat at 1 client at 0.89x plain vLLM: docs/gpu.md)."""
+    hook = _hook(_step_time(idle_step_cost=True), 0, 16, ["chat-0"], pool_decay=0.98)
+    assert hook._decide_k(1) >= 1  # nothing seen yet: the prior's 0.5
+    for i in range(4):
+        _feed(hook._gate, f"chat-{i}", 0.0, steps=10, k=8)
+    hook.running = [_req("chat-new")]
+    assert [hook._decide_k(1) for _ in range(3)] == [0, 0, 0]
+    # a docs request after the chat: probed at shallow depth, then drafted at its own depth
+    hook.running = [_req("docs-new")]
+    ks = [hook._decide_k(1) for _ in range(16)]
+    assert ks[:15] == [0] * 15 and 1 <= ks[15] <= hook.PROBE_DEPTH
+    _feed(hook._gate, "docs-new", 1.0, steps=3, k=ks[15])
+    assert hook._decide_k(1) >= 4
+
+
+def test_at_batch_1_a_request_whose_own_depth_is_0_is_still_probed_at_shallow_depth():
+    """Where neither the controller nor the request's own estimate drafts, the lone request
+    is probed at PROBE_DEPTH every probe_every steps (K = 0 in between), so that a request
+    that starts to quote is found without waiting for the controller's exploration."""
+    hook = _hook(_step_time(idle_step_cost=True), 0, 16, ["chat"], pool_decay=0.98)
+    _feed(hook._gate, "chat", 0.0, steps=30, k=8)
+    assert hook._gate.depth("chat", hook._draft_token_cost(1, 8), 8) == 0
+    ks = [hook._decide_k(1) for _ in range(32)]
+    assert ks == ([0] * 15 + [hook.PROBE_DEPTH]) * 2

@@ -23,8 +23,9 @@ from .history import version_markers
 
 def per_request_line(status: HostStatus) -> str | None:
     """One line on draft length per request: how many running requests had their drafts
-    verified in the last step, and how per-request acceptance is spread (requests per
-    acceptance bin). None when the engine does not report it (no speculation, older engine)."""
+    verified in the last step, how per-request acceptance is spread (requests per
+    acceptance bin), and where a new request's estimate starts (the traffic's pooled
+    acceptance). None when the engine does not report it (no speculation, older engine)."""
     pr = status.per_request or {}
     if not pr or not status.k_max_engine:
         return None
@@ -37,9 +38,12 @@ def per_request_line(status: HostStatus) -> str | None:
         for i, (lo, n) in enumerate(zip(bins, hist))
         if n
     )
+    prior = pr.get("prior_acceptance")
+    start = f" · a new request starts at {prior:.0%}" if isinstance(prior, (int, float)) else ""
     return (
         f"Draft length per request: {pr.get('requests_verified', 0)} of {pr.get('requests_with_drafts', 0)} "
         f"requests with drafts verified them in the last step · per-request acceptance: {spread or 'no data yet'}"
+        f"{start}"
     )
 
 
