@@ -315,7 +315,7 @@ def test_at_batch_1_a_chat_request_after_chat_runs_at_k0_from_its_first_step():
     """After chat traffic the controller says K = 0, and a new chat request alone in the
     batch is not drafted at the prior's depth for its first steps either: its estimate
     starts at the traffic's pooled acceptance (on the GPU each such request had run its
-    first steps at K > 0, and chat at 1 client at 0.89x plain vLLM: docs/gpu.md)."""
+    first steps at K > 0: docs/gpu.md)."""
     hook = _hook(_step_time(idle_step_cost=True), 0, 16, ["chat-0"], pool_decay=0.98)
     assert hook._decide_k(1) >= 1  # nothing seen yet: the prior's 0.5
     for i in range(4):
