@@ -12,7 +12,7 @@ Subcommands:
 and every other benchmark of the tree, each with its own options (:data:`TOOLS`;
 ``python -m bench <command> --help``; ``python -m bench.<module>`` still works):
     engine-host, collector, store, dashboard, warmup, draft-layers, profile-step,
-    host-overhead, qwen-models, planner-check, spread, torch-profile, hook-cost
+    host-overhead, qwen-models, planner-check, spread, torch-profile, hook-cost, step-trace
 
 Results (JSON per cell, Plotly charts, summary tables) go to ``--out`` (default
 ``bench/results/<time>-<command>/``).
@@ -74,6 +74,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "planner-check": ("planner_check", "the planner's predicted mean latency against measured, rate by rate"),
     "spread": ("spread", "repeated matrix runs side by side: tokens/s per run, spread, target ratios per run"),
     "hook-cost": ("hook_cost", "the CPU time SpecPilot's scheduler hook adds to one step, without vLLM"),
+    "step-trace": ("step_trace", "wall time of an engine step by its K, from $SPECPILOT_STEP_TRACE files"),
     "torch-profile": ("torch_profile", "where a step's CPU and GPU time go, in one process, with PyTorch's profiler"),
 }
 

@@ -200,6 +200,9 @@ async def run_cell(
             "window_s": round(window_s, 3),
         },
         "started_at_unix": round(t0_unix, 3),
+        # time.perf_counter() (CLOCK_MONOTONIC on Linux: the engine core's clock on the same
+        # host) at the window's start and end, to match $SPECPILOT_STEP_TRACE rows to cells
+        "window_perf_s": [round(t0 + ramp, 6), round(t0 + ramp + window_s, 6)],
         "engine": {
             "url": control.url,
             "model": model,

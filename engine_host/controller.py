@@ -598,18 +598,28 @@ class StepTimeModel:
             drafts: ``drafts[k]`` = D(K) for K = k, draft tokens per request
                 (:meth:`AcceptanceEstimator.expected_draft`).
 
-        A step that verifies drafts is never faster than a plain decode step, so every
-        K > 0 is predicted at least as slow as K = 0. Without this floor, corrections
-        per depth measured at different moments (other contexts, other load on the host)
-        can make a speculative K look cheaper than plain decoding by the noise of the
-        measurements, and speculation that yields nothing would look like it pays.
-        Deeper depths are not floored by shallower ones: a few noisy exploration steps
-        at one depth must not hide every depth beyond it.
+        A step that verifies drafts is never faster than a plain decode step plus what
+        every speculative step pays (the prior ratio of the third term: the draft fetch and
+        the rejection sampler for n-gram drafts, the drafter's pass with a draft model), so
+        every K > 0 is predicted at least ``T(B, 0) * (1 + ratio)``. Without this floor,
+        corrections per depth measured at different moments (other contexts, another
+        regime of the host's clocks or scheduling) can make a speculative K look as cheap
+        as plain decoding by the noise of the measurements, and drafts that are accepted a
+        few percent of the time would look like they pay. Deeper depths are not floored by
+        shallower ones: a few noisy exploration steps at one depth must not hide every
+        depth beyond it.
         """
         if not drafts:
             return []
         t_plain = self.predict(batch_size, 0, drafts[0])
-        return [t_plain] + [max(self.predict(batch_size, k, d), t_plain) for k, d in enumerate(drafts) if k > 0]
+        t_spec = t_plain * (1.0 + self.spec_floor_ratio())
+        return [t_plain] + [max(self.predict(batch_size, k, d), t_spec) for k, d in enumerate(drafts) if k > 0]
+
+    def spec_floor_ratio(self) -> float:
+        """The least a step at K > 0 costs over a plain step, fraction of ``T(B, 0)``: the
+        prior ratio of the third term (``draft_cost_ratio`` with draft passes, else
+        ``spec_step_cost_ratio``)."""
+        return max(self._prior_ratio(), 0.0)
 
 
 def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] | None:

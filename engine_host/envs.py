@@ -24,6 +24,7 @@ SPECULATION = "SPECPILOT_SPECULATION"
 ROUTER_CONFIG = "SPECPILOT_ROUTER_CONFIG"
 ENDPOINT_EXTENSIONS = "SPECPILOT_ENDPOINT_EXTENSIONS"
 NGRAM_TRACE = "SPECPILOT_NGRAM_TRACE"
+STEP_TRACE = "SPECPILOT_STEP_TRACE"
 VLLM_PATCHES = "SPECPILOT_VLLM_PATCHES"
 DRAFT_DECODE_GRAPHS = "SPECPILOT_DRAFT_DECODE_GRAPHS"
 DB_URL = "SPECPILOT_DB_URL"
@@ -50,6 +51,7 @@ VARIABLES: dict[str, str] = {
     ROUTER_CONFIG: "JSON config of the dual engine host's router (set by python -m engine_host.router)",
     ENDPOINT_EXTENSIONS: "module:factory items (comma-separated) the endpoint plugin also attaches (set by the router for the plain engine)",
     NGRAM_TRACE: "file where each process writes the n-gram proposer's call counters (tests, profiling)",
+    STEP_TRACE: "file (.PID appended) where the engine core writes one row per step: times and K (profiling; `python -m bench step-trace`)",
     VLLM_PATCHES: "0 leaves vLLM's behaviour at K = 0 unpatched (engine_host/vllm_patches.py; for side-by-side benchmarks), default 1",
     DRAFT_DECODE_GRAPHS: "0 keeps the draft model's single-token decode passes out of full CUDA graphs (GPU, draft_model; for side-by-side benchmarks), default 1",
     DB_URL: "store URL (SQLAlchemy), default sqlite:///$SPECPILOT_HOME/specpilot.db",
@@ -110,6 +112,11 @@ def endpoint_extensions(environ: Mapping[str, str] | None = None) -> str | None:
 def ngram_trace(environ: Mapping[str, str] | None = None) -> str | None:
     """``$SPECPILOT_NGRAM_TRACE`` (a file path), None when unset or empty."""
     return _env(environ).get(NGRAM_TRACE) or None
+
+
+def step_trace(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_STEP_TRACE`` (a file path), None when unset or empty."""
+    return _env(environ).get(STEP_TRACE) or None
 
 
 def vllm_patches_on(environ: Mapping[str, str] | None = None) -> bool:

@@ -34,6 +34,7 @@ from .config import LiveConfig
 from .controller import SpeculationController, StepObservation
 from .request_gate import RequestDraftGate, draft_token_cost
 from .step_clock import StepClock
+from .step_trace import step_trace_from_env
 
 logger = logging.getLogger("specpilot.scheduler")
 
@@ -148,6 +149,7 @@ class _SpecPilotHook:
         self._k_first_use_step: int | None = None
         self._t_sched = 0.0
         self._clock = StepClock()
+        self._trace = step_trace_from_env()  # $SPECPILOT_STEP_TRACE: one row per step (profiling)
         self._step_index = 0
         self.specpilot_last_scheduled_k: int | None = None  # K of the step scheduled last
         self._hist = [0] * max(self._k_engine, 1)
@@ -351,6 +353,7 @@ class _SpecPilotHook:
         t_plain = tm.predict(b, 0)
         # a step at depth k that verifies no draft, against a plain step (fraction)
         step_cost = max(tm.predict_tokens(b, float(b), k) - t_plain, 0.0) / t_plain if t_plain > 0 else 0.0
+        step_cost = max(step_cost, tm.spec_floor_ratio())  # never below the least a K > 0 step costs
         wants = False
         per_request_probes = self.GATE_DRAFTS
         for req in running:  # every request is planned, so each one's probe count advances
@@ -419,6 +422,16 @@ class _SpecPilotHook:
                 drafts = spec.get(req_id)
                 if n == 1 + (len(drafts) if drafts else 0):
                     n_dec += 1
+        if self._trace is not None and step is not None:
+            self._trace.add(
+                step.t_scheduled,
+                t,
+                k_drafted,
+                k_proposed,
+                n_dec,
+                len(scheduler_output.num_scheduled_tokens),
+                int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
+            )
         running = len(self.running)  # type: ignore[attr-defined]
         if running > self._max_running_seen:
             self._max_running_seen = running
@@ -468,6 +481,11 @@ class _SpecPilotHook:
     # -- state ---------------------------------------------------------------
     def _publish(self, now: float) -> None:
         self._last_publish = now
+        if self._trace is not None:
+            try:
+                self._trace.flush()
+            except OSError:  # never let profiling break scheduling
+                logger.exception("could not write the step trace")
         if self._channel is None:
             return
         running = len(self.running)  # type: ignore[attr-defined]

@@ -538,3 +538,24 @@ def test_bursty_acceptance_is_not_taken_for_a_change_of_workload():
     for _ in range(400):
         est.observe(4, 1, [0] * 4)
     assert est.r()[0] < 0.01
+
+
+def test_a_speculative_step_timed_as_cheap_as_a_plain_one_is_still_priced_above_it():
+    # the GPU at 1 client on chat: the wall time per step moves between regimes of the host
+    # (about 2 and 3 ms) for seconds at a time, so steps at K > 0 can be timed as cheap as
+    # steps at K = 0; acceptance is 3 % at the first position and deeper positions were never
+    # reached (their conditional acceptance is the prior), so E(4) is about 1.05. A step at
+    # K > 0 must still be priced at least the prior per-step cost above K = 0, and the policy
+    # must leave K = 4 for K = 0
+    ctl = adaptive(k_max=4)
+    for i in range(400):
+        _chat_step(ctl, i % 5, 0.0022, drafted=1 if i % 5 else 0, warmup=True)
+    for _ in range(20):
+        ctl.acceptance.observe(1, 100, [3] + [0] * 7, [100] + [0] * 7)
+    assert 1.03 < ctl.acceptance.expected_tokens(4) < 1.08
+    tm = ctl.step_time
+    curve = tm.predict_curve(1, [0.0, 1.0, 2.0, 3.0, 4.0])
+    assert min(curve[1:]) >= curve[0] * (1.0 + tm.spec_step_cost_ratio) * 0.999, curve
+    ctl.policy.current = 4
+    ks = [ctl.k_for_batch(1) for _ in range(30)]
+    assert mode_of(ks) == 0, ks

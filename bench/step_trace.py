@@ -1,0 +1,224 @@
+"""``python -m bench step-trace``: the wall time of an engine step by the K it verified and proposed.
+
+Reads the files an engine host writes with ``$SPECPILOT_STEP_TRACE`` set
+(``engine_host.step_trace``: one row per step output, times of the engine core's clock) and
+measures each step of a busy decode stretch as the interval between its output and the
+previous step's output. Under async scheduling that interval is the later step's wall time
+whatever overlaps what; with synchronous scheduling it also holds the engine core's work
+between the steps, which a step at K > 0 adds to as well.
+
+Only intervals between two pure-decode steps with the same number of requests count (a
+prefill, a request's end or an idle spell in between would stretch them), and only those
+shorter than ``--max-gap-ms``.
+
+With ``--cells`` (a ``bench matrix`` results folder, run on the engine's host: the cells record
+their window on the same clock) it first prints one row per cell.
+
+Prints, per batch size (requests): steps, median, mean and 90th percentile ms per step by
+the K the step verified (``k_drafted``), by the K chosen in the step for the next drafts
+(``k_proposed``), and by the transition from the previous step's verified K.
+
+Example::
+
+    SPECPILOT_STEP_TRACE=/tmp/steps.csv python -m engine_host ...   # then load it
+    python -m bench step-trace /tmp/steps.csv.* --since 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class Step:
+    """One row of a step trace (``engine_host.step_trace``); times in s."""
+
+    t_scheduled: float
+    t_output: float
+    k_drafted: int
+    k_proposed: int
+    decode: int
+    requests: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A busy decode step measured output to output: wall time (s), its batch and K."""
+
+    seconds: float
+    requests: int
+    k_drafted: int
+    k_proposed: int
+    k_drafted_before: int
+    t_output: float = 0.0
+
+
+def read_trace(path: str | Path) -> list[Step]:
+    """The rows of one trace file, in file order.
+
+    Raises:
+        ValueError: the file is not a step trace (missing columns).
+    """
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        need = {"t_scheduled_s", "t_output_s", "k_drafted", "k_proposed", "decode", "requests", "tokens"}
+        if not reader.fieldnames or not need <= set(reader.fieldnames):
+            raise ValueError(f"{path}: not a step trace (columns {reader.fieldnames})")
+        return [
+            Step(
+                float(r["t_scheduled_s"]),
+                float(r["t_output_s"]),
+                int(r["k_drafted"]),
+                int(r["k_proposed"]),
+                int(r["decode"]),
+                int(r["requests"]),
+                int(r["tokens"]),
+            )
+            for r in reader
+        ]
+
+
+def busy_intervals(steps: Sequence[Step], max_gap_s: float = 0.05, since_s: float = 0.0) -> list[Interval]:
+    """Output-to-output intervals of consecutive pure-decode steps with the same batch.
+
+    Args:
+        steps: one engine core's rows, in order.
+        max_gap_s: longer intervals are dropped (idle spells, s).
+        since_s: drop steps whose output came less than this long after the first row (s).
+    """
+    out: list[Interval] = []
+    if not steps:
+        return out
+    t0 = steps[0].t_output
+    for prev, cur in zip(steps, steps[1:]):
+        if cur.t_output - t0 < since_s:
+            continue
+        if not (cur.requests and cur.decode == cur.requests and prev.decode == prev.requests == cur.requests):
+            continue
+        dt = cur.t_output - prev.t_output
+        if 0.0 < dt <= max_gap_s:
+            out.append(Interval(dt, cur.requests, cur.k_drafted, cur.k_proposed, prev.k_drafted, cur.t_output))
+    return out
+
+
+def _row(label: str, values: list[float]) -> str:
+    ms = sorted(v * 1e3 for v in values)
+    p90 = ms[min(len(ms) - 1, int(0.9 * len(ms)))]
+    return f"| {label} | {len(ms)} | {statistics.median(ms):.3f} | {statistics.fmean(ms):.3f} | {p90:.3f} |"
+
+
+def table(intervals: Iterable[Interval], key: str, min_steps: int = 20) -> list[str]:
+    """Markdown rows, per batch size and value of ``key`` (an :class:`Interval` field name
+    or ``transition``), of steps, median / mean / p90 ms per step."""
+    groups: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for iv in intervals:
+        if key == "transition":
+            label = f"{iv.k_drafted_before} -> {iv.k_drafted}"
+        else:
+            label = str(getattr(iv, key))
+        groups[(iv.requests, label)].append(iv.seconds)
+    lines = [f"| requests, {key} | steps | median ms | mean ms | p90 ms |", "|---|---:|---:|---:|---:|"]
+    for (b, label), values in sorted(groups.items()):
+        if len(values) >= min_steps:
+            lines.append(_row(f"{b}, {label}", values))
+    return lines
+
+
+@dataclass(frozen=True)
+class CellWindow:
+    """A benchmark cell's measured window (``bench matrix`` cell JSON, ``window_perf_s``)."""
+
+    label: str
+    start: float
+    end: float
+
+
+def cell_windows(folder: str | Path) -> list[CellWindow]:
+    """Every cell JSON under ``folder`` (recursively) that records ``window_perf_s``, by start.
+
+    The label is the file's path under ``folder`` without ``.json`` (``round-1/chat-low-adaptive``).
+    """
+    root = Path(folder)
+    out: list[CellWindow] = []
+    for path in sorted(root.rglob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        win = data.get("window_perf_s") if isinstance(data, dict) else None
+        if isinstance(win, list) and len(win) == 2:
+            out.append(CellWindow(str(path.relative_to(root).with_suffix("")), float(win[0]), float(win[1])))
+    return sorted(out, key=lambda c: c.start)
+
+
+def cell_table(intervals: Sequence[Interval], cells: Sequence[CellWindow], min_steps: int = 20) -> list[str]:
+    """Markdown rows, one per cell: busy steps, median and mean ms per step, mean K verified,
+    and median ms per step by verified K (``K:median(steps)``, groups of ``min_steps`` or more)."""
+    lines = [
+        "| cell | steps | median ms | mean ms | mean K verified | median ms by K verified |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for c in cells:
+        inside = [iv for iv in intervals if c.start <= iv.t_output <= c.end]
+        if not inside:
+            continue
+        ms = [iv.seconds * 1e3 for iv in inside]
+        by_k: dict[int, list[float]] = defaultdict(list)
+        for iv in inside:
+            by_k[iv.k_drafted].append(iv.seconds * 1e3)
+        per_k = " ".join(
+            f"{k}:{statistics.median(v):.3f}({len(v)})" for k, v in sorted(by_k.items()) if len(v) >= min_steps
+        )
+        mean_k = statistics.fmean(iv.k_drafted for iv in inside)
+        lines.append(
+            f"| {c.label} | {len(ms)} | {statistics.median(ms):.3f} | {statistics.fmean(ms):.3f} | {mean_k:.2f} | {per_k} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench step-trace",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("files", nargs="+", help="trace files ($SPECPILOT_STEP_TRACE.PID)")
+    ap.add_argument("--max-gap-ms", type=float, default=50.0, help="longer output-to-output intervals are idle spells")
+    ap.add_argument("--since", type=float, default=0.0, help="skip the first seconds of each trace (warm-up)")
+    ap.add_argument(
+        "--cells", help="a `bench matrix` results folder: also one row per cell, from its window (same host's clock)"
+    )
+    ap.add_argument("--min-steps", type=int, default=20, help="groups with fewer steps are not printed")
+    args = ap.parse_args(argv)
+    intervals: list[Interval] = []
+    for f in args.files:
+        try:
+            steps = read_trace(f)
+        except (OSError, ValueError) as exc:
+            ap.error(str(exc))
+        intervals += busy_intervals(steps, args.max_gap_ms / 1e3, args.since)
+    if not intervals:
+        print("no busy decode stretches in the trace")
+        return 1
+    if args.cells:
+        cells = cell_windows(args.cells)
+        if not cells:
+            ap.error(f"{args.cells}: no cell JSON with window_perf_s")
+        print("\n".join(cell_table(intervals, cells, args.min_steps)))
+        print()
+    for key in ("k_drafted", "k_proposed", "transition"):
+        print("\n".join(table(intervals, key, args.min_steps)))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

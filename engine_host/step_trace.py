@@ -1,0 +1,88 @@
+"""A per-step trace of the engine core: when each step was scheduled and handed back, and its K.
+
+For profiling the cost of draft length K on an engine that runs with async scheduling, where
+the hook's step clock (``engine_host.step_clock``) cannot tell what a step at K > 0 costs
+from what overlaps it: the interval between two consecutive outputs of a busy engine is the
+wall time of the later step, whatever overlaps what. ``python -m bench step-trace FILE`` groups
+those intervals by the K each step verified and proposed.
+
+Enabled with ``$SPECPILOT_STEP_TRACE`` (a file path; the engine core appends ``.PID``). The
+hook buffers rows in memory and appends them to the file when it publishes its state (a few
+times a second), so tracing adds no file I/O to a step.
+
+File format: CSV with a header, one row per step output:
+``t_scheduled_s,t_output_s`` (``time.perf_counter()`` of the engine core, s),
+``k_drafted`` (tokens: the drafts this step verified), ``k_proposed`` (tokens: the K chosen in
+this step for the next drafts), ``decode`` (requests in the step that only decoded),
+``requests`` (requests in the step), ``tokens`` (tokens scheduled in the step).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+from . import envs
+
+HEADER = "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens\n"
+
+
+class StepTrace:
+    """Buffered writer of per-step rows (see the module docstring).
+
+    Args:
+        path: the trace file (created with its header when it does not exist).
+        max_rows: rows kept in memory before the oldest are dropped, when ``flush`` is
+            not called (bounded memory on a long run).
+    """
+
+    def __init__(self, path: str, max_rows: int = 200_000):
+        self.path = path
+        self._rows: list[str] = []
+        self._max_rows = max_rows
+        self.dropped = 0
+        if not os.path.exists(path):
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(HEADER)
+
+    def add(
+        self,
+        t_scheduled: float,
+        t_output: float,
+        k_drafted: int,
+        k_proposed: int,
+        decode: int,
+        requests: int,
+        tokens: int,
+    ) -> None:
+        """Record one step's output (times in s of ``time.perf_counter()``; K in tokens)."""
+        if len(self._rows) >= self._max_rows:
+            self._rows.pop(0)
+            self.dropped += 1
+        self._rows.append(f"{t_scheduled:.6f},{t_output:.6f},{k_drafted},{k_proposed},{decode},{requests},{tokens}\n")
+
+    def flush(self) -> None:
+        """Append the buffered rows to the file. Raises ``OSError`` when it cannot be written
+        (the rows are kept for the next try)."""
+        if not self._rows:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.writelines(self._rows)
+        self._rows.clear()
+
+
+def step_trace_from_env() -> StepTrace | None:
+    """The engine core's trace when ``$SPECPILOT_STEP_TRACE`` is set (file ``PATH.PID``), else None."""
+    path = envs.step_trace()
+    if not path:
+        return None
+    trace = StepTrace(f"{path}.{os.getpid()}")
+    atexit.register(_flush_quietly, trace)
+    return trace
+
+
+def _flush_quietly(trace: StepTrace) -> None:
+    try:
+        trace.flush()
+    except OSError:
+        pass

@@ -1,0 +1,108 @@
+"""The engine core's per-step trace ($SPECPILOT_STEP_TRACE) and ``python -m bench step-trace``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import step_trace as bst
+from engine_host import envs
+from engine_host.step_trace import HEADER, StepTrace, step_trace_from_env
+
+
+def _write(path: Path, rows: list[tuple]) -> None:
+    t = StepTrace(str(path))
+    for r in rows:
+        t.add(*r)
+    t.flush()
+
+
+def test_trace_is_written_on_flush_only_and_appends(tmp_path: Path) -> None:
+    path = tmp_path / "steps.csv"
+    t = StepTrace(str(path))
+    t.add(1.0, 1.002, 0, 2, 1, 1, 1)
+    assert path.read_text() == HEADER  # buffered: no I/O in the step
+    t.flush()
+    t.add(1.002, 1.005, 2, 2, 1, 1, 3)
+    t.flush()
+    t.flush()  # nothing buffered: nothing written
+    lines = path.read_text().splitlines()
+    assert lines[0] + "\n" == HEADER
+    assert lines[1:] == ["1.000000,1.002000,0,2,1,1,1", "1.002000,1.005000,2,2,1,1,3"]
+    # a second writer (engine restarted with the same file) appends, no second header
+    StepTrace(str(path)).flush()
+    assert path.read_text().count("t_scheduled_s") == 1
+
+
+def test_buffer_is_bounded(tmp_path: Path) -> None:
+    t = StepTrace(str(tmp_path / "s.csv"), max_rows=3)
+    for i in range(5):
+        t.add(float(i), float(i) + 0.001, 0, 0, 1, 1, 1)
+    assert t.dropped == 2
+    t.flush()
+    rows = bst.read_trace(tmp_path / "s.csv")
+    assert [r.t_scheduled for r in rows] == [2.0, 3.0, 4.0]
+
+
+def test_from_env_names_the_file_by_pid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(envs.STEP_TRACE, raising=False)
+    assert step_trace_from_env() is None
+    monkeypatch.setenv(envs.STEP_TRACE, str(tmp_path / "steps.csv"))
+    t = step_trace_from_env()
+    assert t is not None and t.path.startswith(str(tmp_path / "steps.csv."))
+    assert Path(t.path).read_text() == HEADER
+
+
+def test_busy_intervals_keep_only_pure_decode_steps_of_one_batch(tmp_path: Path) -> None:
+    path = tmp_path / "s.csv"
+    rows = [
+        # t_sched, t_out, k_drafted, k_proposed, decode, requests, tokens
+        (0.0, 0.010, 0, 0, 0, 1, 30),  # prefill
+        (0.009, 0.012, 0, 0, 1, 1, 1),  # after a prefill: not counted
+        (0.011, 0.014, 0, 2, 1, 1, 1),  # 2 ms at K = 0
+        (0.013, 0.017, 2, 2, 1, 1, 3),  # 3 ms at K = 2
+        (0.016, 0.020, 2, 0, 1, 1, 3),  # 3 ms at K = 2
+        (0.019, 0.021, 0, 0, 1, 2, 2),  # batch changed: not counted
+        (0.500, 0.600, 0, 0, 2, 2, 2),  # idle spell: longer than max gap
+    ]
+    _write(path, rows)
+    iv = bst.busy_intervals(bst.read_trace(path), max_gap_s=0.05)
+    assert [(round(x.seconds * 1e3, 3), x.k_drafted, x.k_drafted_before) for x in iv] == [
+        (2.0, 0, 0),
+        (3.0, 2, 0),
+        (3.0, 2, 2),
+    ]
+    lines = bst.table(iv, "k_drafted", min_steps=1)
+    assert "| 1, 0 | 1 | 2.000 |" in lines[2] and "| 1, 2 | 2 | 3.000 |" in lines[3]
+    assert any("0 -> 2" in line for line in bst.table(iv, "transition", min_steps=1))
+
+
+def test_cells_split_the_trace_by_their_windows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "steps.csv.1"
+    rows = []
+    t = 10.0
+    for k, dt in ((0, 0.002), (4, 0.003)):  # cell A at K = 0, 2 ms; cell B at K = 4, 3 ms
+        for _ in range(30):
+            rows.append((t - dt, t, k, k, 1, 1, 1 + k))
+            t += dt
+        t += 1.0  # between cells
+    _write(trace, rows)
+    cells = tmp_path / "results" / "round-1"
+    cells.mkdir(parents=True)
+    (cells / "chat-low-fixed0.json").write_text(json.dumps({"window_perf_s": [9.9, 10.1]}))
+    (cells / "chat-low-fixed4.json").write_text(json.dumps({"window_perf_s": [11.0, 11.2]}))
+    (cells / "spread.json").write_text("[]")  # not a cell
+    assert bst.main([str(trace), "--cells", str(tmp_path / "results"), "--min-steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "| round-1/chat-low-fixed0 | 29 | 2.000 | 2.000 | 0.00 | 0:2.000(29) |" in out
+    assert "| round-1/chat-low-fixed4 | 29 | 3.000 | 3.000 | 4.00 | 4:3.000(29) |" in out
+
+
+def test_not_a_trace_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "x.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(SystemExit) as exc:
+        bst.main([str(bad)])
+    assert exc.value.code == 2
