@@ -940,6 +940,19 @@ class SpeculationController:
         self.steps_at_k[k] += 1
         return k
 
+    def record_scheduled(self, k_policy: int, k: int) -> None:
+        """The engine scheduled the step counted by :meth:`k_for_batch` at ``k`` tokens where
+        the policy chose ``k_policy`` (the scheduler hook's per-request decisions move it:
+        ``engine_host.scheduler``). The step is counted at ``k`` instead, and ``k_current``
+        (the K of the last engine step) says ``k``; ``k`` is clamped to ``0..K_max``."""
+        k = 0 if k < 0 else (self.k_engine if k > self.k_engine else k)
+        if k == k_policy:
+            return
+        if 0 <= k_policy < len(self.steps_at_k) and self.steps_at_k[k_policy] > 0:
+            self.steps_at_k[k_policy] -= 1
+        self.steps_at_k[k] += 1
+        self.k_current = k
+
     def observe(self, obs: StepObservation) -> None:
         """Fold in one step's measurements and let the policy react (a warm-up step
         teaches the step-time model only: see :class:`StepObservation`)."""

@@ -245,9 +245,12 @@ class _SpecPilotHook:
             k = self._warmup_k
             self._warmup_steps[k] += 1
         else:
-            k = self._per_request_k(self.controller.k_for_batch(batch_size))
+            k_policy = self.controller.k_for_batch(batch_size)
+            k = self._per_request_k(k_policy)
             if k > 0 and not self._any_request_wants_drafts(k):
                 k = 0
+            if k != k_policy:  # count the step, and report K, as scheduled
+                self.controller.record_scheduled(k_policy, k)
         self._k_decided = k
         if self._k_first_use_step is None:
             self._k_first_use_step = self._step_index

@@ -164,7 +164,10 @@ def _hook(
     h = object.__new__(_SpecPilotHook)
     h.GATE_DRAFTS = gate_drafts
     h.controller = types.SimpleNamespace(
-        step_time=step_time, k_for_batch=lambda b: controller_k, policy=types.SimpleNamespace(k_hi=8)
+        step_time=step_time,
+        k_for_batch=lambda b: controller_k,
+        policy=types.SimpleNamespace(k_hi=8),
+        record_scheduled=lambda k_policy, k: None,
     )
     h._k_engine = 8
     h._gate = RequestDraftGate(probe_every=probe_every, pool_decay=pool_decay)
@@ -339,3 +342,25 @@ def test_at_batch_1_a_request_whose_own_depth_is_0_is_still_probed_at_shallow_de
     assert hook._gate.depth("chat", hook._draft_token_cost(1, 8), 8) == 0
     ks = [hook._decide_k(1) for _ in range(32)]
     assert ks == ([0] * 15 + [hook.PROBE_DEPTH]) * 2
+
+
+def test_steps_are_counted_and_k_reported_as_scheduled_not_as_the_policy_chose():
+    """The controller's steps_at_k (the specpilot:steps counter, the benchmarks' mean K) and
+    k_current (the live K) follow the K the hook scheduled: on chat the policy may answer
+    K = 4 while the gate runs the step at K = 0 (a probe every probe_every steps)."""
+    from engine_host.config import SpeculationConfig
+    from engine_host.controller import SpeculationController
+
+    hook = _hook(_step_time(), 4, 4, ["chat"])
+    ctl = SpeculationController(8, SpeculationConfig(mode="adaptive"))
+    ctl.policy.k_for_batch = lambda b: 4  # the policy insists on K = 4
+    ctl.step_time = hook.controller.step_time
+    hook.controller = ctl
+    _feed(hook._gate, "chat", 0.0, k=4)
+    ks = [hook._decide_k(1) for _ in range(8)]
+    assert ks == [0, 0, 0, 4, 0, 0, 0, 4]
+    assert ctl.steps_at_k[0] == 6 and ctl.steps_at_k[4] == 2 and sum(ctl.steps_at_k) == 8
+    assert ctl.k_current == 4
+    hook._decide_k(1)
+    assert ctl.k_current == 0
+    assert ctl.snapshot(1)["steps_at_k"][0] == 7
