@@ -58,7 +58,7 @@ class Interval:
     k_drafted: int
     k_proposed: int
     k_drafted_before: int
-    t_output: float = 0.0
+    t_output: float  # when the step's output came back (s, the engine core's clock)
 
 
 def read_trace(path: str | Path) -> list[Step]:
@@ -93,6 +93,9 @@ def busy_intervals(steps: Sequence[Step], max_gap_s: float = 0.05, since_s: floa
         steps: one engine core's rows, in order.
         max_gap_s: longer intervals are dropped (idle spells, s).
         since_s: drop steps whose output came less than this long after the first row (s).
+
+    Returns:
+        One :class:`Interval` per counted step, in order.
     """
     out: list[Interval] = []
     if not steps:

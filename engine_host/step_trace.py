@@ -12,8 +12,9 @@ times a second), so tracing adds no file I/O to a step.
 
 File format: CSV with a header, one row per step output:
 ``t_scheduled_s,t_output_s`` (``time.perf_counter()`` of the engine core, s),
-``k_drafted`` (tokens: the drafts this step verified), ``k_proposed`` (tokens: the K chosen in
-this step for the next drafts), ``decode`` (requests in the step that only decoded),
+``k_drafted`` (tokens: the K the drafts this step verified were proposed at; an n-gram
+proposer may have found fewer), ``k_proposed`` (tokens: the K chosen in this step for the next
+drafts), ``decode`` (requests in the step that only decoded),
 ``requests`` (requests in the step), ``tokens`` (tokens scheduled in the step).
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from collections import deque
 
 from . import envs
 
@@ -38,9 +40,8 @@ class StepTrace:
 
     def __init__(self, path: str, max_rows: int = 200_000):
         self.path = path
-        self._rows: list[str] = []
-        self._max_rows = max_rows
-        self.dropped = 0
+        self._rows: deque[str] = deque(maxlen=max_rows)
+        self.dropped = 0  # rows that fell out of a full buffer
         if not os.path.exists(path):
             with open(path, "w", encoding="utf-8") as f:
                 f.write(HEADER)
@@ -56,8 +57,7 @@ class StepTrace:
         tokens: int,
     ) -> None:
         """Record one step's output (times in s of ``time.perf_counter()``; K in tokens)."""
-        if len(self._rows) >= self._max_rows:
-            self._rows.pop(0)
+        if len(self._rows) == self._rows.maxlen:
             self.dropped += 1
         self._rows.append(f"{t_scheduled:.6f},{t_output:.6f},{k_drafted},{k_proposed},{decode},{requests},{tokens}\n")
 
