@@ -623,18 +623,35 @@ class StepTimeModel:
 
 
 def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] | None:
-    """Solve the 3x3 system ``a @ v = b`` by Gaussian elimination; None when singular."""
-    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
+    """Solve the 3x3 system ``a @ v = b`` by Gaussian elimination with partial pivoting;
+    None when singular. Written out for speed: it runs once per engine step."""
+    m0 = [a[0][0], a[0][1], a[0][2], b[0]]
+    m1 = [a[1][0], a[1][1], a[1][2], b[1]]
+    m2 = [a[2][0], a[2][1], a[2][2], b[2]]
+    m = [m0, m1, m2]
+    tol = 1e-12 * max(1.0, abs(m0[0]))
     for c in range(3):
-        piv = max(range(c, 3), key=lambda r: abs(m[r][c]))
-        if abs(m[piv][c]) < 1e-12 * max(1.0, abs(m[0][0])):
+        piv = c
+        best = abs(m[c][c])
+        for r in range(c + 1, 3):
+            v = abs(m[r][c])
+            if v > best:
+                piv, best = r, v
+        if best < tol:
             return None
-        m[c], m[piv] = m[piv], m[c]
+        if piv != c:
+            m[c], m[piv] = m[piv], m[c]
+            if c == 0:
+                tol = 1e-12 * max(1.0, abs(m[0][0]))
+        mc = m[c]
+        d = mc[c]
         for r in range(3):
             if r != c:
-                f = m[r][c] / m[c][c]
-                for j in range(c, 4):
-                    m[r][j] -= f * m[c][j]
+                mr = m[r]
+                f = mr[c] / d
+                if f != 0.0:
+                    for j in range(c, 4):
+                        mr[j] -= f * mc[j]
     return m[0][3] / m[0][0], m[1][3] / m[1][1], m[2][3] / m[2][2]
 
 

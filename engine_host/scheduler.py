@@ -102,6 +102,11 @@ class _SpecPilotHook:
     # estimate drafts (``_per_request_k``): one verification at shallow depth says whether it
     # has started to accept, at a fraction of a deep draft's verification
     PROBE_DEPTH = 2
+    # the gate's step-time inputs (``_gate_costs``) are recomputed every GATE_COST_EVERY steps
+    # at one (batch size, K): they come from the step-time model, which moves over tens of
+    # steps, while pricing them is most of the hook's per-step work at batch 1 under the
+    # adaptive policy (python -m bench hook-cost)
+    GATE_COST_EVERY = 4
 
     # Attributes of vLLM's Scheduler (set in its __init__) that the hook reads and caps.
     max_num_running_reqs: int
@@ -144,6 +149,7 @@ class _SpecPilotHook:
         self._cap_tokens = self._startup_max_tokens
         self._max_running_seen = 0
         self._k_decided = 0  # K chosen for the step being scheduled
+        self._gate_cost_memo: dict[tuple[int, int], tuple[float, float, int]] = {}
         self._steps_planned_out = 0  # steps in a row the gate ran at K = 0 (async probes)
         self._k_drafted = 0  # K of the drafts verified in the step being scheduled
         self._k_first_use_step: int | None = None
@@ -314,6 +320,28 @@ class _SpecPilotHook:
         t_plain = tm.predict(b, 0)
         return draft_token_cost(t_plain, t_plain + verify_s, k)
 
+    def _gate_costs(self, batch_size: int, k: int) -> tuple[float, float]:
+        """``(draft_token_cost, step_cost)`` for ``batch_size`` requests at depth ``k``: the
+        cost of one verified draft token (:meth:`_draft_token_cost`, fraction of a plain
+        step per token) and what a step at depth k that verifies no draft costs over a plain
+        step (fraction 0.., never below the least a K > 0 step costs,
+        ``StepTimeModel.spec_floor_ratio``). Kept for ``GATE_COST_EVERY`` steps per
+        (batch size, K)."""
+        memo = self._gate_cost_memo
+        hit = memo.get((batch_size, k))
+        if hit is not None and self._step_index - hit[2] < self.GATE_COST_EVERY:
+            return hit[0], hit[1]
+        cost = self._draft_token_cost(batch_size, k)
+        tm = self.controller.step_time
+        b = batch_size
+        t_plain = tm.predict(b, 0)
+        step_cost = max(tm.predict_tokens(b, float(b), k) - t_plain, 0.0) / t_plain if t_plain > 0 else 0.0
+        step_cost = max(step_cost, tm.spec_floor_ratio())  # never below the least a K > 0 step costs
+        if len(memo) > 512:
+            memo.clear()
+        memo[(batch_size, k)] = (cost, step_cost, self._step_index)
+        return cost, step_cost
+
     def _per_request_k(self, k: int) -> int:
         """The step's K with one running request: the deeper of the controller's ``k`` and
         the request's own depth (``RequestDraftGate.depth``, up to the policy's upper
@@ -331,7 +359,7 @@ class _SpecPilotHook:
         hi = int(getattr(self.controller.policy, "k_hi", self._k_engine))
         if len(running) != 1 or k >= hi:
             return k
-        own = self._gate.depth(running[0].request_id, self._draft_token_cost(1, hi), hi)
+        own = self._gate.depth(running[0].request_id, self._gate_costs(1, hi)[0], hi)
         if own == 0 and k == 0:
             return min(self.PROBE_DEPTH, hi)
         return max(k, own)
@@ -350,13 +378,7 @@ class _SpecPilotHook:
         running = self.running  # type: ignore[attr-defined]
         if not running:
             return True
-        b = len(running)
-        cost = self._draft_token_cost(b, k)
-        tm = self.controller.step_time
-        t_plain = tm.predict(b, 0)
-        # a step at depth k that verifies no draft, against a plain step (fraction)
-        step_cost = max(tm.predict_tokens(b, float(b), k) - t_plain, 0.0) / t_plain if t_plain > 0 else 0.0
-        step_cost = max(step_cost, tm.spec_floor_ratio())  # never below the least a K > 0 step costs
+        cost, step_cost = self._gate_costs(len(running), k)
         wants = False
         per_request_probes = self.GATE_DRAFTS
         for req in running:  # every request is planned, so each one's probe count advances
@@ -383,7 +405,7 @@ class _SpecPilotHook:
         k = self._k_drafted
         if b == 0 or k <= 0:
             return
-        cost = self._draft_token_cost(b, k)
+        cost = self._gate_costs(b, k)[0]
         for req in running:
             drafts = req.spec_token_ids
             if getattr(req, "num_output_tokens", 0) > 0:  # past its prefill: it could have drafted

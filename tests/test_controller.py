@@ -559,3 +559,16 @@ def test_a_speculative_step_timed_as_cheap_as_a_plain_one_is_still_priced_above_
     ctl.policy.current = 4
     ks = [ctl.k_for_batch(1) for _ in range(30)]
     assert mode_of(ks) == 0, ks
+
+
+def test_solve3_matches_a_direct_solution_and_refuses_singular_systems():
+    """``_solve3`` (the step-time fit's 3x3 least-squares system, written out for speed)."""
+    from engine_host.controller import _solve3
+
+    a = [[0.0, 2.0, 1.0], [1.0, 1.0, 0.0], [4.0, 0.0, 3.0]]  # needs a row swap
+    x = (1.0, -2.0, 0.5)
+    b = [sum(a[r][c] * x[c] for c in range(3)) for r in range(3)]
+    got = _solve3(a, b)
+    assert got is not None
+    assert got == pytest.approx(x)
+    assert _solve3([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.0, 1.0, 1.0]], [1.0, 2.0, 3.0]) is None

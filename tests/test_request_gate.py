@@ -177,6 +177,7 @@ def _hook(
     h._step_index = 0
     h._overhead_s = 0.0
     h._steps_planned_out = 0
+    h._gate_cost_memo = {}
     h.running = [_req(r) for r in request_ids]
     return h
 
@@ -364,3 +365,20 @@ def test_steps_are_counted_and_k_reported_as_scheduled_not_as_the_policy_chose()
     hook._decide_k(1)
     assert ctl.k_current == 0
     assert ctl.snapshot(1)["steps_at_k"][0] == 7
+
+
+def test_gate_costs_are_kept_for_a_few_steps_then_priced_again():
+    """The gate's step-time inputs (``_SpecPilotHook._gate_costs``) come from the step-time
+    model at most every ``GATE_COST_EVERY`` steps per (batch size, K): a model that moved is
+    seen once that many steps have passed, and at once for another (batch size, K)."""
+    h = _hook(_step_time(), controller_k=8, probe_every=16, request_ids=["a"])
+    first = h._gate_costs(1, 8)
+    h.controller.step_time = _step_time(idle_step_cost=True)  # a step at K > 0 now costs more
+    for _ in range(h.GATE_COST_EVERY - 1):
+        h._step_index += 1
+        assert h._gate_costs(1, 8) == first
+    assert h._gate_costs(1, 4) != h._gate_costs(1, 8)  # another depth is priced on its own
+    h._step_index += 1
+    again = h._gate_costs(1, 8)
+    assert again != first
+    assert again[1] > first[1]  # the idle speculative step's cost is now seen
