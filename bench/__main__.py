@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shlex
 import sys
 import time
@@ -244,7 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="run each (workload, load) group's modes this many times, one round after another, the even "
-        "rounds in reverse order; round r goes to OUT/round-r and the spread over the rounds to OUT/spread.md",
+        "rounds in reverse order (see --order); round r goes to OUT/round-r and the spread over the rounds to "
+        "OUT/spread.md",
+    )
+    m.add_argument(
+        "--order",
+        choices=("alternate", "shuffle"),
+        default="alternate",
+        help="order of the modes within a round: alternate (as given, reversed in even rounds) or shuffle (a "
+        "fresh random order in every round, from --seed), so that a slow spell of the host that lasts a few "
+        "cells does not fall on the same neighbouring modes in every round",
     )
     m.add_argument(
         "--side-by-side",
@@ -419,6 +429,8 @@ def matrix_jobs(
     rounds: int = 1,
     plain: bool = False,
     together: bool = False,
+    order: str = "alternate",
+    seed: int = 0,
 ) -> list[list[CellJob]]:
     """The order of a matrix run's cells, as phases (each a list of jobs run one after another).
 
@@ -433,18 +445,27 @@ def matrix_jobs(
         together: both engines are up at once: each group's plain cell runs inside the group's
             round, beside the modes (one phase). Otherwise the plain engine's cells run in a
             second phase, after every cell of the speculative engine.
+        order: ``"alternate"`` (the order above) or ``"shuffle"``: every (group, round) runs its
+            modes in a random order drawn from ``seed``, the same for the same arguments.
+        seed: the shuffle's seed.
     Returns:
         ``[phase, ...]``; each job's ``engine`` is ``"spec"`` or ``"plain"``.
     Raises:
-        ValueError: ``rounds < 1``.
+        ValueError: ``rounds < 1`` or an unknown ``order``.
     """
     if rounds < 1:
         raise ValueError("rounds must be >= 1")
+    if order not in ("alternate", "shuffle"):
+        raise ValueError(f"order must be alternate or shuffle, not {order!r}")
 
     def folder(r: int) -> Path:
         return out if rounds == 1 else out / f"round-{r}"
 
-    def ordered(seq: list[str], r: int) -> list[str]:
+    def ordered(seq: list[str], r: int, g: int = 0) -> list[str]:
+        if order == "shuffle":
+            shuffled = list(seq)
+            random.Random(f"{seed}/{g}/{r}").shuffle(shuffled)
+            return shuffled
         return seq if r % 2 == 1 else list(reversed(seq))
 
     spec_modes = list(modes)
@@ -453,17 +474,17 @@ def matrix_jobs(
         return [
             [
                 CellJob("plain" if m == "plain" else "spec", cell(w, ld, m), folder(r))
-                for w, ld in groups
+                for g, (w, ld) in enumerate(groups)
                 for r in range(1, rounds + 1)
-                for m in ordered(both, r)
+                for m in ordered(both, r, g)
             ]
         ]
     phases = [
         [
             CellJob("spec", cell(w, ld, m), folder(r))
-            for w, ld in groups
+            for g, (w, ld) in enumerate(groups)
             for r in range(1, rounds + 1)
-            for m in ordered(spec_modes, r)
+            for m in ordered(spec_modes, r, g)
         ]
     ]
     if plain:
@@ -630,7 +651,9 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
     together = bool(args.plain_baseline and (args.plain_url or args.side_by_side))
     groups = [(w, lname) for w in workloads for lname in loads]
-    phases = matrix_jobs(groups, modes, cell, out, args.rounds, args.plain_baseline, together)
+    phases = matrix_jobs(
+        groups, modes, cell, out, args.rounds, args.plain_baseline, together, order=args.order, seed=args.seed
+    )
     outer = (
         None
         if args.quiet
@@ -669,6 +692,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         "modes": modes,
         "duration_s": args.duration,
         "rounds": args.rounds,
+        "order": args.order,
         "plain_beside_modes": together,
     }
     # rows in workload/load order with the plain column beside the same-engine modes

@@ -846,6 +846,40 @@ def test_matrix_jobs_interleave_rounds_and_put_plain_beside_the_modes(tmp_path):
         matrix_jobs(groups, ["adaptive"], cell, tmp_path, rounds=0)
 
 
+def test_matrix_jobs_shuffle_the_modes_of_every_round_from_the_seed(tmp_path):
+    """``--order shuffle``: each (group, round) runs every mode once, in an order drawn from
+    the seed: the same for the same seed, not the alternating one in every round."""
+    from types import SimpleNamespace
+
+    from bench.__main__ import matrix_jobs
+
+    def cell(w, ld, m):
+        return SimpleNamespace(label=f"{w}-{ld}-{m}", mode=m)
+
+    groups = [("chat", "low"), ("code", "low")]
+    modes = ["adaptive", "adaptive:0-0", "adaptive_step", "fixed:0"]
+
+    def orders(seed):
+        (phase,) = matrix_jobs(
+            groups, modes, cell, tmp_path, rounds=6, plain=True, together=True, order="shuffle", seed=seed
+        )
+        by_round: dict[tuple[str, str], list[str]] = {}
+        for j in phase:
+            by_round.setdefault((j.spec.label.split("-")[0], j.out.name), []).append(j.spec.mode)
+        return by_round
+
+    a = orders(0)
+    assert len(a) == 12
+    assert all(sorted(v) == sorted(modes + ["plain"]) for v in a.values())  # every mode once per round
+    assert a == orders(0)  # reproducible
+    assert a != orders(1)
+    alternate = [modes + ["plain"], list(reversed(modes + ["plain"]))]
+    assert any(v not in alternate for v in a.values())
+    assert len({tuple(v) for v in a.values()}) > 2
+    with pytest.raises(ValueError):
+        matrix_jobs(groups, modes, cell, tmp_path, rounds=2, order="random")
+
+
 def test_hook_cost_drives_the_real_hook_and_reports_per_step(capsys):
     from bench.hook_cost import main, measure
 
