@@ -286,11 +286,15 @@ class _SpecPilotHook:
     # -- vLLM scheduler overrides ---------------------------------------------
     def has_requests(self) -> bool:  # type: ignore[override]
         # Also called while the engine idles and is woken by a utility call, so a
-        # config published while idle is acknowledged without waiting for traffic.
-        t = time.perf_counter()
-        self._poll_config()
-        self._overhead_s += time.perf_counter() - t
-        return super().has_requests()  # type: ignore[misc]
+        # config published while idle is acknowledged without waiting for traffic. With
+        # requests, schedule() follows and reads the config itself (vLLM's engine core
+        # asks this several times per step).
+        busy = super().has_requests()  # type: ignore[misc]
+        if not busy:
+            t = time.perf_counter()
+            self._poll_config()
+            self._overhead_s += time.perf_counter() - t
+        return busy
 
     def schedule(self, *args: Any, **kwargs: Any):  # type: ignore[override]
         t = time.perf_counter()

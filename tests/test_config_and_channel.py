@@ -269,3 +269,29 @@ def test_fake_engine_state_has_every_key_of_the_real_state(tmp_path, monkeypatch
         return out
 
     assert keys(fake) == keys(real)
+
+
+def test_the_hook_reads_the_config_in_has_requests_only_while_idle():
+    """vLLM's engine core asks ``has_requests`` several times per step; with requests the
+    scheduler hook leaves the config to ``schedule()`` (which follows), and while idle it reads
+    it there, so a config published to an idle engine is still taken without traffic."""
+    from engine_host.scheduler import _SpecPilotHook
+
+    class _Base:
+        busy = True
+
+        def has_requests(self) -> bool:
+            return self.busy
+
+    class _Hook(_SpecPilotHook, _Base):
+        pass
+
+    h = object.__new__(_Hook)
+    polls: list[int] = []
+    h._poll_config = lambda: polls.append(1)  # type: ignore[method-assign]
+    h._overhead_s = 0.0
+    assert h.has_requests() is True
+    assert polls == []
+    h.busy = False
+    assert h.has_requests() is False
+    assert polls == [1]
