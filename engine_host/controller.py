@@ -629,6 +629,8 @@ def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] 
     m1 = [a[1][0], a[1][1], a[1][2], b[1]]
     m2 = [a[2][0], a[2][1], a[2][2], b[2]]
     m = [m0, m1, m2]
+    # singular below 1e-12 of the first column's scale: a[0][0] for the first pivot, the
+    # chosen first pivot for the later ones
     tol = 1e-12 * max(1.0, abs(m0[0]))
     for c in range(3):
         piv = c
