@@ -9,7 +9,8 @@ scheduling, the model and the engine core's other threads are not in it.
 
 Why: the hook's own clock (``overhead.hook_seconds`` in the published state) is wall time
 inside its spans of the engine-core thread, and includes whatever holds that thread up there
-(another thread of the process taking the GIL, the OS). This figure is the code's own cost,
+(another thread of the process taking the GIL, the OS). ``overhead.hook_cpu_seconds`` is the
+same thread's CPU time inside the same spans, which leaves those out. This figure is the code's own cost,
 for comparison with that clock and with a step's time (docs/benchmarks.md, docs/gpu.md).
 
 Prints microseconds per step for each mode given, the hook's own clock over the same loop, and
@@ -71,7 +72,8 @@ def measure(mode: str, batch: int, steps: int, profile: bool = False) -> dict[st
 
     Returns:
         ``{"us_per_step": wall µs per step of the whole loop, "hook_clock_us_per_step": the
-        hook's own clock per step}``.
+        hook's own clock per step, "hook_cpu_us_per_step": its thread's CPU time inside the
+        same spans, per step}``.
     Raises:
         BenchError: an unknown mode.
     """
@@ -119,6 +121,7 @@ def measure(mode: str, batch: int, steps: int, profile: bool = False) -> dict[st
         for _ in range(200):  # warm
             step()
         hook._overhead_s = 0.0
+        hook._overhead_cpu_s = 0.0
         prof = None
         if profile:
             import cProfile
@@ -135,7 +138,11 @@ def measure(mode: str, batch: int, steps: int, profile: bool = False) -> dict[st
             prof.disable()
             pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(12)
         channel.close()
-        return {"us_per_step": wall / steps * 1e6, "hook_clock_us_per_step": hook._overhead_s / steps * 1e6}
+        return {
+            "us_per_step": wall / steps * 1e6,
+            "hook_clock_us_per_step": hook._overhead_s / steps * 1e6,
+            "hook_cpu_us_per_step": hook._overhead_cpu_s / steps * 1e6,
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,12 +162,15 @@ def main(argv: list[str] | None = None) -> int:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if not batches or min(batches) < 1 or args.steps < 1:
             raise ValueError("--batch needs sizes >= 1 and --steps >= 1")
-        print("| mode | batch | µs per step (CPU, loop) | hook's own clock µs per step |")
-        print("|---|---:|---:|---:|")
+        print("| mode | batch | µs per step (CPU, loop) | hook's own clock µs per step | its CPU time µs per step |")
+        print("|---|---:|---:|---:|---:|")
         for mode in modes:
             for b in batches:
                 r = measure(mode, b, args.steps, args.profile)
-                print(f"| {mode} | {b} | {r['us_per_step']:.1f} | {r['hook_clock_us_per_step']:.1f} |")
+                print(
+                    f"| {mode} | {b} | {r['us_per_step']:.1f} | {r['hook_clock_us_per_step']:.1f} "
+                    f"| {r['hook_cpu_us_per_step']:.1f} |"
+                )
     except (ValueError, BenchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

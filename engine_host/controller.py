@@ -439,7 +439,8 @@ class StepTimeModel:
         self.steps = 0
         self._s = [0.0] * 5  # n, sx, st, sxx, sxt
         self._sp = [0.0] * 4  # sp, spp, sxp, spt (third term: draft passes or speculative steps)
-        self._coef: tuple[float, float, float] | None = None  # coefficients3() until the next step
+        self._coef: tuple[float, float, float] | None = None  # coefficients3(), fitted at step _coef_step
+        self._coef_step = 0
 
     @staticmethod
     def passes(k: int | None) -> int:
@@ -481,7 +482,6 @@ class StepTimeModel:
         sp[1] = f * sp[1] + p * p
         sp[2] = f * sp[2] + x * p
         sp[3] = f * sp[3] + p * step_time_s
-        self._coef = None
         t0, t1, td = self.coefficients3()
         ratio = step_time_s / max(t0 + t1 * x + td * p, 1e-9)
         b = batch_bucket(batch_size)
@@ -501,11 +501,22 @@ class StepTimeModel:
                 kc[1] += 1.0
                 kc[2] = float(self.steps)
 
+    #: Once ``FIT_EVERY_AFTER`` steps are in, the fit is solved again every ``FIT_EVERY``
+    #: steps instead of every step: it runs in the engine core's thread between steps, and
+    #: with ``forget`` = 0.995 a few steps move it by a fraction of a percent, far less than
+    #: one step's own noise. Before that (start-up, the warm-up's sweep over depths) every
+    #: step refits.
+    FIT_EVERY = 4
+    FIT_EVERY_AFTER = 256
+
     def coefficients3(self) -> tuple[float, float, float]:
         """``(t0 [s], t1 [s per token], td [s per unit of P])``: td per extra draft pass with
-        draft passes, else per step at K > 0 (see the class doc); computed once per step."""
-        if self._coef is None:
+        draft passes, else per step at K > 0 (see the class doc); fitted on every step up
+        to at most ``FIT_EVERY`` - 1 steps ago."""
+        age = self.steps - self._coef_step
+        if self._coef is None or age >= self.FIT_EVERY or (age > 0 and self.steps <= self.FIT_EVERY_AFTER):
             self._coef = self._fit3()
+            self._coef_step = self.steps
         return self._coef
 
     def _fit3(self) -> tuple[float, float, float]:
@@ -818,7 +829,7 @@ class AdaptivePolicy(Policy):
     # when the batch size changes): evaluating T(B, K) and E(K) for every K is the largest part
     # of the hook's own per-step work (python -m bench hook-cost; figures in docs/gpu.md), while
     # the estimates it reads move over tens of request-steps
-    DECIDE_EVERY = 4
+    DECIDE_EVERY = 8
 
     def __init__(self, spec: SpeculationConfig, k_engine: int, ctl: "SpeculationController"):
         super().__init__(spec, k_engine, ctl)

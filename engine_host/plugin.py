@@ -554,8 +554,15 @@ class SpecPilotCollector:
             ws.add_metric([str(k)], float(n))
         yield ws
         yield from SAMPLES.metric_families()
-        ov = (core.get("overhead") or {}).get("fraction")
-        yield gauge("controller_overhead_perc", "Scheduler-hook time / step time (fraction 0..1).", ov)
+        ov = core.get("overhead") or {}
+        yield gauge(
+            "controller_overhead_perc", "Scheduler-hook wall time / step time (fraction 0..1).", ov.get("fraction")
+        )
+        yield gauge(
+            "controller_overhead_cpu_perc",
+            "Scheduler-hook CPU time of the engine-core thread / step time (fraction 0..1).",
+            ov.get("cpu_fraction"),
+        )
         acc = GaugeMetricFamily(
             "specpilot:acceptance_per_position",
             "Estimated P(draft positions 1..i all accepted) per decode request-step.",

@@ -106,7 +106,7 @@ class _SpecPilotHook:
     # at one (batch size, K): they come from the step-time model, which moves over tens of
     # steps, while pricing them is most of the hook's per-step work at batch 1 under the
     # adaptive policy (python -m bench hook-cost)
-    GATE_COST_EVERY = 4
+    GATE_COST_EVERY = 8
 
     # Attributes of vLLM's Scheduler (set in its __init__) that the hook reads and caps.
     max_num_running_reqs: int
@@ -162,7 +162,8 @@ class _SpecPilotHook:
         self._dhist = [0] * max(self._k_engine, 1)
         self._drafted = 0
         self._accepted = 0
-        self._overhead_s = 0.0
+        self._overhead_s = 0.0  # wall time inside the hook's spans (s)
+        self._overhead_cpu_s = 0.0  # this thread's CPU time inside the same spans (s)
         self._busy_s = 0.0
         self._t_output_done = 0.0  # perf_counter() when the hook last handed back a step's outputs
         self._draft_fetch_s = 0.0  # the engine core's fetch of the next step's drafts (s)
@@ -247,6 +248,7 @@ class _SpecPilotHook:
 
     def _decide_k(self, batch_size: int) -> int:
         t = time.perf_counter()
+        c = time.thread_time()
         if self._warmup_k is not None:  # start-up warm-up covering each depth
             k = self._warmup_k
             self._warmup_steps[k] += 1
@@ -261,6 +263,7 @@ class _SpecPilotHook:
         if self._k_first_use_step is None:
             self._k_first_use_step = self._step_index
         self._overhead_s += time.perf_counter() - t
+        self._overhead_cpu_s += time.thread_time() - c
         return k
 
     def _k_next(self, batch_size: int) -> int:
@@ -292,12 +295,15 @@ class _SpecPilotHook:
         busy = super().has_requests()  # type: ignore[misc]
         if not busy:
             t = time.perf_counter()
+            c = time.thread_time()
             self._poll_config()
             self._overhead_s += time.perf_counter() - t
+            self._overhead_cpu_s += time.thread_time() - c
         return busy
 
     def schedule(self, *args: Any, **kwargs: Any):  # type: ignore[override]
         t = time.perf_counter()
+        c = time.thread_time()
         self._t_sched = t
         self._poll_config()
         self._apply_caps()
@@ -305,6 +311,7 @@ class _SpecPilotHook:
         if self._k_engine > 0:
             self._gate_drafts()
         self._overhead_s += time.perf_counter() - t
+        self._overhead_cpu_s += time.thread_time() - c
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         # the K the proposer runs with after this step (engine_host.vllm_patches reads it)
         k_sched = getattr(out, "num_spec_tokens_to_schedule", None)
@@ -437,6 +444,7 @@ class _SpecPilotHook:
     def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         t = time.perf_counter()
+        c = time.thread_time()
         # under async scheduling the last schedule() is the *next* step: match outputs to
         # their own step (engine_host.step_clock)
         step_time, step = self._clock.output(t)
@@ -490,6 +498,7 @@ class _SpecPilotHook:
                 dh[i] = 0
         now = time.monotonic()
         self._overhead_s += time.perf_counter() - t
+        self._overhead_cpu_s += time.thread_time() - c
         self._busy_s += step_time
         if now - self._last_publish >= PUBLISH_INTERVAL_S or running == 0:
             self._publish(now)
@@ -550,8 +559,10 @@ class _SpecPilotHook:
             "per_request": dict(self._gate.summary(), enabled=self._gate_on),
             "overhead": {
                 "hook_seconds": round(self._overhead_s, 6),
+                "hook_cpu_seconds": round(self._overhead_cpu_s, 6),
                 "busy_seconds": round(self._busy_s, 6),
                 "fraction": (self._overhead_s / self._busy_s) if self._busy_s > 0 else None,
+                "cpu_fraction": (self._overhead_cpu_s / self._busy_s) if self._busy_s > 0 else None,
             },
         }
         try:

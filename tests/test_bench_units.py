@@ -885,6 +885,8 @@ def test_hook_cost_drives_the_real_hook_and_reports_per_step(capsys):
 
     r = measure("fixed:4", 2, 300)
     assert 0 < r["hook_clock_us_per_step"] <= r["us_per_step"]
+    # the engine-core thread's CPU time inside the same spans: recorded, and not beyond their wall time
+    assert 0 < r["hook_cpu_us_per_step"] <= r["hook_clock_us_per_step"] * 1.05 + 0.5
     assert measure("adaptive", 1, 300)["hook_clock_us_per_step"] > 0
     assert main(["--modes", "fixed:0", "--batch", "1", "--steps", "100"]) == 0
     assert "| fixed:0 | 1 |" in capsys.readouterr().out

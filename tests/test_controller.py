@@ -572,3 +572,29 @@ def test_solve3_matches_a_direct_solution_and_refuses_singular_systems():
     assert got is not None
     assert got == pytest.approx(x)
     assert _solve3([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.0, 1.0, 1.0]], [1.0, 2.0, 3.0]) is None
+
+
+def test_the_step_time_fit_is_solved_every_step_at_start_up_then_every_few_steps():
+    """The 3x3 fit runs in the engine core's thread between steps: after the start-up
+    steps it is solved again every ``FIT_EVERY`` steps, and what it gives then is the fit of
+    every step so far."""
+    m = StepTimeModel()
+    rng = random.Random(3)
+    seen = []
+    for _ in range(m.FIT_EVERY_AFTER + 4 * m.FIT_EVERY):
+        b = rng.choice([1, 2, 4, 8])
+        k = rng.choice([0, 2, 4])
+        m.observe(b, b * (1 + k), 0.002 + 0.0001 * b * (1 + k) + rng.uniform(0, 1e-4), k)
+        seen.append(m.coefficients3())
+    early = seen[: m.FIT_EVERY_AFTER]
+    assert all(a != b for a, b in zip(early, early[1:]))  # refitted at every start-up step
+    late = seen[m.FIT_EVERY_AFTER :]
+    runs = [1]
+    for a, b in zip(late, late[1:]):
+        runs[-1:] = [runs[-1] + 1] if a == b else [runs[-1], 1]
+    assert max(runs) == m.FIT_EVERY and min(runs[1:-1]) == m.FIT_EVERY  # then once per FIT_EVERY steps
+    m.observe(1, 1, 0.0021, 0)
+    assert m.coefficients3() == late[-1] != m._fit3()  # a step came in, not refitted yet
+    for _ in range(m.FIT_EVERY - 1):
+        m.observe(1, 1, 0.0021, 0)
+    assert m.coefficients3() == m._fit3()  # a refit is the fit of every step so far

@@ -176,6 +176,7 @@ def _hook(
     h._k_first_use_step = 0
     h._step_index = 0
     h._overhead_s = 0.0
+    h._overhead_cpu_s = 0.0
     h._steps_planned_out = 0
     h._gate_cost_memo = {}
     h.running = [_req(r) for r in request_ids]
