@@ -15,11 +15,17 @@ for comparison with that clock and with a step's time (docs/benchmarks.md, docs/
 
 Prints microseconds per step for each mode given, the hook's own clock over the same loop, and
 with ``--profile`` the functions that take the time (cProfile).
+
+``--cold MIB``: in an engine the model's and vLLM's work runs between two calls of the hook,
+and the hook's code and data have left the CPU's caches by then; the hot loop alone misses
+that. With ``--cold`` each step is preceded by a copy of MIB MiB and a little unrelated Python,
+and only the steps themselves are timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -66,14 +72,29 @@ class _SchedulerStandIn:
         return None
 
 
-def measure(mode: str, batch: int, steps: int, profile: bool = False) -> dict[str, float]:
-    """Run ``steps`` hook steps at ``batch`` decode requests in ``mode`` (``fixed:K``,
-    ``adaptive``, ``off``).
+class _Evictor:
+    """Stands in for what runs on the engine core's CPU between two engine steps: copies
+    ``mib`` MiB (the hook's code and data leave the caches) and then runs a little
+    unrelated Python (the interpreter itself is warm again, as after vLLM's own code)."""
+
+    def __init__(self, mib: int):
+        self.src = bytearray(mib << 20)
+        self.dst = bytearray(mib << 20)
+
+    def __call__(self) -> int:
+        self.dst[:] = self.src
+        objs = [types.SimpleNamespace(a=i, b=[i] * 4, c={"x": i}) for i in range(50)]
+        total = sum(o.a + len(o.b) + o.c["x"] for o in objs)
+        json.dumps({"k": [o.a for o in objs]})
+        return total
+
+
+def standin_hook(mode: str, batch: int, folder: str) -> tuple[Any, Any]:
+    """SpecPilot's scheduler hook on :class:`_SchedulerStandIn`, configured to ``mode`` through
+    a config channel in ``folder``, with ``batch`` running decode requests.
 
     Returns:
-        ``{"us_per_step": wall µs per step of the whole loop, "hook_clock_us_per_step": the
-        hook's own clock per step, "hook_cpu_us_per_step": its thread's CPU time inside the
-        same spans, per step}``.
+        ``(hook, channel)``; close the channel when done.
     Raises:
         BenchError: an unknown mode.
     """
@@ -87,29 +108,46 @@ def measure(mode: str, batch: int, steps: int, profile: bool = False) -> dict[st
         pass
 
     patch = mode_patch(mode)
+    path = os.path.join(folder, "channel")
+    channel = Channel(path, create=True)
+    cfg = LiveConfig().model_dump(mode="json")
+    for key, value in patch.get("speculation", {}).items():
+        if isinstance(value, dict):
+            cfg["speculation"][key] = {**cfg["speculation"].get(key, {}), **value}
+        elif value is not None:
+            cfg["speculation"][key] = value
+    channel.write_config(1, cfg)
+    old = os.environ.get(envs.CHANNEL)
+    os.environ[envs.CHANNEL] = path
+    try:
+        hook = Hook()
+    finally:
+        if old is None:
+            os.environ.pop(envs.CHANNEL, None)
+        else:
+            os.environ[envs.CHANNEL] = old
+    hook.running = [
+        types.SimpleNamespace(request_id=f"r{i}", spec_token_ids=[], num_output_tokens=8) for i in range(batch)
+    ]
+    hook.requests = {r.request_id: r for r in hook.running}
+    return hook, channel
+
+
+def measure(mode: str, batch: int, steps: int, profile: bool = False, cold_mib: int = 0) -> dict[str, float]:
+    """Run ``steps`` hook steps at ``batch`` decode requests in ``mode`` (``fixed:K``,
+    ``adaptive``, ``off``); with ``cold_mib`` > 0 the caches are made cold between steps
+    (:class:`_Evictor`), as in an engine, where the model's and vLLM's work runs between
+    two calls of the hook.
+
+    Returns:
+        ``{"us_per_step": wall µs per step of the whole loop, "hook_clock_us_per_step": the
+        hook's own clock per step, "hook_cpu_us_per_step": its thread's CPU time inside the
+        same spans, per step}``.
+    Raises:
+        BenchError: an unknown mode.
+    """
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "channel")
-        channel = Channel(path, create=True)
-        cfg = LiveConfig().model_dump(mode="json")
-        for key, value in patch.get("speculation", {}).items():
-            if isinstance(value, dict):
-                cfg["speculation"][key] = {**cfg["speculation"].get(key, {}), **value}
-            elif value is not None:
-                cfg["speculation"][key] = value
-        channel.write_config(1, cfg)
-        old = os.environ.get(envs.CHANNEL)
-        os.environ[envs.CHANNEL] = path
-        try:
-            hook = Hook()
-        finally:
-            if old is None:
-                os.environ.pop(envs.CHANNEL, None)
-            else:
-                os.environ[envs.CHANNEL] = old
-        hook.running = [
-            types.SimpleNamespace(request_id=f"r{i}", spec_token_ids=[], num_output_tokens=8) for i in range(batch)
-        ]
-        hook.requests = {r.request_id: r for r in hook.running}
+        hook, channel = standin_hook(mode, batch, d)
 
         def step() -> None:
             hook.has_requests()
@@ -129,9 +167,18 @@ def measure(mode: str, batch: int, steps: int, profile: bool = False) -> dict[st
             prof = cProfile.Profile()
             prof.enable()
         t = time.perf_counter()
-        for _ in range(steps):
-            step()
-        wall = time.perf_counter() - t
+        if cold_mib > 0:
+            evict = _Evictor(cold_mib)
+            wall = 0.0
+            for _ in range(steps):
+                evict()
+                t = time.perf_counter()
+                step()
+                wall += time.perf_counter() - t
+        else:
+            for _ in range(steps):
+                step()
+            wall = time.perf_counter() - t
         if prof is not None:
             import pstats
 
@@ -154,6 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="1,8,64", help="comma-separated decode batch sizes (requests)")
     ap.add_argument("--steps", type=int, default=20000, help="steps per measurement")
     ap.add_argument("--profile", action="store_true", help="also print where the time goes (cProfile)")
+    ap.add_argument(
+        "--cold",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="make the CPU caches cold between steps by copying MIB MiB (e.g. 64), as the model's and "
+        "vLLM's work does in an engine; 0 (default): the loop runs hot",
+    )
     args = ap.parse_args(argv)
     from bench.engine_control import BenchError
 
@@ -162,11 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if not batches or min(batches) < 1 or args.steps < 1:
             raise ValueError("--batch needs sizes >= 1 and --steps >= 1")
+        if args.cold < 0:
+            raise ValueError("--cold needs MiB >= 0")
         print("| mode | batch | µs per step (CPU, loop) | hook's own clock µs per step | its CPU time µs per step |")
         print("|---|---:|---:|---:|---:|")
         for mode in modes:
             for b in batches:
-                r = measure(mode, b, args.steps, args.profile)
+                r = measure(mode, b, args.steps, args.profile, args.cold)
                 print(
                     f"| {mode} | {b} | {r['us_per_step']:.1f} | {r['hook_clock_us_per_step']:.1f} "
                     f"| {r['hook_cpu_us_per_step']:.1f} |"

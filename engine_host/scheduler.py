@@ -107,6 +107,14 @@ class _SpecPilotHook:
     # steps, while pricing them is most of the hook's per-step work at batch 1 under the
     # adaptive policy (python -m bench hook-cost)
     GATE_COST_EVERY = 8
+    # a quiet step (a decode step that verified no draft and fetched none, outside the
+    # warm-up) is kept and folded into the controller with the next ones, QUIET_STEPS at a
+    # time, and before every state publish and config change: between engine steps the
+    # hook's code and data have left the CPU's caches, and the controller's update of one
+    # step costs several times what it costs run again at once (python -m bench hook-cost
+    # --cold). Such a step carries no acceptance, only a step time, so the estimates lag by
+    # at most QUIET_STEPS - 1 steps of step time.
+    QUIET_STEPS = 8
 
     # Attributes of vLLM's Scheduler (set in its __init__) that the hook reads and caps.
     max_num_running_reqs: int
@@ -147,6 +155,7 @@ class _SpecPilotHook:
         self._gate_on = False
         self._cap_seqs = self._startup_max_seqs
         self._cap_tokens = self._startup_max_tokens
+        self._caps_steady = False  # True while _apply_caps has nothing to change
         self._max_running_seen = 0
         self._k_decided = 0  # K chosen for the step being scheduled
         self._gate_cost_memo: dict[tuple[int, int], tuple[float, float, int]] = {}
@@ -162,6 +171,7 @@ class _SpecPilotHook:
         self._dhist = [0] * max(self._k_engine, 1)
         self._drafted = 0
         self._accepted = 0
+        self._quiet: list[tuple[int, int | None, float, bool, float]] = []  # kept quiet steps (QUIET_STEPS)
         self._overhead_s = 0.0  # wall time inside the hook's spans (s)
         self._overhead_cpu_s = 0.0  # this thread's CPU time inside the same spans (s)
         self._busy_s = 0.0
@@ -214,6 +224,8 @@ class _SpecPilotHook:
             return False
         try:
             cfg = LiveConfig.model_validate(payload["config"])
+            if self._quiet:  # the steps before the change belong to the policy that ran them
+                self._observe_quiet()
             self.controller.configure(cfg.speculation)
         except Exception as exc:  # keep the last good config
             self._config_error = f"version {version} refused by the engine core: {exc}"
@@ -233,18 +245,24 @@ class _SpecPilotHook:
         self._ack_step = self._step_index
         self._k_first_use_step = None
         self._max_running_seen = len(self.running)  # type: ignore[attr-defined]
+        self._caps_steady = False
         self._apply_caps()
         self._publish(time.monotonic())
         ch.write_ack(seq, ACK_APPLIED)
         return True
 
     def _apply_caps(self) -> None:
+        if self._caps_steady:
+            return
         running = len(self.running)  # type: ignore[attr-defined]
         cap = min(max(self._cap_seqs, running), self._startup_max_seqs)
         self.max_num_running_reqs = cap
         if self._has_active_cap:
             self.max_num_active_reqs = cap
         self.max_num_scheduled_tokens = min(self._cap_tokens, self._startup_max_tokens)
+        # without a cap below the start-up limits these values hold until the next config
+        # (one that lowers max_num_seqs is followed down step by step as requests finish)
+        self._caps_steady = self._cap_seqs >= self._startup_max_seqs and self._cap_tokens >= self._startup_max_tokens
 
     def _decide_k(self, batch_size: int) -> int:
         t = time.perf_counter()
@@ -472,38 +490,70 @@ class _SpecPilotHook:
         running = len(self.running)  # type: ignore[attr-defined]
         if running > self._max_running_seen:
             self._max_running_seen = running
+        now = time.monotonic()
         if n_dec:
-            self.controller.observe(
-                StepObservation(
-                    batch_size=n_dec,
-                    k_drafted=k_drafted,
-                    k_proposed=k_proposed,
-                    num_draft_tokens=self._drafted,
-                    num_accepted_tokens=self._accepted,
-                    accepted_hist=list(self._hist),
-                    draft_hist=list(self._dhist),
-                    step_time_s=step_time,
-                    pure_decode=(n_dec == total),
-                    now=time.monotonic(),
-                    warmup=self._warmup_k is not None,
-                    draft_fetch_s=self._draft_fetch_s,
+            if not self._drafted and not k_drafted and not self._draft_fetch_s and self._warmup_k is None:
+                # a quiet step (nothing verified, nothing fetched): kept, and folded in with
+                # the next few (see QUIET_STEPS)
+                quiet = self._quiet
+                quiet.append((n_dec, k_proposed, step_time, n_dec == total, now))
+                if len(quiet) >= self.QUIET_STEPS:
+                    self._observe_quiet()
+            else:
+                if self._quiet:
+                    self._observe_quiet()
+                self.controller.observe(
+                    StepObservation(
+                        batch_size=n_dec,
+                        k_drafted=k_drafted,
+                        k_proposed=k_proposed,
+                        num_draft_tokens=self._drafted,
+                        num_accepted_tokens=self._accepted,
+                        accepted_hist=list(self._hist),
+                        draft_hist=list(self._dhist),
+                        step_time_s=step_time,
+                        pure_decode=(n_dec == total),
+                        now=now,
+                        warmup=self._warmup_k is not None,
+                        draft_fetch_s=self._draft_fetch_s,
+                    )
                 )
-            )
         self._draft_fetch_s = 0.0
-        if self._drafted or n_dec:
+        if self._drafted:  # (the histograms only count with drafts)
             self._drafted = self._accepted = 0
             hist, dh = self._hist, self._dhist
             for i in range(len(hist)):
                 hist[i] = 0
                 dh[i] = 0
-        now = time.monotonic()
-        self._overhead_s += time.perf_counter() - t
-        self._overhead_cpu_s += time.thread_time() - c
         self._busy_s += step_time
         if now - self._last_publish >= PUBLISH_INTERVAL_S or running == 0:
             self._publish(now)
+        self._overhead_s += time.perf_counter() - t
+        self._overhead_cpu_s += time.thread_time() - c
         self._t_output_done = time.perf_counter()
         return outputs
+
+    def _observe_quiet(self) -> None:
+        """Fold the kept quiet steps into the controller, oldest first, as the observations
+        each step would have made (``QUIET_STEPS``)."""
+        zeros = [0] * len(self._hist)
+        observe = self.controller.observe
+        for n_dec, k_proposed, step_time, pure, now in self._quiet:
+            observe(
+                StepObservation(
+                    batch_size=n_dec,
+                    k_drafted=0,
+                    k_proposed=k_proposed,
+                    num_draft_tokens=0,
+                    num_accepted_tokens=0,
+                    accepted_hist=zeros,
+                    draft_hist=zeros,
+                    step_time_s=step_time,
+                    pure_decode=pure,
+                    now=now,
+                )
+            )
+        self._quiet.clear()
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:  # type: ignore[override]
         """vLLM's engine core hands over the drafts it fetched from the worker after a step
@@ -519,6 +569,8 @@ class _SpecPilotHook:
     # -- state ---------------------------------------------------------------
     def _publish(self, now: float) -> None:
         self._last_publish = now
+        if self._quiet:
+            self._observe_quiet()
         if self._trace is not None:
             try:
                 self._trace.flush()

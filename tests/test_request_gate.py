@@ -383,3 +383,50 @@ def test_gate_costs_are_kept_for_a_few_steps_then_priced_again():
     again = h._gate_costs(1, 8)
     assert again != first
     assert again[1] > first[1]  # the idle speculative step's cost is now seen
+
+
+def test_quiet_steps_are_folded_in_a_few_at_a_time_in_order_and_before_a_publish(tmp_path):
+    """A decode step that verified no draft is kept and given to the controller with the
+    next ones (``QUIET_STEPS`` at a time), oldest first; a step with drafts, a state publish
+    and a config change fold in what is kept first, so nothing is lost or reordered."""
+    import types
+
+    from bench.hook_cost import standin_hook
+
+    hook, channel = standin_hook("fixed:0", 1, str(tmp_path))
+    try:
+        seen: list[tuple[int, float]] = []
+        hook.controller.observe = lambda obs: seen.append((obs.k_drafted, obs.step_time_s))
+        hook._last_publish = 1e18  # no publish from the step loop in this test
+        times = iter([0.010 + i / 1000 for i in range(100)])
+        hook._clock = types.SimpleNamespace(
+            scheduled=lambda *a: None,
+            output=lambda t: (next(times), types.SimpleNamespace(k_drafted=0, k_proposed=0, t_scheduled=t)),
+        )
+
+        def step():
+            out = hook.schedule()
+            hook.update_from_output(out, None)
+
+        for _ in range(hook.QUIET_STEPS - 1):
+            step()
+        assert seen == []  # kept
+        step()
+        assert [t for _, t in seen] == [0.010 + i / 1000 for i in range(hook.QUIET_STEPS)]  # all, in order
+        step()
+        step()
+        assert len(seen) == hook.QUIET_STEPS
+        hook._publish(0.0)  # the state published says what the controller has seen
+        assert len(seen) == hook.QUIET_STEPS + 2
+        step()
+        hook._drafted, hook._accepted = 2, 1  # a step that verified drafts: kept ones first
+        hook._hist[0] = 1
+        hook._dhist[0] = hook._dhist[1] = 1
+        step()
+        assert [t for _, t in seen[-2:]] == [
+            0.010 + (hook.QUIET_STEPS + 2) / 1000,
+            0.010 + (hook.QUIET_STEPS + 3) / 1000,
+        ]
+        assert hook._quiet == []
+    finally:
+        channel.close()
