@@ -598,3 +598,20 @@ def test_the_step_time_fit_is_solved_every_step_at_start_up_then_every_few_steps
     for _ in range(m.FIT_EVERY - 1):
         m.observe(1, 1, 0.0021, 0)
     assert m.coefficients3() == m._fit3()  # a refit is the fit of every step so far
+
+
+def test_the_proposer_cost_of_an_async_step_is_priced_where_it_is_paid():
+    """Under async scheduling a step proposes for the next one: around each change of K one
+    step proposes without verifying and the next verifies without proposing. The n-gram
+    proposer's cost is paid in the proposing step (times from an H200, docs/gpu.md): a model
+    that charged it to the verifying step, and filed both steps under their verified depth,
+    priced K = 4 at about plain decoding."""
+    m = StepTimeModel()
+    times = {(0, 0): 0.00276, (0, 4): 0.00340, (4, 0): 0.00294, (4, 4): 0.00340}
+    k_prev = 0
+    for i in range(3000):
+        k_next = 4 if (i % 32) >= 24 else 0  # long spells at K = 0 with short runs at K = 4
+        m.observe(1, 1 + k_prev, times[(k_prev, k_next)], k_prev, k_next)
+        k_prev = k_next
+    ratio = m.predict(1, 4, 0.1) / m.predict(1, 0, 0.1)
+    assert 1.15 < ratio < 1.35, ratio  # measured (4, 4) over (0, 0): 1.23
