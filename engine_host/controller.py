@@ -398,7 +398,11 @@ class StepTimeModel:
     prior ``spec_step_cost_ratio * T(B=1, K=0)``. Without it, only the per-(bucket, K)
     corrections knew that K > 0 costs more than its verified tokens at equal x; after
     ``fresh_steps`` steps at K = 0 they fall back to the bucket's, and every depth was
-    priced as K = 0 plus its few verified tokens.
+    priced as K = 0 plus its few verified tokens. Under async scheduling (GPU) there is no
+    fetch; the fixed cost is the proposer's, paid in the step that proposes for the next one.
+    So ``P = 1`` for a step that verifies drafts *or* runs the proposer (:meth:`extra`), and
+    a (bucket, K) correction learns only from steps that verified and proposed at the same
+    depth: where K changes, a step pays one depth's verification and another's proposal.
 
     Args:
         alpha: weight of one step in the corrections, 0..1.
@@ -454,9 +458,8 @@ class StepTimeModel:
         runs the proposer (``k_proposed`` > 0), and 0 for a step that does neither.
 
         Under async scheduling a step proposes for the next one, so where K changes the
-        two differ: measured on an H200 (docs/gpu.md), a step at K = 0 that ran the n-gram
-        proposer at K = 4 took 3.40 ms where one that did neither took 2.76 ms, and one that
-        verified 4-token drafts without proposing 2.94 ms."""
+        two differ, and the n-gram proposer's cost is paid in the step that runs it, not in
+        the one that verifies its drafts (step traces in docs/gpu.md)."""
         if self.draft_passes:
             return self.passes(k if k_proposed is None else k_proposed)
         return 1 if (k or 0) > 0 or (k_proposed or 0) > 0 else 0
