@@ -9,9 +9,10 @@ scheduling, the model and the engine core's other threads are not in it.
 
 Why: the hook's own clock (``overhead.hook_seconds`` in the published state) is wall time
 inside its spans of the engine-core thread, and includes whatever holds that thread up there
-(another thread of the process taking the GIL, the OS). ``overhead.hook_cpu_seconds`` is the
-same thread's CPU time inside the same spans, which leaves those out. This figure is the code's own cost,
-for comparison with that clock and with a step's time (docs/benchmarks.md, docs/gpu.md).
+(another thread of the process taking the GIL, the OS); ``overhead.hook_cpu_seconds`` is the
+same thread's CPU time inside the same spans, which leaves those out. This benchmark gives the
+code's own cost, for comparison with both clocks and with a step's time (docs/benchmarks.md,
+docs/gpu.md).
 
 Prints microseconds per step for each mode given, the hook's own clock over the same loop, and
 with ``--profile`` the functions that take the time (cProfile).
@@ -166,7 +167,6 @@ def measure(mode: str, batch: int, steps: int, profile: bool = False, cold_mib: 
 
             prof = cProfile.Profile()
             prof.enable()
-        t = time.perf_counter()
         if cold_mib > 0:
             evict = _Evictor(cold_mib)
             wall = 0.0
@@ -176,6 +176,7 @@ def measure(mode: str, batch: int, steps: int, profile: bool = False, cold_mib: 
                 step()
                 wall += time.perf_counter() - t
         else:
+            t = time.perf_counter()
             for _ in range(steps):
                 step()
             wall = time.perf_counter() - t

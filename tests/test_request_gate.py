@@ -428,5 +428,12 @@ def test_quiet_steps_are_folded_in_a_few_at_a_time_in_order_and_before_a_publish
             0.010 + (hook.QUIET_STEPS + 3) / 1000,
         ]
         assert hook._quiet == []
+        step()
+        step()
+        _, payload = channel.read_config()
+        channel.write_config(2, payload["config"])  # a config change: kept steps first
+        n = len(seen)
+        hook.schedule()
+        assert len(seen) == n + 2 and hook._quiet == []
     finally:
         channel.close()
