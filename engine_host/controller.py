@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1012,6 +1013,41 @@ class SpeculationController:
         self.accepted_total += obs.num_accepted_tokens
         self.acceptance.observe(obs.k_drafted, obs.batch_size, obs.accepted_hist, obs.draft_hist)
         self.policy.observe(obs)
+
+    def observe_quiet(self, steps: Sequence[tuple[int, int | None, float, bool, float]]) -> None:
+        """Fold in quiet decode steps, oldest first: steps that verified no draft, fetched
+        none and served no warm-up. Each is ``(batch_size [requests], k_proposed [tokens]
+        or None, step_time_s [s], pure_decode, now [monotonic s])``.
+
+        The same as :meth:`observe` of a :class:`StepObservation` with no drafts for each
+        step, without building one for a policy that does not learn from steps (every
+        policy but the threshold and heuristic baselines): the scheduler hook keeps such
+        steps and hands them over a few at a time (``engine_host.scheduler``)."""
+        policy = self.policy
+        learns = type(policy).observe is not Policy.observe
+        tm_observe = self.step_time.observe
+        acc_observe = self.acceptance.observe
+        zeros = [0] * max(self.k_engine, 1)
+        for batch_size, k_proposed, step_time_s, pure, now in steps:
+            self.total_steps += 1
+            if pure:
+                tm_observe(batch_size, batch_size, step_time_s, 0, k_proposed)
+            acc_observe(0, batch_size, zeros, zeros)
+            if learns:
+                policy.observe(
+                    StepObservation(
+                        batch_size=batch_size,
+                        k_drafted=0,
+                        num_draft_tokens=0,
+                        num_accepted_tokens=0,
+                        accepted_hist=zeros,
+                        draft_hist=zeros,
+                        step_time_s=step_time_s,
+                        pure_decode=pure,
+                        now=now,
+                        k_proposed=k_proposed,
+                    )
+                )
 
     #: Batch sizes at which :meth:`snapshot` tabulates T(B, K) for the planner.
     PLANNER_BATCH_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)

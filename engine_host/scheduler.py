@@ -140,6 +140,8 @@ class _SpecPilotHook:
             "draft_model": _draft_of(vcfg.speculative_config),
         }
         self._channel: Channel | None = channel_from_env()
+        # the config's sequence number, read every step without a method call
+        self._config_seq_view = self._channel.config_seq_view() if self._channel is not None else None
         self._config = LiveConfig()
         self._config_dump = self._config.model_dump(mode="json")
         self._config_version = 0
@@ -237,6 +239,8 @@ class _SpecPilotHook:
         self._config_dump = cfg.model_dump(mode="json")
         self._config_version = version
         self._gate_on = cfg.speculation.mode == "adaptive" and cfg.speculation.adaptive.per_request
+        if not self._gate_on:
+            self._gate.begin_step()  # the per-step counts say nothing while the gate is off
         self._gate.probe_every = cfg.speculation.adaptive.probe_every
         self._config_error = None
         self._cap_seqs = cfg.batch.max_num_seqs or self._startup_max_seqs
@@ -271,12 +275,13 @@ class _SpecPilotHook:
             k = self._warmup_k
             self._warmup_steps[k] += 1
         else:
-            k_policy = self.controller.k_for_batch(batch_size)
-            k = self._per_request_k(k_policy)
-            if k > 0 and not self._any_request_wants_drafts(k):
-                k = 0
-            if k != k_policy:  # count the step, and report K, as scheduled
-                self.controller.record_scheduled(k_policy, k)
+            k = k_policy = self.controller.k_for_batch(batch_size)
+            if self._gate_on:
+                k = self._per_request_k(k_policy)
+                if k > 0 and not self._any_request_wants_drafts(k):
+                    k = 0
+                if k != k_policy:  # count the step, and report K, as scheduled
+                    self.controller.record_scheduled(k_policy, k)
         self._k_decided = k
         if self._k_first_use_step is None:
             self._k_first_use_step = self._step_index
@@ -323,10 +328,14 @@ class _SpecPilotHook:
         t = time.perf_counter()
         c = time.thread_time()
         self._t_sched = t
-        self._poll_config()
-        self._apply_caps()
+        # the cheap checks inline: this runs every engine step with the CPU's caches cold
+        view = self._config_seq_view
+        if view is None or view[0] != self._config_seq:
+            self._poll_config()
+        if not self._caps_steady:
+            self._apply_caps()
         self._k_drafted = self._k_decided
-        if self._k_engine > 0:
+        if self._k_engine > 0 and (self._gate_on or not self._step_index & 255):
             self._gate_drafts()
         self._overhead_s += time.perf_counter() - t
         self._overhead_cpu_s += time.thread_time() - c
@@ -535,24 +544,8 @@ class _SpecPilotHook:
 
     def _observe_quiet(self) -> None:
         """Fold the kept quiet steps into the controller, oldest first, as the observations
-        each step would have made (``QUIET_STEPS``)."""
-        zeros = [0] * len(self._hist)
-        observe = self.controller.observe
-        for n_dec, k_proposed, step_time, pure, now in self._quiet:
-            observe(
-                StepObservation(
-                    batch_size=n_dec,
-                    k_drafted=0,
-                    k_proposed=k_proposed,
-                    num_draft_tokens=0,
-                    num_accepted_tokens=0,
-                    accepted_hist=zeros,
-                    draft_hist=zeros,
-                    step_time_s=step_time,
-                    pure_decode=pure,
-                    now=now,
-                )
-            )
+        each step would have made (``QUIET_STEPS``, ``SpeculationController.observe_quiet``)."""
+        self.controller.observe_quiet(self._quiet)
         self._quiet.clear()
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:  # type: ignore[override]

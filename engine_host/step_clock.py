@@ -17,12 +17,13 @@ it was scheduled. On a synchronous engine both rules give the old answer, the ti
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class ScheduledStep:
-    """One scheduled step: when (``time.perf_counter()`` s) and with which K."""
+class ScheduledStep(NamedTuple):
+    """One scheduled step: when (``time.perf_counter()`` s) and with which K. A named tuple:
+    one is made every engine step, and a frozen dataclass costs several times as much to
+    build."""
 
     t_scheduled: float
     k_drafted: int  # K of the drafts verified in this step

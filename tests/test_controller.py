@@ -615,3 +615,44 @@ def test_the_proposer_cost_of_an_async_step_is_priced_where_it_is_paid():
         k_prev = k_next
     ratio = m.predict(1, 4, 0.1) / m.predict(1, 0, 0.1)
     assert 1.15 < ratio < 1.35, ratio  # measured (4, 4) over (0, 0): 1.23
+
+
+@pytest.mark.parametrize("mode", ["off", "fixed", "batch_table", "threshold", "heuristic", "adaptive"])
+def test_quiet_steps_folded_together_equal_one_observation_each(mode):
+    """``observe_quiet`` (the hook hands over steps without drafts a few at a time) leaves the
+    controller exactly where one ``observe`` per step leaves it, for every policy, including
+    those that learn from steps (threshold, heuristic) and after steps with drafts."""
+
+    def fed(quiet_together: bool) -> dict:
+        table = [(1, 2, 2), (3, 64, 0)] if mode == "batch_table" else None
+        ctl = SpeculationController(4, SpeculationConfig(mode=mode, k=2, table=table))
+        rng = random.Random(3)
+        now = 0.0
+        kept: list = []
+        for i in range(300):
+            now += 0.01
+            b = rng.choice([1, 1, 2, 4])
+            st = 0.002 + 0.0001 * b + rng.random() * 1e-4
+            kp = rng.choice([0, 2, None])
+            if i % 7 == 3:  # a step with drafts: what is kept goes first
+                if kept:
+                    ctl.observe_quiet(kept)
+                    kept = []
+                acc = rng.randint(0, b)
+                ctl.observe(StepObservation(b, 2, 2 * b, acc, [acc, 0, 0, 0], st, True, now, [b, b, 0, 0], 2))
+            elif quiet_together:
+                kept.append((b, kp, st, i % 5 != 0, now))
+                if len(kept) == 8:
+                    ctl.observe_quiet(kept)
+                    kept = []
+            else:
+                z = [0] * 4
+                ctl.observe(StepObservation(b, 0, 0, 0, z, st, i % 5 != 0, now, z, kp))
+        if kept:
+            ctl.observe_quiet(kept)
+        ks = [ctl.k_for_batch(b) for b in (1, 2, 4, 8)]
+        snap = dict(ctl.snapshot(1), ks=ks)
+        snap.pop("step_time_ms_by_batch")  # cached by wall clock
+        return snap
+
+    assert fed(True) == fed(False)

@@ -397,6 +397,7 @@ def test_quiet_steps_are_folded_in_a_few_at_a_time_in_order_and_before_a_publish
     try:
         seen: list[tuple[int, float]] = []
         hook.controller.observe = lambda obs: seen.append((obs.k_drafted, obs.step_time_s))
+        hook.controller.observe_quiet = lambda steps: seen.extend((0, st) for _b, _kp, st, _p, _now in steps)
         hook._last_publish = 1e18  # no publish from the step loop in this test
         times = iter([0.010 + i / 1000 for i in range(100)])
         hook._clock = types.SimpleNamespace(
