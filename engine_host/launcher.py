@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup",
         choices=["full", "quick", "off"],
         default="full",
-        help="start-up warm-up before /ready: full covers every K in 0..K_max with short, long and batched prompts",
+        help="start-up warm-up before /ready: full covers every K in 0..K_max with short, long and batched prompts, "
+        "then one chat request (the chat path's first use); quick sends one short prompt and one chat request",
     )
     p.add_argument(
         "--prefix-caching",

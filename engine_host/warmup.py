@@ -4,7 +4,8 @@ Start-up warm-up (before ``/ready`` turns true): for every draft length K the
 controller may choose (0..K_max) the engine core is held at that K (the channel's
 ``warmup_k``) while a short prompt, a long prompt and a small concurrent batch run, so
 that prefill and decode shapes and every speculation depth are exercised before any
-real request. Its duration is exported as ``specpilot:warmup_duration_seconds``; the
+real request; one short chat completion then warms the chat path (its template and
+serving code), which the first chat request would otherwise pay for in its TTFT. Its duration is exported as ``specpilot:warmup_duration_seconds``; the
 steps run at each K as ``specpilot:warmup_steps_total{k}``.
 
 Heartbeats: schedules from the live config (``warmup.heartbeats``: interval or cron,
@@ -105,33 +106,40 @@ _seq = itertools.count(1)
 
 
 async def timed_request(
-    client: httpx.AsyncClient, args: Any, kind: str, prompt: str, max_tokens: int
+    client: httpx.AsyncClient, args: Any, kind: str, prompt: str, max_tokens: int, chat: bool = False
 ) -> dict[str, Any]:
-    """One streamed completion; returns ``{"ttft_s", "duration_s", "output_tokens"}``.
+    """One streamed completion (``POST /v1/completions``; with ``chat``, ``POST
+    /v1/chat/completions`` with ``prompt`` as the user's message); returns ``{"ttft_s",
+    "duration_s", "output_tokens"}``.
 
     Raises:
-        httpx.HTTPError: the request failed.
+        httpx.HTTPError: the request failed (an ``httpx.HTTPStatusError`` with status 400
+            for a chat request to a model without a chat template).
     """
     rid = f"specpilot-{kind}-{next(_seq)}"
-    body = {
+    body: dict[str, Any] = {
         "model": _served_name(args),
-        "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    path, first = ("/v1/chat/completions", '"content"') if chat else ("/v1/completions", '"text"')
     t0 = time.monotonic()
     ttft = None
     tokens = 0
     SAMPLES.internal_inflight += 1
     try:
-        async with client.stream("POST", "/v1/completions", json=body, headers=_headers(args, rid)) as r:
+        async with client.stream("POST", path, json=body, headers=_headers(args, rid)) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                if ttft is None and '"text"' in line:
+                if ttft is None and first in line:
                     ttft = time.monotonic() - t0
                 if '"usage"' in line and '"completion_tokens"' in line:
                     import json
@@ -143,6 +151,45 @@ async def timed_request(
     return {"ttft_s": ttft, "duration_s": time.monotonic() - t0, "output_tokens": tokens}
 
 
+def _record_startup(res: dict[str, Any], k: int | None, detail: str) -> None:
+    """Record one finished start-up warm-up request (``timed_request``'s result) in :data:`RUNS`."""
+    RUNS.add(
+        {
+            "kind": "warmup",
+            "schedule": "startup",
+            "started_at": time.time() - res["duration_s"],
+            "k": k,
+            "outcome": "ok",
+            "detail": detail,
+            **res,
+        }
+    )
+
+
+async def warm_chat_path(client: httpx.AsyncClient, args: Any, k: int | None) -> bool:
+    """One short chat completion, so that the first chat request after start-up does not pay
+    for the chat path's first use (the chat template's compilation and the chat serving
+    code's first call) in its TTFT. Recorded in :data:`RUNS` as a warm-up run at ``k``
+    (tokens; None: the policy's K). A model without a chat template answers 400: then
+    nothing is recorded and the warm-up goes on.
+
+    Returns:
+        True when the chat request ran (and was recorded).
+
+    Raises:
+        httpx.HTTPError: the request failed for another reason.
+    """
+    try:
+        res = await timed_request(client, args, "warmup", SHORT_PROMPT, 4, chat=True)
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code != 400:
+            raise
+        logger.info("no chat warm-up: the model does not serve chat completions (%s)", exc.response.status_code)
+        return False
+    _record_startup(res, k, "chat")
+    return True
+
+
 async def run_startup_warmup(host_state: Any, args: Any, k_max: int, level: str = "full") -> None:
     """Warm the engine up, then mark it ready.
 
@@ -150,8 +197,8 @@ async def run_startup_warmup(host_state: Any, args: Any, k_max: int, level: str 
         host_state: the plugin's ``EngineHostState`` (phase, warm-up figures, channel).
         args: vLLM's parsed server arguments (host, port, model name, API key).
         k_max: the engine's K_max (tokens); every K in 0..k_max is covered.
-        level: ``full`` (each K: short, long and a batch of 4), ``quick`` (one short
-            request), ``off``.
+        level: ``full`` (each K: short, long and a batch of 4; then one short chat
+            request), ``quick`` (one short request and one short chat request), ``off``.
     """
     base = _base_url(args)
     t0 = time.monotonic()
@@ -170,49 +217,23 @@ async def run_startup_warmup(host_state: Any, args: Any, k_max: int, level: str 
                     jobs = [(SHORT_PROMPT, 8), (LONG_PROMPT, 24)]
                     for prompt, n in jobs:
                         res = await timed_request(client, args, "warmup", prompt, n)
-                        RUNS.add(
-                            {
-                                "kind": "warmup",
-                                "schedule": "startup",
-                                "started_at": time.time() - res["duration_s"],
-                                "k": k,
-                                "outcome": "ok",
-                                "detail": f"{len(prompt)} chars",
-                                **res,
-                            }
-                        )
+                        _record_startup(res, k, f"{len(prompt)} chars")
                         host_state.warmup["runs"] += 1
                     batch = await asyncio.gather(
                         *(timed_request(client, args, "warmup", LONG_PROMPT, 12) for _ in range(4))
                     )
                     for res in batch:
-                        RUNS.add(
-                            {
-                                "kind": "warmup",
-                                "schedule": "startup",
-                                "started_at": time.time() - res["duration_s"],
-                                "k": k,
-                                "outcome": "ok",
-                                "detail": "batch of 4",
-                                **res,
-                            }
-                        )
+                        _record_startup(res, k, "batch of 4")
                         host_state.warmup["runs"] += 1
+                if await warm_chat_path(client, args, k_max):  # still held at the last K
+                    host_state.warmup["runs"] += 1
                 await host_state.set_warmup_k(None)
             elif level == "quick":
                 res = await timed_request(client, args, "warmup", SHORT_PROMPT, 4)
-                RUNS.add(
-                    {
-                        "kind": "warmup",
-                        "schedule": "startup",
-                        "started_at": time.time() - res["duration_s"],
-                        "k": None,
-                        "outcome": "ok",
-                        "detail": "quick",
-                        **res,
-                    }
-                )
+                _record_startup(res, None, "quick")
                 host_state.warmup["runs"] += 1
+                if await warm_chat_path(client, args, None):
+                    host_state.warmup["runs"] += 1
         except Exception as exc:
             await host_state.set_warmup_k(None)
             host_state.warmup["error"] = f"{type(exc).__name__}: {exc}"

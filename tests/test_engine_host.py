@@ -285,6 +285,7 @@ def test_ready_only_after_startup_warmup_covering_each_k(engine_host, control):
     warm = [r for r in runs["runs"] if r["kind"] == "warmup"]
     assert warm and all(r["outcome"] == "ok" for r in warm)
     assert {r["k"] for r in warm} == set(range(0, 9))
+    assert [r["k"] for r in warm if r["detail"] == "chat"] == [8]  # the chat path too, at the last K
     assert max(r["started_at"] + r["duration_s"] for r in warm) <= ready_at + 0.05
     m = metric_values(engine_host.url)
     for k in range(0, 9):

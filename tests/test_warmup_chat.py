@@ -1,0 +1,62 @@
+"""The start-up warm-up's chat request (``engine_host.warmup.warm_chat_path``), against a
+stand-in HTTP server (the real engine's warm-up is checked in tests/test_engine_host.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+
+import httpx
+import pytest
+
+from engine_host import warmup
+
+
+def _client(status: int, seen: list[dict]) -> httpx.AsyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append({"path": request.url.path, "body": json.loads(request.content)})
+        if status != 200:
+            return httpx.Response(status, json={"error": {"message": "no chat template"}})
+        chunks = [
+            {"choices": [{"delta": {"content": "Hi"}}]},
+            {"choices": [], "usage": {"completion_tokens": 4}},
+        ]
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://engine")
+
+
+ARGS = types.SimpleNamespace(model="m", served_model_name=None, api_key=None, host="127.0.0.1", port=8000)
+
+
+def test_the_chat_path_is_warmed_and_recorded():
+    seen: list[dict] = []
+    before = warmup.RUNS.since(0)
+    last = before[-1]["id"] if before else 0
+
+    async def go() -> bool:
+        async with _client(200, seen) as client:
+            return await warmup.warm_chat_path(client, ARGS, 4)
+
+    assert asyncio.run(go()) is True
+    assert seen[0]["path"] == "/v1/chat/completions"
+    assert seen[0]["body"]["messages"][0]["role"] == "user" and "prompt" not in seen[0]["body"]
+    run = warmup.RUNS.since(last)[-1]
+    assert run["detail"] == "chat" and run["k"] == 4 and run["outcome"] == "ok"
+    assert run["output_tokens"] == 4 and run["ttft_s"] is not None
+
+
+def test_a_model_without_a_chat_template_is_skipped_and_another_error_is_raised():
+    before = warmup.RUNS.since(0)
+    last = before[-1]["id"] if before else 0
+
+    async def go(status: int) -> bool:
+        async with _client(status, []) as client:
+            return await warmup.warm_chat_path(client, ARGS, None)
+
+    assert asyncio.run(go(400)) is False
+    assert warmup.RUNS.since(last) == []
+    with pytest.raises(httpx.HTTPStatusError):
+        asyncio.run(go(500))
