@@ -5,8 +5,9 @@ controller may choose (0..K_max) the engine core is held at that K (the channel'
 ``warmup_k``) while a short prompt, a long prompt and a small concurrent batch run, so
 that prefill and decode shapes and every speculation depth are exercised before any
 real request; one short chat completion then warms the chat path (its template and
-serving code), which the first chat request would otherwise pay for in its TTFT. Its duration is exported as ``specpilot:warmup_duration_seconds``; the
-steps run at each K as ``specpilot:warmup_steps_total{k}``.
+serving code), which the first chat request would otherwise pay for in its TTFT. Its
+duration is exported as ``specpilot:warmup_duration_seconds``; the steps run at each K as
+``specpilot:warmup_steps_total{k}``.
 
 Heartbeats: schedules from the live config (``warmup.heartbeats``: interval or cron,
 prompts, max tokens, idle condition), run by the engine host itself so they continue
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import threading
 import time
@@ -128,7 +130,7 @@ async def timed_request(
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
-    path, first = ("/v1/chat/completions", '"content"') if chat else ("/v1/completions", '"text"')
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     t0 = time.monotonic()
     ttft = None
     tokens = 0
@@ -139,16 +141,29 @@ async def timed_request(
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                if ttft is None and first in line:
+                if ttft is None and _has_text(line[6:], chat):
                     ttft = time.monotonic() - t0
                 if '"usage"' in line and '"completion_tokens"' in line:
-                    import json
-
                     usage = (json.loads(line[6:]) or {}).get("usage") or {}
                     tokens = usage.get("completion_tokens", tokens)
     finally:
         SAMPLES.internal_inflight -= 1
     return {"ttft_s": ttft, "duration_s": time.monotonic() - t0, "output_tokens": tokens}
+
+
+def _has_text(data: str, chat: bool) -> bool:
+    """True when the streamed chunk ``data`` (JSON) carries generated text: a completion's
+    ``"text"``; a chat completion's non-empty ``delta.content`` (its first chunk carries the
+    role and empty content)."""
+    if not chat:
+        return '"text"' in data
+    if '"content"' not in data:
+        return False
+    try:
+        choices = json.loads(data).get("choices") or []
+    except ValueError:
+        return False
+    return any((c.get("delta") or {}).get("content") for c in choices)
 
 
 def _record_startup(res: dict[str, Any], k: int | None, detail: str) -> None:

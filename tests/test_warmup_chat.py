@@ -19,6 +19,7 @@ def _client(status: int, seen: list[dict]) -> httpx.AsyncClient:
         if status != 200:
             return httpx.Response(status, json={"error": {"message": "no chat template"}})
         chunks = [
+            {"choices": [{"delta": {"role": "assistant", "content": ""}}]},
             {"choices": [{"delta": {"content": "Hi"}}]},
             {"choices": [], "usage": {"completion_tokens": 4}},
         ]
@@ -60,3 +61,14 @@ def test_a_model_without_a_chat_template_is_skipped_and_another_error_is_raised(
     assert warmup.RUNS.since(last) == []
     with pytest.raises(httpx.HTTPStatusError):
         asyncio.run(go(500))
+
+
+def test_the_first_token_is_the_first_chunk_with_text():
+    """A chat stream's first chunk carries the role and empty content: not a token yet."""
+    role = json.dumps({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    token = json.dumps({"choices": [{"delta": {"content": "Hi"}}]})
+    usage = json.dumps({"choices": [], "usage": {"completion_tokens": 4}})
+    assert not warmup._has_text(role, chat=True)
+    assert warmup._has_text(token, chat=True)
+    assert not warmup._has_text(usage, chat=True)
+    assert warmup._has_text(json.dumps({"choices": [{"text": "Hi"}]}), chat=False)
