@@ -335,7 +335,8 @@ class _SpecPilotHook:
         if not self._caps_steady:
             self._apply_caps()
         self._k_drafted = self._k_decided
-        if self._k_engine > 0 and (self._gate_on or not self._step_index & 255):
+        # with the gate off only its forgetting of finished requests is due (every 256 steps)
+        if self._k_engine > 0 and (self._gate_on or self._step_index % 256 == 0):
             self._gate_drafts()
         self._overhead_s += time.perf_counter() - t
         self._overhead_cpu_s += time.thread_time() - c
