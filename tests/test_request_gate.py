@@ -385,13 +385,17 @@ def test_gate_costs_are_kept_for_a_few_steps_then_priced_again():
     assert again[1] > first[1]  # the idle speculative step's cost is now seen
 
 
-def test_quiet_steps_are_folded_in_a_few_at_a_time_in_order_and_before_a_publish(tmp_path):
+def test_quiet_steps_are_folded_in_a_few_at_a_time_in_order_and_before_a_publish(tmp_path, monkeypatch):
     """A decode step that verified no draft is kept and given to the controller with the
     next ones (``QUIET_STEPS`` at a time), oldest first; a step with drafts, a state publish
-    and a config change fold in what is kept first, so nothing is lost or reordered."""
+    and a config change fold in what is kept first, so nothing is lost or reordered. (The
+    full per-step path: at fixed K = 0 the hook otherwise takes its lean path, tested in
+    tests/test_lean_path.py.)"""
     import types
 
     from bench.hook_cost import standin_hook
+
+    monkeypatch.setenv("SPECPILOT_K0_LEAN", "0")
 
     hook, channel = standin_hook("fixed:0", 1, str(tmp_path))
     try:

@@ -7,6 +7,7 @@ import importlib
 import inspect
 import json
 import time
+import types
 
 import numpy as np
 import pytest
@@ -926,3 +927,129 @@ def test_patched_dispatch_gives_every_uniform_decode_batch_a_full_graph_and_leav
     # before the graphs are captured nothing changes
     m._graphs_captured = plain._graphs_captured = False
     assert m.dispatch(58, 58, 1, 0, max_query_len=1) == plain.dispatch(58, 58, 1, 0, max_query_len=1)
+
+
+def test_installed_vllm_and_vllm_033_have_the_v2_runner_shape_the_k0_patch_was_written_for():
+    """Fails when Model Runner V2's ``sample_tokens`` or ``DraftTokensHandler.set_draft_tokens``
+    change (the installed 0.32 source, and the 0.33 GPU wheel's files kept under tests/data):
+    recheck the patch that skips the draft bookkeeping of a step at K = 0."""
+    import gzip
+    from pathlib import Path
+
+    runner = importlib.import_module(vllm_patches.V2_RUNNER_MODULE).GPUModelRunner
+    vllm_patches.check_v2_runner_shape(runner)
+    data = Path(__file__).parent / "data/vllm-0.33.0/v1/worker/gpu"
+    src = gzip.open(data / "model_runner.py.gz", "rt").read()
+    body = src[src.index("    def sample_tokens(") : src.index("    def take_draft_token_ids(")]
+    assert body.split(")", 1)[0].split("(", 1)[1].split(",")[:2] == [
+        "\n        self",
+        " grammar_output: GrammarOutput | None\n    ",
+    ]
+    for line in vllm_patches.V2_SAMPLE_TOKENS_LINES:
+        assert line in body, line
+    handler = gzip.open(data / "spec_decode/utils.py.gz", "rt").read()
+    setter = handler[handler.index("    def set_draft_tokens(") : handler.index("    def get_draft_tokens(")]
+    for line in vllm_patches.DRAFT_HANDLER_LINES:
+        assert line in setter, line
+    # the next step reads no draft row of a step at K = 0: the async scheduler gives each
+    # request as many placeholders as the step's num_spec_tokens_to_schedule
+    sched = gzip.open(Path(__file__).parent / "data/vllm-0.33.0/v1/core/sched/async_scheduler.py.gz", "rt").read()
+    assert "[-1] * scheduler_output.num_spec_tokens_to_schedule" in sched.replace(
+        "[\n            -1\n        ]", "[-1]"
+    )
+
+
+class _DraftTokensHandler:  # the lines of set_draft_tokens the patch repeats
+    def set_draft_tokens(self, input_batch, draft_tokens):
+        self.req_ids = input_batch.req_ids
+        self.num_draft_tokens = draft_tokens.shape[1]
+        if not input_batch.has_structured_output_reqs:
+            self.draft_tokens_np = None
+            return
+        self.draft_tokens_np = "copied"  # pragma: no cover
+
+
+def _v2_runner_class(seen):
+    class Runner:  # the shape of Model Runner V2's sample_tokens, recording what it sees
+        def __init__(self, speculator):
+            self.speculator = speculator
+            self.num_speculative_steps = 4
+            self.pp_handler = None
+            self.adaptive_verification = None
+            self.execute_model_state = None
+            self.draft_tokens_handler = _DraftTokensHandler()
+            self.draft_tokens_handler.__dict__.update(req_ids=["old"], num_draft_tokens=4, draft_tokens_np="stale")
+            self.fail = False
+
+        def sample_tokens(self, grammar_output):
+            num_spec_tokens = self.execute_model_state.num_spec_tokens_to_schedule
+            seen.append((self.speculator, self.num_speculative_steps, num_spec_tokens))
+            if self.fail:
+                raise RuntimeError("step failed")
+            if self.speculator is not None:
+                draft_tokens = self.speculator.propose(  # noqa: F841
+                    None
+                )
+            if self.num_speculative_steps > 0:
+                self.draft_tokens_handler.set_draft_tokens(
+                    self.execute_model_state.input_batch, types.SimpleNamespace(shape=(2, num_spec_tokens))
+                )
+            return "output"
+
+    return Runner
+
+
+def test_v2_runner_skips_the_draft_bookkeeping_of_an_ngram_step_at_k0_only(monkeypatch):
+    seen: list = []
+    Runner = _v2_runner_class(seen)
+
+    class NgramGPUSpeculator:
+        def propose(self, *a):
+            return None
+
+    class StandaloneARSpeculator(NgramGPUSpeculator):
+        pass
+
+    vllm_patches.check_v2_runner_shape(Runner, _DraftTokensHandler)
+    monkeypatch.setattr(
+        importlib.import_module("vllm.v1.worker.gpu.spec_decode.utils"), "DraftTokensHandler", _DraftTokensHandler
+    )
+    assert vllm_patches.patch_v2_runner(Runner)
+    assert vllm_patches.patch_v2_runner(Runner)  # idempotent
+
+    def state(k, drafts=0, structured=False):
+        batch = types.SimpleNamespace(
+            req_ids=["a", "b"], num_draft_tokens=drafts, has_structured_output_reqs=structured
+        )
+        return types.SimpleNamespace(num_spec_tokens_to_schedule=k, input_batch=batch)
+
+    spec = NgramGPUSpeculator()
+    r = Runner(spec)
+    r.execute_model_state = state(0)
+    assert r.sample_tokens(None) == "output"
+    assert seen[-1] == (None, 0, 0)  # the step ran as an engine without speculation
+    assert r.speculator is spec and r.num_speculative_steps == 4  # put back
+    h = r.draft_tokens_handler
+    assert (h.req_ids, h.num_draft_tokens, h.draft_tokens_np) == (["a", "b"], 0, None)
+    for st in (state(2), state(0, drafts=3), state(0, structured=True)):  # drafts proposed, verified, or a grammar
+        r.execute_model_state = st
+        r.sample_tokens(None)
+        assert seen[-1][:2] == (spec, 4)
+    other = Runner(StandaloneARSpeculator())  # a draft model keeps its passes
+    other.execute_model_state = state(0)
+    other.sample_tokens(None)
+    assert seen[-1][1] == 4
+    r.execute_model_state = state(0)
+    r.fail = True
+    with pytest.raises(RuntimeError):
+        r.sample_tokens(None)
+    assert r.speculator is spec and r.num_speculative_steps == 4  # put back after an error too
+
+    class NoSampleTokens:
+        pass
+
+    with pytest.raises(vllm_patches.VllmShapeError, match="sample_tokens"):
+        vllm_patches.check_v2_runner_shape(NoSampleTokens, _DraftTokensHandler)
+    assert vllm_patches.patch_v2_runner(NoSampleTokens) is False
+    monkeypatch.setenv("SPECPILOT_K0_LEAN", "0")
+    assert vllm_patches.patch_v2_runner(_v2_runner_class([])) is False  # switched off
