@@ -21,6 +21,9 @@ with ``--profile`` the functions that take the time (cProfile).
 and the hook's code and data have left the CPU's caches by then; the hot loop alone misses
 that. With ``--cold`` each step is preceded by a copy of MIB MiB and a little unrelated Python,
 and only the steps themselves are timed.
+
+At ``fixed:0`` (and ``off``) the hook takes its lean path (``LEAN_SAMPLE`` in
+``engine_host.scheduler``); ``SPECPILOT_K0_LEAN=0`` measures its full per-step path instead.
 """
 
 from __future__ import annotations

@@ -1460,18 +1460,22 @@ def check_v2_runner_shape(cls: type[Any], handler_cls: type[Any] | None = None) 
     for needle in V2_SAMPLE_TOKENS_LINES:
         if needle not in src:
             raise VllmShapeError(f"{cls.__name__}.sample_tokens no longer has {needle!r}")
+    handler: type[Any]
     if handler_cls is None:
         try:
-            from vllm.v1.worker.gpu.spec_decode.utils import DraftTokensHandler as handler_cls
+            from vllm.v1.worker.gpu.spec_decode.utils import DraftTokensHandler
         except ImportError as e:
             raise VllmShapeError(f"DraftTokensHandler cannot be imported: {e}") from e
-    setter = getattr(handler_cls, "set_draft_tokens", None)
+        handler = DraftTokensHandler
+    else:
+        handler = handler_cls
+    setter = getattr(handler, "set_draft_tokens", None)
     if not callable(setter):
-        raise VllmShapeError(f"{handler_cls.__name__}.set_draft_tokens is missing")
+        raise VllmShapeError(f"{handler.__name__}.set_draft_tokens is missing")
     src = inspect.getsource(setter)
     for needle in DRAFT_HANDLER_LINES:
         if needle not in src:
-            raise VllmShapeError(f"{handler_cls.__name__}.set_draft_tokens no longer has {needle!r}")
+            raise VllmShapeError(f"{handler.__name__}.set_draft_tokens no longer has {needle!r}")
 
 
 def skip_draft_bookkeeping_at_k0(original: Any, trace: _Trace | None = None) -> Any:
