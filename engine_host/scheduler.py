@@ -119,11 +119,11 @@ class _SpecPilotHook:
     # the lean path: while the policy holds K at 0 and learns nothing from steps (off, fixed
     # at 0), with the gate off and no warm-up, a step only checks the config's sequence
     # number (and a batch cap below the start-up limits), keeps the step clock and counts
-    # the step; vLLM's K lookup is a list of zeros. One output in LEAN_SAMPLE (and any output with a publish due or the
-    # engine drained) still takes the full path, so the step-time model keeps learning; the
-    # others are folded in as counts (SpeculationController.skip_quiet). "Speculation off"
-    # then costs the engine a few microseconds a step instead of tens (python -m bench
-    # hook-cost --cold).
+    # the step; vLLM's K lookup is a list of zeros. One output in LEAN_SAMPLE (and any
+    # output with a publish due or the engine drained) still takes the full path, so the
+    # step-time model keeps learning; the others are folded in as counts
+    # (SpeculationController.skip_quiet). "Speculation off" then costs the engine a few
+    # microseconds a step instead of tens (python -m bench hook-cost --cold).
     LEAN_SAMPLE = 16
 
     # Attributes of vLLM's Scheduler (set in its __init__) that the hook reads and caps.
@@ -249,6 +249,8 @@ class _SpecPilotHook:
             cfg = LiveConfig.model_validate(payload["config"])
             if self._quiet:  # the steps before the change belong to the policy that ran them
                 self._observe_quiet()
+            if self._lean:  # the step being scheduled goes through the live lookup (counted)
+                self._leave_lean()
             self._flush_lean()
             self.controller.configure(cfg.speculation)
         except Exception as exc:  # keep the last good config

@@ -124,10 +124,14 @@ def test_a_batch_cap_is_applied_on_the_lean_path(hook_at_k0):
     cfg["speculation"]["mode"] = "fixed"
     cfg["speculation"]["k"] = 0
     cfg["batch"]["max_num_seqs"] = 8
+    hook._publish(time.monotonic())
+    counted = sum(hook.controller.steps_at_k)
     channel.write_config(2, cfg)
     _steps(hook, 3)
     assert hook._lean  # still K = 0
     assert hook.max_num_running_reqs == 8
+    hook._publish(time.monotonic())
+    assert sum(hook.controller.steps_at_k) - counted == 3  # the step that read the config too
 
 
 def test_a_warmup_k_leaves_the_lean_path_and_returning_to_k0_enters_it_again(hook_at_k0):
