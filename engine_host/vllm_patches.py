@@ -257,6 +257,19 @@ class VllmShapeError(RuntimeError):
     """The installed vLLM does not have the shape a patch was written for."""
 
 
+def _require_source(fn: Any, what: str, lines: tuple[str, ...]) -> None:
+    """Check that the source of ``fn`` (named ``what`` in the error, e.g. ``"Cls.method"``)
+    has every one of ``lines``.
+
+    Raises:
+        VllmShapeError: a line is not there.
+    """
+    src = inspect.getsource(fn)
+    for needle in lines:
+        if needle not in src:
+            raise VllmShapeError(f"{what} no longer has {needle!r}")
+
+
 def check_shape(cls: type[Any]) -> None:
     """Check that ``cls`` (vLLM's ``NgramProposer``) has the shape the patch expects.
 
@@ -577,10 +590,7 @@ def _check_v2_propose(cls: type[Any], lines: tuple[str, ...]) -> None:
             raise VllmShapeError(f"{cls.__name__}.propose has no parameter {name}")
     if list(params)[1] != "input_batch":
         raise VllmShapeError(f"{cls.__name__}.propose's first parameter is no longer input_batch")
-    src = inspect.getsource(fn)
-    for needle in lines:
-        if needle not in src:
-            raise VllmShapeError(f"{cls.__name__}.propose no longer has {needle!r}")
+    _require_source(fn, f"{cls.__name__}.propose", lines)
 
 
 def skip_ngram_gpu_at_k0(original: Any, trace: _Trace | None = None) -> Any:
@@ -1238,10 +1248,9 @@ def check_seeded_discard_shape(cls: type[Any]) -> None:
     book = getattr(cls, "_bookkeeping_sync", None)
     if not callable(book):
         raise VllmShapeError(f"{cls.__name__}._bookkeeping_sync is missing")
-    src = inspect.getsource(book)
-    for needle in ("discard_request_mask", "gen.set_offset(gen.get_offset()"):
-        if needle not in src:
-            raise VllmShapeError(f"{cls.__name__}._bookkeeping_sync no longer has {needle!r}")
+    _require_source(
+        book, f"{cls.__name__}._bookkeeping_sync", ("discard_request_mask", "gen.set_offset(gen.get_offset()")
+    )
 
 
 def keep_cpu_generators_of_discarded_rows(original: Any, trace: _Trace | None = None) -> Any:
@@ -1339,10 +1348,7 @@ def check_cudagraph_dispatch_shape(cls: type[Any]) -> None:
     helper = getattr(module, "_is_compatible", None)
     if not callable(helper) or list(inspect.signature(helper).parameters) != ["desc", *want[1:]]:
         raise VllmShapeError(f"{inspect.unwrap(fn).__module__}._is_compatible is missing or changed")
-    src = inspect.getsource(init)
-    for needle in CUDAGRAPH_CANDIDATE_LINES:
-        if needle not in src:
-            raise VllmShapeError(f"{cls.__name__}._init_candidates no longer has {needle!r}")
+    _require_source(init, f"{cls.__name__}._init_candidates", CUDAGRAPH_CANDIDATE_LINES)
 
 
 def full_graph_fallback(original: Any, trace: _Trace | None = None) -> Any:
@@ -1456,10 +1462,7 @@ def check_v2_runner_shape(cls: type[Any], handler_cls: type[Any] | None = None) 
         raise VllmShapeError(f"{cls.__name__}.sample_tokens is missing")
     if list(inspect.signature(fn).parameters) != ["self", "grammar_output"]:
         raise VllmShapeError(f"{cls.__name__}.sample_tokens is no longer (self, grammar_output)")
-    src = inspect.getsource(fn)
-    for needle in V2_SAMPLE_TOKENS_LINES:
-        if needle not in src:
-            raise VllmShapeError(f"{cls.__name__}.sample_tokens no longer has {needle!r}")
+    _require_source(fn, f"{cls.__name__}.sample_tokens", V2_SAMPLE_TOKENS_LINES)
     handler: type[Any]
     if handler_cls is None:
         try:
@@ -1472,10 +1475,7 @@ def check_v2_runner_shape(cls: type[Any], handler_cls: type[Any] | None = None) 
     setter = getattr(handler, "set_draft_tokens", None)
     if not callable(setter):
         raise VllmShapeError(f"{handler.__name__}.set_draft_tokens is missing")
-    src = inspect.getsource(setter)
-    for needle in DRAFT_HANDLER_LINES:
-        if needle not in src:
-            raise VllmShapeError(f"{handler.__name__}.set_draft_tokens no longer has {needle!r}")
+    _require_source(setter, f"{handler.__name__}.set_draft_tokens", DRAFT_HANDLER_LINES)
 
 
 def skip_draft_bookkeeping_at_k0(original: Any, trace: _Trace | None = None) -> Any:
