@@ -11,8 +11,10 @@ Mode strings (``--mode``), mapped to ``PUT /control/config`` bodies by :func:`mo
 ``adaptive_step[:LO-HI]``   the same controller with one K per step for every request (the
                             per-request gate off), to measure what the gate does
 ``batch_table[:TABLE]``     vLLM's per-batch-size table; TABLE like ``1-2=6,3-8=4,9-1024=2``
-                            (default :data:`DEFAULT_BATCH_TABLE`)
-``threshold``               the 10 s acceptance-threshold loop (bounds 2..8)
+                            (default :data:`DEFAULT_BATCH_TABLE`, each K clamped to the
+                            engine's K_max)
+``threshold``               the 10 s acceptance-threshold loop (bounds 2..8, clamped to the
+                            engine's K_max)
 ``heuristic[:LO-HI]``       transformers' assisted-generation schedule (default 1..K_max)
 ``plain``                   no speculative config at all: needs an engine started with
                             ``--k-max 0`` (the plain-vLLM baseline); sets ``off``.
@@ -74,8 +76,15 @@ def router_patch(mode: str) -> dict[str, Any]:
     return patch
 
 
-def mode_patch(mode: str) -> dict[str, Any]:
+def mode_patch(mode: str, k_max_engine: int | None = None) -> dict[str, Any]:
     """The ``PUT /control/config`` body for a mode string (see module docstring).
+
+    Args:
+        mode: the mode string.
+        k_max_engine: the engine's K_max (tokens), where known: ``batch_table`` without a
+            table then runs :data:`DEFAULT_BATCH_TABLE` with each K clamped to it (a table
+            given in the mode string is sent as given, and refused by the engine if a K is
+            above its K_max).
 
     Raises:
         BenchError: unknown or malformed mode string.
@@ -99,7 +108,12 @@ def mode_patch(mode: str) -> dict[str, Any]:
     elif name == "threshold" and not arg:
         spec = {"mode": "threshold", "k_min": 0, "k_max": None}
     elif name == "batch_table":
-        spec = {"mode": "batch_table", "table": parse_batch_table(arg) if arg else DEFAULT_BATCH_TABLE}
+        if arg:
+            table = parse_batch_table(arg)
+        else:
+            cap = k_max_engine if k_max_engine is not None else max(k for _, _, k in DEFAULT_BATCH_TABLE)
+            table = [[lo, hi, min(k, cap)] for lo, hi, k in DEFAULT_BATCH_TABLE]
+        spec = {"mode": "batch_table", "table": table}
     else:
         raise BenchError(
             f"unknown mode {mode!r}: use off, fixed:K, adaptive[:LO-HI], adaptive_step[:LO-HI], batch_table[:TABLE], threshold, "
@@ -196,7 +210,8 @@ class EngineControl:
                 on an engine that has a speculative config.
         """
         st = await self.state()
-        patch = mode_patch(mode)
+        k_engine = (st.get("speculation") or {}).get("k_max_engine") if st else None
+        patch = mode_patch(mode, k_engine if isinstance(k_engine, int) else None)
         if not st:  # a bare vLLM server: nothing to switch
             if mode.strip() == "plain":
                 return {}

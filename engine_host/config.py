@@ -395,8 +395,10 @@ def validate_against_limits(config: LiveConfig, limits: EngineLimits) -> None:
     th, th_default = spec.threshold, ThresholdParams()
     for name in ("k_low", "k_high"):
         value = getattr(th, name)
-        # the defaults (2..8) are clamped to a smaller K_max unless the threshold policy is chosen
-        if value > limits.k_max and (spec.mode == "threshold" or value != getattr(th_default, name)):
+        # the defaults (2..8) are clamped to a smaller K_max (ThresholdPolicy runs within
+        # 0..K_max), also when the threshold policy is chosen: an operator is not refused
+        # over a field they never set; a bound they set above K_max is refused
+        if value > limits.k_max and value != getattr(th_default, name):
             errors.append(
                 {"loc": ["speculation", "threshold", name], "msg": f"{name}={value} is above K_max: {restart_hint}"}
             )

@@ -283,6 +283,21 @@ def test_mode_patches_are_valid_live_configs():
     assert apply_patch(cfg, ec.mode_patch("adaptive"), limits).speculation.adaptive.per_request is True
 
 
+def test_baseline_modes_run_on_an_engine_with_a_small_k_max():
+    """threshold and batch_table without arguments on an engine started with --k-max 4
+    (their defaults reach K = 8 and 6): accepted, with every K within 0..4; a table given in
+    the mode string is sent as given and refused with the reason."""
+    from engine_host.config import ConfigError, EngineLimits, LiveConfig, apply_patch
+
+    k4 = EngineLimits(model="m", k_max=4, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=2048)
+    for m in ("threshold", "batch_table", "heuristic", "adaptive"):
+        apply_patch(LiveConfig(), ec.mode_patch(m, k_max_engine=4), k4)
+    table = ec.mode_patch("batch_table", k_max_engine=4)["speculation"]["table"]
+    assert [k for _, _, k in table] == [4, 4, 2]
+    with pytest.raises(ConfigError, match="K=6 is above K_max"):
+        apply_patch(LiveConfig(), ec.mode_patch("batch_table:1-4=6", k_max_engine=4), k4)
+
+
 def test_static_modes_and_mean_k():
     assert ec.static_k("fixed:3") == 3 and ec.static_k("off") == 0 and ec.static_k("adaptive") is None
     assert ec.steps_at_k_delta({"controller": {"steps_at_k": [1, 2]}}, {"controller": {"steps_at_k": [3, 2, 4]}}) == [

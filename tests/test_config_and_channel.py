@@ -172,9 +172,13 @@ def test_json_rows_of_a_batch_table_and_the_floor_itself_are_accepted():
 def test_default_threshold_bounds_do_not_block_an_engine_with_a_small_k_max():
     k4 = LIMITS.model_copy(update={"k_max": 4})
     apply_patch(LiveConfig(), {"speculation": {"mode": "fixed", "k": 3}}, k4)  # default k_high 8 is clamped
-    with pytest.raises(ConfigError):
-        apply_patch(LiveConfig(), {"speculation": {"mode": "threshold"}}, k4)
+    # the threshold policy itself, with its default bounds (2..8): they are clamped to K_max
+    cfg = apply_patch(LiveConfig(), {"speculation": {"mode": "threshold"}}, k4)
+    assert cfg.speculation.mode == "threshold"
     apply_patch(LiveConfig(), {"speculation": {"mode": "threshold", "threshold": {"k_high": 4}}}, k4)
+    with pytest.raises(ConfigError) as err:  # a bound the operator set above K_max is refused
+        apply_patch(LiveConfig(), {"speculation": {"mode": "threshold", "threshold": {"k_high": 6}}}, k4)
+    assert "k_high=6 is above K_max" in str(err.value.errors)
 
 
 # --- the channel: any config that validates fits; fresh per start; command lock ----------
