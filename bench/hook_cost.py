@@ -93,9 +93,11 @@ class _Evictor:
         return total
 
 
-def standin_hook(mode: str, batch: int, folder: str) -> tuple[Any, Any]:
+def standin_hook(mode: str, batch: int, folder: str, async_scheduling: bool = False) -> tuple[Any, Any]:
     """SpecPilot's scheduler hook on :class:`_SchedulerStandIn`, configured to ``mode`` through
-    a config channel in ``folder``, with ``batch`` running decode requests.
+    a config channel in ``folder``, with ``batch`` running decode requests; with
+    ``async_scheduling`` as on vLLM's ``AsyncScheduler`` (``SpecPilotAsyncScheduler``: drafts
+    are not dropped request by request, the per-request gate probes all requests at once).
 
     Returns:
         ``(hook, channel)``; close the channel when done.
@@ -109,7 +111,7 @@ def standin_hook(mode: str, batch: int, folder: str) -> tuple[Any, Any]:
     from engine_host.scheduler import _SpecPilotHook
 
     class Hook(_SpecPilotHook, _SchedulerStandIn):
-        pass
+        GATE_DRAFTS = not async_scheduling
 
     patch = mode_patch(mode)
     path = os.path.join(folder, "channel")
@@ -137,11 +139,13 @@ def standin_hook(mode: str, batch: int, folder: str) -> tuple[Any, Any]:
     return hook, channel
 
 
-def measure(mode: str, batch: int, steps: int, profile: bool = False, cold_mib: int = 0) -> dict[str, float]:
+def measure(
+    mode: str, batch: int, steps: int, profile: bool = False, cold_mib: int = 0, async_scheduling: bool = False
+) -> dict[str, float]:
     """Run ``steps`` hook steps at ``batch`` decode requests in ``mode`` (``fixed:K``,
     ``adaptive``, ``off``); with ``cold_mib`` > 0 the caches are made cold between steps
     (:class:`_Evictor`), as in an engine, where the model's and vLLM's work runs between
-    two calls of the hook.
+    two calls of the hook; ``async_scheduling``: see :func:`standin_hook`.
 
     Returns:
         ``{"us_per_step": wall µs per step of the whole loop, "hook_clock_us_per_step": the
@@ -151,7 +155,7 @@ def measure(mode: str, batch: int, steps: int, profile: bool = False, cold_mib: 
         BenchError: an unknown mode.
     """
     with tempfile.TemporaryDirectory() as d:
-        hook, channel = standin_hook(mode, batch, d)
+        hook, channel = standin_hook(mode, batch, d, async_scheduling)
 
         def step() -> None:
             hook.has_requests()
@@ -213,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         help="make the CPU caches cold between steps by copying MIB MiB (e.g. 64), as the model's and "
         "vLLM's work does in an engine; 0 (default): the loop runs hot",
     )
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="the hook as on vLLM's async scheduler (GPU engines): the per-request gate probes all "
+        "requests at once, and the adaptive policy rests on the lean path while it holds K at 0",
+    )
     args = ap.parse_args(argv)
     from bench.engine_control import BenchError
 
@@ -227,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---:|---:|---:|---:|")
         for mode in modes:
             for b in batches:
-                r = measure(mode, b, args.steps, args.profile, args.cold)
+                r = measure(mode, b, args.steps, args.profile, args.cold, args.async_scheduling)
                 print(
                     f"| {mode} | {b} | {r['us_per_step']:.1f} | {r['hook_clock_us_per_step']:.1f} "
                     f"| {r['hook_cpu_us_per_step']:.1f} |"

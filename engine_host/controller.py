@@ -697,6 +697,16 @@ class Policy:
     def observe(self, obs: StepObservation) -> None:
         """Learn from one step (default: nothing)."""
 
+    def rest_steps(self) -> int:
+        """Steps (>= 0) for which this policy holds K at 0 without being asked: the
+        scheduler hook may schedule that many steps at K = 0 without :meth:`k_for_batch`
+        and report them with :meth:`skip`. Default 0 (ask every step)."""
+        return 0
+
+    def skip(self, steps: int) -> None:
+        """``steps`` steps were scheduled at K = 0 without :meth:`k_for_batch` (within
+        :meth:`rest_steps`); default: nothing to count."""
+
     def describe(self) -> dict[str, Any]:
         """Policy-specific state for ``/control/state``."""
         return {}
@@ -842,6 +852,8 @@ class AdaptivePolicy(Policy):
     # of the hook's own per-step work (python -m bench hook-cost; figures in docs/gpu.md), while
     # the estimates it reads move over tens of request-steps
     DECIDE_EVERY = 8
+    # while the choice is K = 0 and the scheduler hook rests on its lean path (rest_steps)
+    REST_DECIDE_EVERY = 16
 
     def __init__(self, spec: SpeculationConfig, k_engine: int, ctl: "SpeculationController"):
         super().__init__(spec, k_engine, ctl)
@@ -908,6 +920,24 @@ class AdaptivePolicy(Policy):
             self.next_explore = self.steps + self.interval
             self.interval = min(self.interval * 2, self.p.explore_every * self.MAX_BACKOFF)
         return self.current
+
+    def rest_steps(self) -> int:
+        """While the policy's choice is K = 0 and no exploration burst runs: the steps
+        until its next goodput comparison, ``REST_DECIDE_EVERY`` steps after the last, or
+        its next exploration (:meth:`k_for_batch` starts one when ``steps`` reaches
+        ``next_explore``), whichever comes first; 0 otherwise. Resting that long and then
+        asking again explores at the same steps as asking every step, and compares goodput
+        half as often: at K = 0 nothing is measured, and the estimates the comparison reads
+        move only by the acceptance estimates' fade and the step times still sampled."""
+        if self.current != 0 or self.explore_left > 0:
+            return 0
+        n = self._decided_at + self.REST_DECIDE_EVERY - self.steps
+        if self.p.explore_every and self.k_hi > self.k_lo:
+            n = min(n, self.next_explore - self.steps - 1)
+        return max(n, 0)
+
+    def skip(self, steps: int) -> None:
+        self.steps += steps
 
     def _pick_exploration(self) -> int:
         """The deeper neighbour (K+1) and the shallower one (K-1) in turn; from K=0 only
@@ -994,9 +1024,24 @@ class SpeculationController:
             return max(0, min(int(policy.spec.k), self.k_engine))
         return None
 
+    def rest_steps(self) -> int:
+        """Steps (>= 0) the scheduler hook may schedule at K = 0 without asking
+        :meth:`k_for_batch`: unbounded (``2**62``) while :meth:`static_k` is 0, the
+        adaptive policy's :meth:`AdaptivePolicy.rest_steps` while it holds K at 0, else 0."""
+        if self.static_k() == 0:
+            return 1 << 62
+        return max(int(self.policy.rest_steps()), 0)
+
+    def may_rest(self) -> bool:
+        """Whether the active policy can hold K at 0 without being asked every step
+        (:meth:`rest_steps`): a static K of 0 (``off``, ``fixed`` at 0) or the adaptive
+        policy."""
+        return self.static_k() == 0 or isinstance(self.policy, AdaptivePolicy)
+
     def count_scheduled_at_zero(self, steps: int) -> None:
         """Count ``steps`` engine steps the scheduler hook scheduled at K = 0 without asking
-        :meth:`k_for_batch` (its lean path, taken while :meth:`static_k` is 0).
+        :meth:`k_for_batch` (its lean path, taken within :meth:`rest_steps`); the policy
+        counts them too (:meth:`Policy.skip`).
 
         Raises:
             ValueError: a negative count.
@@ -1006,6 +1051,7 @@ class SpeculationController:
         self.steps_at_k[0] += steps
         if steps:
             self.k_current = 0
+            self.policy.skip(steps)
 
     def skip_quiet(self, steps: int, request_steps: int) -> None:
         """Fold in ``steps`` quiet steps at K = 0 that the scheduler hook handed back without

@@ -125,6 +125,13 @@ class _SpecPilotHook:
     # (SpeculationController.skip_quiet). "Speculation off" then costs the engine a few
     # microseconds a step instead of tens (python -m bench hook-cost --cold).
     LEAN_SAMPLE = 16
+    # the adaptive policy rests on the same path while it holds K at 0 (a workload whose
+    # drafts do not pay), for spans of at most LEAN_SPAN steps that end before its next
+    # exploration and, for a lone request under async scheduling, before the gate's next
+    # probe (SpeculationController.rest_steps); the step after a span takes the full path
+    # and decides K again. Not where the per-request gate drops drafts request by request
+    # (synchronous scheduling), whose per-request probe counts advance every step.
+    LEAN_SPAN = 16
 
     # Attributes of vLLM's Scheduler (set in its __init__) that the hook reads and caps.
     max_num_running_reqs: int
@@ -202,6 +209,9 @@ class _SpecPilotHook:
         self._lean_skipped = 0  # outputs handed back on it without an observation
         self._lean_request_steps = 0  # requests in those outputs, all together
         self._lean_outputs = 0  # outputs on the lean path (every LEAN_SAMPLE-th is observed)
+        self._lean_left = 0  # steps the lean path may still schedule (a rest span; huge at a static K = 0)
+        self._lean_probe_count = False  # the span's steps count toward the gate's async probe
+        self._resting = False  # the lean path runs a rest span of the adaptive policy
         self._publish_due = 0.0  # perf_counter() when the next state publish is due
         if self._k_engine > 0:
             # vLLM's dynamic speculative decoding path, made live.
@@ -285,16 +295,34 @@ class _SpecPilotHook:
         """Whether the config allows the lean path; leaves it at once when not."""
         self._lean_ok = (
             self._lean_allowed
-            and self.controller.static_k() == 0
+            and self.controller.may_rest()
             and self._warmup_k is None
-            and not self._gate_on
+            and not (self._gate_on and self.GATE_DRAFTS)
             and (self._config_seq_view is not None or self._channel is None)
         )
         if not self._lean_ok and self._lean:
             self._leave_lean()
 
-    def _enter_lean(self) -> None:
+    def _rest_span(self) -> int:
+        """Steps the lean path may schedule from now (0: none): the controller's
+        :meth:`~engine_host.controller.SpeculationController.rest_steps`, at most
+        ``LEAN_SPAN`` for a policy that decides K (unbounded at a static K = 0) and, with the
+        gate on and one request running, ending before the gate's next all-request probe
+        (``_any_request_wants_drafts``)."""
+        self._lean_probe_count = False
+        span = self.controller.rest_steps()
+        if span >= 1 << 62 or span <= 0:
+            return span
+        span = min(span, self.LEAN_SPAN)
+        self._lean_probe_count = self._gate_on and len(self.running) == 1  # type: ignore[attr-defined]
+        if self._lean_probe_count:
+            span = min(span, self._gate.probe_every - self._steps_planned_out - 1)
+        return max(span, 0)
+
+    def _enter_lean(self, span: int) -> None:
         self._lean = True
+        self._lean_left = span
+        self._resting = span < 1 << 62  # a span of a policy that decides K (not a static K = 0)
         self._lean_outputs = 0
         self._t_output_done = 0.0
         if self._k_engine > 0:
@@ -310,6 +338,8 @@ class _SpecPilotHook:
         """Hand the lean path's step counts to the controller."""
         if self._lean_scheduled:
             self.controller.count_scheduled_at_zero(self._lean_scheduled)
+            if self._lean_probe_count:  # steps at K = 0 toward the gate's next probe
+                self._steps_planned_out += self._lean_scheduled
             self._lean_scheduled = 0
         if self._lean_skipped:
             self.controller.skip_quiet(self._lean_skipped, self._lean_request_steps)
@@ -388,7 +418,8 @@ class _SpecPilotHook:
         t = time.perf_counter()
         if self._lean:
             view = self._config_seq_view
-            if view is None or view[0] == self._config_seq:  # (None: no channel, nothing to read)
+            if (view is None or view[0] == self._config_seq) and self._lean_left > 0:  # (None: no channel)
+                self._lean_left -= 1
                 if not self._caps_steady:  # a cap below the start-up limits, followed down
                     self._apply_caps()
                 self._clock.scheduled(t, 0, 0)
@@ -399,6 +430,8 @@ class _SpecPilotHook:
                 self._overhead_s += d
                 self._overhead_cpu_s += d
                 return super().schedule(*args, **kwargs)  # type: ignore[misc]
+            if self._lean_left <= 0:  # the rest span is over: this step decides K again
+                self._leave_lean()
         c = time.thread_time()
         self._t_sched = t
         # the cheap checks inline: this runs every engine step with the CPU's caches cold
@@ -621,14 +654,19 @@ class _SpecPilotHook:
         self._busy_s += step_time
         if now - self._last_publish >= PUBLISH_INTERVAL_S or running == 0:
             self._publish(now)
-        if (
+        if self._lean:
+            if running == 0 and self._resting:  # drained: a new request is decided afresh
+                self._leave_lean()
+        elif (
             self._lean_ok
-            and not self._lean
+            and running
             and self._k_decided == 0
             and self.specpilot_last_scheduled_k in (0, None)
             and not self._drafted
         ):
-            self._enter_lean()
+            span = self._rest_span()
+            if span > 0:
+                self._enter_lean(span)
         self._overhead_s += time.perf_counter() - t
         self._overhead_cpu_s += time.thread_time() - c
         self._t_output_done = time.perf_counter()

@@ -114,7 +114,7 @@ def test_a_new_config_leaves_the_lean_path_at_the_next_step(hook_at_k0):
     assert hook.dynamic_sd_lookup is hook._live_lookup
     assert hook.controller.policy.name == "adaptive"
     hook.update_from_output(hook.schedule(), None)
-    assert not hook._lean  # adaptive decides K every step
+    assert not hook._lean  # adaptive decides K every step here (synchronous, gate on)
 
 
 def test_a_batch_cap_is_applied_on_the_lean_path(hook_at_k0):
@@ -180,3 +180,136 @@ def test_the_controller_says_which_policies_hold_a_static_k():
         ctl.skip_quiet(-1, 0)
     with pytest.raises(ValueError):
         ctl.count_scheduled_at_zero(-2)
+
+
+# --- the adaptive policy rests on the lean path while it holds K at 0 (LEAN_SPAN) ------------
+
+
+def _run(hook, n: int, accept=lambda i: 0, start: int = 0) -> list[int]:
+    """n steps as in an engine: a step verifies the drafts proposed at the K the step
+    before it was scheduled at, and ``accept(step)`` of each request's draft tokens are
+    accepted; returns the K each step was scheduled at."""
+    ks = []
+    for i in range(start, start + n):
+        hook.has_requests()
+        out = hook.schedule()
+        k = out.num_spec_tokens_to_schedule
+        ks.append(k)
+        prev = getattr(hook, "_test_prev_k", 0)
+        if prev:
+            for req in hook.running:
+                hook.make_spec_decoding_stats(None, prev, min(accept(i), prev), request_id=req.request_id)
+        hook._test_prev_k = k
+        hook.update_from_output(out, None)
+    return ks
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_adaptive_rests_at_k0_and_schedules_the_same_k_as_step_by_step(tmp_path, monkeypatch, batch):
+    """Under async scheduling, where drafts do not pay the adaptive policy holds K at 0 and
+    the hook rests on the lean path between its explorations and the gate's probes: nearly
+    every step is lean, every step is counted, and the K of every step (the probes and
+    explorations included) come as often as with the lean path switched off. (Not step for
+    step: the policy's goodput comparisons read a step-time model that learned from every
+    step in one hook and from one output in LEAN_SAMPLE in the other.)"""
+    hooks = {}
+    try:
+        for name, lean in (("rest", "1"), ("full", "0")):
+            monkeypatch.setenv("SPECPILOT_K0_LEAN", lean)
+            hooks[name] = standin_hook("adaptive", batch, str(tmp_path / name), async_scheduling=True)
+        runs = {}
+        for name, (hook, _) in hooks.items():
+            lean_steps = 0
+            ks = []
+            for _ in range(1500):
+                lean_steps += hook._lean
+                ks.extend(_run(hook, 1))
+            hook._publish(time.monotonic())
+            runs[name] = (ks, lean_steps, hook)
+        ks_rest, lean_rest, rest = runs["rest"]
+        ks_full, lean_full, full = runs["full"]
+        assert lean_full == 0
+        assert lean_rest > (0.75 if batch == 1 else 0.85) * len(ks_rest)
+        spec_rest, spec_full = sum(k > 0 for k in ks_rest), sum(k > 0 for k in ks_full)
+        assert 0 < spec_full < 0.1 * len(ks_full)  # probes and explorations; K = 0 otherwise
+        assert abs(spec_rest - spec_full) <= max(3, 0.3 * spec_full)
+        for hook in (rest, full):
+            assert sum(hook.controller.steps_at_k) == hook._step_index == len(ks_rest)
+        # the policy's own step count (explorations aside) moved on through the rests too
+        assert abs(rest.controller.policy.steps - full.controller.policy.steps) <= 0.05 * len(ks_rest)
+    finally:
+        for _, channel in hooks.values():
+            channel.close()
+
+
+def test_adaptive_leaves_the_rest_when_drafts_start_to_pay(tmp_path):
+    hook, channel = standin_hook("adaptive", 8, str(tmp_path), async_scheduling=True)
+    try:
+        _run(hook, 600)
+        assert hook._lean and hook.controller.policy.current == 0
+        ks = _run(hook, 1500, accept=lambda i: 4, start=600)  # every draft token accepted from now on
+        assert not hook._lean
+        assert ks[-200:].count(0) == 0  # speculating again
+        assert sum(hook.controller.steps_at_k) == hook._step_index
+    finally:
+        channel.close()
+
+
+def test_adaptive_leaves_the_rest_when_the_engine_drains(tmp_path):
+    hook, channel = standin_hook("adaptive", 2, str(tmp_path), async_scheduling=True)
+    try:
+        _run(hook, 200)
+        assert hook._lean and hook._resting
+        running = hook.running
+        hook.running = []
+        _run(hook, 1)
+        assert not hook._lean  # a new request is decided afresh
+        hook.running = running
+        _run(hook, 5)
+        assert hook._lean
+    finally:
+        channel.close()
+
+
+def test_adaptive_does_not_rest_where_the_gate_drops_drafts_request_by_request(tmp_path):
+    """Synchronous scheduling with the per-request gate on: each request's probe count
+    advances every step, so adaptive decides every step; without the gate it rests."""
+    hook, channel = standin_hook("adaptive", 4, str(tmp_path / "gate"))
+    try:
+        _run(hook, 300)
+        assert not hook._lean
+    finally:
+        channel.close()
+    hook, channel = standin_hook("adaptive_step", 4, str(tmp_path / "step"))
+    try:
+        _run(hook, 300)
+        assert hook._lean
+    finally:
+        channel.close()
+
+
+def test_the_adaptive_policy_says_how_long_it_holds_k0():
+    from engine_host.config import SpeculationConfig
+    from engine_host.controller import SpeculationController
+
+    ctl = SpeculationController(4, SpeculationConfig(mode="adaptive"))
+    pol = ctl.policy
+    pol.current, pol.explore_left, pol.steps, pol.next_explore = 0, 0, 100, 105
+    pol._decided_at = 99
+    assert ctl.may_rest() and ctl.rest_steps() == 4  # the 5th step asked explores, as before
+    ctl.count_scheduled_at_zero(4)
+    assert pol.steps == 104 and ctl.rest_steps() == 0
+    pol.next_explore = 400
+    assert ctl.rest_steps() == 11  # the 16th step after the last comparison compares again
+    pol._decided_at = 104
+    assert ctl.rest_steps() == 16
+    pol.current = 2
+    assert ctl.rest_steps() == 0  # speculating: asked every step
+    pol.current, pol.explore_left = 0, 3
+    assert ctl.rest_steps() == 0  # an exploration burst runs
+    ctl.configure(SpeculationConfig(mode="fixed", k=0))
+    assert ctl.rest_steps() >= 1 << 62
+    ctl.configure(SpeculationConfig(mode="fixed", k=2))
+    assert ctl.rest_steps() == 0 and not ctl.may_rest()
+    ctl.configure(SpeculationConfig(mode="heuristic"))
+    assert ctl.rest_steps() == 0 and not ctl.may_rest()
