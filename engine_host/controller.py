@@ -513,6 +513,14 @@ class StepTimeModel:
                 kc[1] += 1.0
                 kc[2] = float(self.steps)
 
+    def skip(self, steps: int) -> None:
+        """``steps`` engine steps passed without being observed (the scheduler hook's lean
+        path observes one output in ``LEAN_SAMPLE``): they count toward the age of every
+        (bucket, K) cell, so a depth measured ``fresh_steps`` engine steps ago is no longer
+        fresh however few of the steps since were observed."""
+        if steps > 0:
+            self.steps += steps
+
     #: Once ``FIT_EVERY_AFTER`` steps are in, the fit is solved again every ``FIT_EVERY``
     #: steps instead of every step: it runs in the engine core's thread between steps, and
     #: with ``forget`` = 0.995 a few steps move it by a fraction of a percent, far less than
@@ -1061,7 +1069,8 @@ class SpeculationController:
         compounds: :meth:`AcceptanceEstimator._fade`; a position whose evidence falls below
         the freshness threshold inside these steps returns toward the prior from the first
         of them rather than from the step it fell). The step-time model learns only from
-        the steps the hook still observes.
+        the steps the hook still observes, and counts the others toward the age of its
+        per-depth measurements (:meth:`StepTimeModel.skip`).
 
         Raises:
             ValueError: a negative count.
@@ -1069,6 +1078,7 @@ class SpeculationController:
         if steps < 0 or request_steps < 0:
             raise ValueError(f"negative step counts: steps={steps}, request_steps={request_steps}")
         self.total_steps += steps
+        self.step_time.skip(steps)
         if request_steps > 0:
             zeros = [0] * max(self.k_engine, 1)
             self.acceptance.observe(0, request_steps, zeros, zeros)

@@ -313,3 +313,23 @@ def test_the_adaptive_policy_says_how_long_it_holds_k0():
     assert ctl.rest_steps() == 0 and not ctl.may_rest()
     ctl.configure(SpeculationConfig(mode="heuristic"))
     assert ctl.rest_steps() == 0 and not ctl.may_rest()
+
+
+def test_steps_skipped_on_the_lean_path_age_the_per_depth_step_times():
+    """A depth's step time measured ``fresh_steps`` engine steps ago is no longer used,
+    however few of those steps the lean path observed: a slow K = 4 measurement does not
+    price K = 4 for sixteen times longer while the policy rests."""
+    from engine_host.config import SpeculationConfig
+    from engine_host.controller import SpeculationController, batch_bucket
+
+    ctl = SpeculationController(4, SpeculationConfig(mode="adaptive"))
+    tm = ctl.step_time
+    for _ in range(50):
+        tm.observe(1, 1, 0.002, 0, 0)
+        tm.observe(1, 5, 0.003, 4, 4)
+    tm.observe(1, 5, 0.030, 4, 4)  # one very slow K = 4 step
+    cell = tm.cells[(batch_bucket(1), 4)]
+    assert tm.steps - cell[2] <= tm.fresh_steps and tm.correction(1, 4) != tm.correction(1)
+    ctl.skip_quiet(tm.fresh_steps + 1, tm.fresh_steps + 1)
+    assert tm.steps - cell[2] > tm.fresh_steps  # stale: the bucket's correction is used
+    assert tm.correction(1, 4) == tm.correction(1)
