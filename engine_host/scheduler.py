@@ -127,8 +127,9 @@ class _SpecPilotHook:
     LEAN_SAMPLE = 16
     # the adaptive policy rests on the same path while it holds K at 0 (a workload whose
     # drafts do not pay), for spans of at most LEAN_SPAN steps that end before its next
-    # exploration and, for a lone request under async scheduling, before the gate's next
-    # probe (SpeculationController.rest_steps); the step after a span takes the full path
+    # goodput comparison or exploration and, for a lone request under async scheduling,
+    # before the gate's next probe (SpeculationController.rest_steps; a drained engine ends
+    # a span too, so a new request is decided afresh); the step after a span takes the full path
     # and decides K again. Not where the per-request gate drops drafts request by request
     # (synchronous scheduling), whose per-request probe counts advance every step.
     LEAN_SPAN = 16
