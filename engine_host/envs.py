@@ -54,7 +54,7 @@ VARIABLES: dict[str, str] = {
     NGRAM_TRACE: "file where each process writes the n-gram proposer's call counters (tests, profiling)",
     STEP_TRACE: "file (.PID appended) where the engine core writes one row per step: times and K (profiling; `python -m bench step-trace`)",
     VLLM_PATCHES: "0 leaves vLLM's behaviour at K = 0 unpatched (engine_host/vllm_patches.py; for side-by-side benchmarks), default 1",
-    K0_LEAN: "0 keeps the engine on its full per-step path at K = 0: the scheduler hook's lean path and Model Runner V2's draft bookkeeping at K = 0 (GPU, ngram_gpu) stay as they were (for side-by-side benchmarks), default 1",
+    K0_LEAN: "0 keeps the engine on its full per-step path at K = 0: the scheduler hook's lean path (speculation off, and the adaptive policy's rests at K = 0) and Model Runner V2's draft bookkeeping at K = 0 (GPU, ngram_gpu) stay as they were (for side-by-side benchmarks), default 1",
     DRAFT_DECODE_GRAPHS: "0 keeps the draft model's single-token decode passes out of full CUDA graphs (GPU, draft_model; for side-by-side benchmarks), default 1",
     DB_URL: "store URL (SQLAlchemy), default sqlite:///$SPECPILOT_HOME/specpilot.db",
     DB_URL_DEPRECATED: f"deprecated alias of {DB_URL} (read with a warning when {DB_URL} is unset)",
