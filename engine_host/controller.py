@@ -936,7 +936,9 @@ class AdaptivePolicy(Policy):
         ``next_explore``), whichever comes first; 0 otherwise. Resting that long and then
         asking again explores at the same steps as asking every step, and compares goodput
         half as often: at K = 0 nothing is measured, and the estimates the comparison reads
-        move only by the acceptance estimates' fade and the step times still sampled."""
+        move only by the acceptance estimates' fade and the step times still sampled. The
+        comparison that asking every step makes at once when the batch size changes waits
+        for the rest's end."""
         if self.current != 0 or self.explore_left > 0:
             return 0
         n = self._decided_at + self.REST_DECIDE_EVERY - self.steps
