@@ -7,6 +7,7 @@ scheduler of ``python -m bench hook-cost``."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -15,11 +16,34 @@ from bench.hook_cost import standin_hook
 from engine_host.config import LiveConfig
 
 
-def _steps(hook, n: int) -> None:
-    for _ in range(n):
+@contextlib.contextmanager
+def _standin(mode: str, batch: int, folder, **kwargs):
+    """The hook on the stand-in scheduler (``bench.hook_cost.standin_hook``); its config
+    channel is closed afterwards."""
+    hook, channel = standin_hook(mode, batch, str(folder), **kwargs)
+    try:
+        yield hook
+    finally:
+        channel.close()
+
+
+def _run(hook, n: int, accept=lambda i: 0, start: int = 0) -> list[int]:
+    """n steps as in an engine: a step verifies the drafts proposed at the K the step
+    before it was scheduled at, and ``accept(step)`` of each request's draft tokens are
+    accepted; returns the K each step was scheduled at."""
+    ks = []
+    for i in range(start, start + n):
         hook.has_requests()
         out = hook.schedule()
+        k = out.num_spec_tokens_to_schedule
+        ks.append(k)
+        prev = getattr(hook, "_test_prev_k", 0)
+        if prev:
+            for req in hook.running:
+                hook.make_spec_decoding_stats(None, prev, min(accept(i), prev), request_id=req.request_id)
+        hook._test_prev_k = k
         hook.update_from_output(out, None)
+    return ks
 
 
 def _write(channel, version: int, mode: str, warmup_k: int | None = None, **spec) -> None:
@@ -38,7 +62,7 @@ def hook_at_k0(tmp_path):
 
 def test_at_fixed_k0_steps_take_the_lean_path_and_every_step_is_still_counted(hook_at_k0):
     hook, _ = hook_at_k0
-    _steps(hook, 1)
+    _run(hook, 1)
     assert hook._lean
     assert hook.dynamic_sd_lookup is hook._zero_lookup  # vLLM's K lookup is a list of zeros
     hook._publish(time.monotonic())
@@ -50,7 +74,7 @@ def test_at_fixed_k0_steps_take_the_lean_path_and_every_step_is_still_counted(ho
         hook._busy_s,
         hook._overhead_s,
     )
-    _steps(hook, 200)
+    _run(hook, 200)
     hook._publish(time.monotonic())  # the counts reach the controller before a state is published
     assert ctl.steps_at_k[0] - at_k[0] == 200
     assert ctl.steps_at_k[1:] == at_k[1:]
@@ -63,13 +87,13 @@ def test_at_fixed_k0_steps_take_the_lean_path_and_every_step_is_still_counted(ho
 def test_the_lean_path_samples_outputs_for_the_step_time_model(hook_at_k0):
     hook, _ = hook_at_k0
     hook._publish_due = float("inf")  # no publish inside the loop
-    _steps(hook, 1)
+    _run(hook, 1)
     hook._observe_quiet()  # the first (full) step's observation
     seen: list[int] = []
     observe_quiet = hook.controller.observe_quiet
     hook.controller.observe_quiet = lambda steps: (seen.append(len(steps)), observe_quiet(steps))
     n = 20 * hook.LEAN_SAMPLE
-    _steps(hook, n)
+    _run(hook, n)
     hook._observe_quiet()
     assert sum(seen) == n // hook.LEAN_SAMPLE  # one output in LEAN_SAMPLE is observed
 
@@ -87,7 +111,7 @@ def test_acceptance_estimates_fade_on_the_lean_path_as_they_do_step_by_step(tmp_
         hooks.append((hook, channel))
     try:
         for hook, _ in hooks:
-            _steps(hook, 300)
+            _run(hook, 300)
             hook._publish(time.monotonic())
         (lean, _), (full, _) = hooks
         assert lean._lean and not full._lean
@@ -106,7 +130,7 @@ def test_acceptance_estimates_fade_on_the_lean_path_as_they_do_step_by_step(tmp_
 
 def test_a_new_config_leaves_the_lean_path_at_the_next_step(hook_at_k0):
     hook, channel = hook_at_k0
-    _steps(hook, 3)
+    _run(hook, 3)
     assert hook._lean
     _write(channel, 2, "adaptive")
     hook.schedule()  # the sequence number moved: the full path reads the config
@@ -119,7 +143,7 @@ def test_a_new_config_leaves_the_lean_path_at_the_next_step(hook_at_k0):
 
 def test_a_batch_cap_is_applied_on_the_lean_path(hook_at_k0):
     hook, channel = hook_at_k0
-    _steps(hook, 3)
+    _run(hook, 3)
     cfg = LiveConfig().model_dump(mode="json")
     cfg["speculation"]["mode"] = "fixed"
     cfg["speculation"]["k"] = 0
@@ -127,7 +151,7 @@ def test_a_batch_cap_is_applied_on_the_lean_path(hook_at_k0):
     hook._publish(time.monotonic())
     counted = sum(hook.controller.steps_at_k)
     channel.write_config(2, cfg)
-    _steps(hook, 3)
+    _run(hook, 3)
     assert hook._lean  # still K = 0
     assert hook.max_num_running_reqs == 8
     hook._publish(time.monotonic())
@@ -136,32 +160,26 @@ def test_a_batch_cap_is_applied_on_the_lean_path(hook_at_k0):
 
 def test_a_warmup_k_leaves_the_lean_path_and_returning_to_k0_enters_it_again(hook_at_k0):
     hook, channel = hook_at_k0
-    _steps(hook, 3)
+    _run(hook, 3)
     _write(channel, 1, "fixed", warmup_k=3, k=0)
-    _steps(hook, 2)
+    _run(hook, 2)
     assert not hook._lean
     assert hook.schedule().num_spec_tokens_to_schedule == 3
     _write(channel, 1, "fixed", warmup_k=None, k=0)
-    _steps(hook, 3)
+    _run(hook, 3)
     assert hook._lean
     assert hook.schedule().num_spec_tokens_to_schedule == 0
 
 
 def test_fixed_k_above_zero_and_the_switch_off_never_take_the_lean_path(tmp_path, monkeypatch):
-    hook, channel = standin_hook("fixed:4", 1, str(tmp_path / "k4"))
-    try:
-        _steps(hook, 5)
+    with _standin("fixed:4", 1, tmp_path / "k4") as hook:
+        _run(hook, 5)
         assert not hook._lean
-    finally:
-        channel.close()
     monkeypatch.setenv("SPECPILOT_K0_LEAN", "0")
-    hook, channel = standin_hook("fixed:0", 1, str(tmp_path / "off"))
-    try:
-        _steps(hook, 5)
+    with _standin("fixed:0", 1, tmp_path / "off") as hook:
+        _run(hook, 5)
         assert not hook._lean
         assert hook.dynamic_sd_lookup is hook._live_lookup
-    finally:
-        channel.close()
 
 
 def test_the_controller_says_which_policies_hold_a_static_k():
@@ -185,79 +203,48 @@ def test_the_controller_says_which_policies_hold_a_static_k():
 # --- the adaptive policy rests on the lean path while it holds K at 0 (LEAN_SPAN) ------------
 
 
-def _run(hook, n: int, accept=lambda i: 0, start: int = 0) -> list[int]:
-    """n steps as in an engine: a step verifies the drafts proposed at the K the step
-    before it was scheduled at, and ``accept(step)`` of each request's draft tokens are
-    accepted; returns the K each step was scheduled at."""
-    ks = []
-    for i in range(start, start + n):
-        hook.has_requests()
-        out = hook.schedule()
-        k = out.num_spec_tokens_to_schedule
-        ks.append(k)
-        prev = getattr(hook, "_test_prev_k", 0)
-        if prev:
-            for req in hook.running:
-                hook.make_spec_decoding_stats(None, prev, min(accept(i), prev), request_id=req.request_id)
-        hook._test_prev_k = k
-        hook.update_from_output(out, None)
-    return ks
-
-
 @pytest.mark.parametrize("batch", [1, 8])
-def test_adaptive_rests_at_k0_and_schedules_the_same_k_as_step_by_step(tmp_path, monkeypatch, batch):
+def test_adaptive_rests_at_k0_and_probes_and_explores_as_often_as_step_by_step(tmp_path, monkeypatch, batch):
     """Under async scheduling, where drafts do not pay the adaptive policy holds K at 0 and
     the hook rests on the lean path between its explorations and the gate's probes: nearly
-    every step is lean, every step is counted, and the K of every step (the probes and
-    explorations included) come as often as with the lean path switched off. (Not step for
-    step: the policy's goodput comparisons read a step-time model that learned from every
-    step in one hook and from one output in LEAN_SAMPLE in the other.)"""
-    hooks = {}
-    try:
-        for name, lean in (("rest", "1"), ("full", "0")):
-            monkeypatch.setenv("SPECPILOT_K0_LEAN", lean)
-            hooks[name] = standin_hook("adaptive", batch, str(tmp_path / name), async_scheduling=True)
-        runs = {}
-        for name, (hook, _) in hooks.items():
+    every step is lean, every step is counted, and the steps at K > 0 (the probes and
+    explorations) come as often as with the lean path switched off. (Not step for step: the
+    policy's goodput comparisons read a step-time model that learned from every step in one
+    hook and from one output in LEAN_SAMPLE in the other.)"""
+    runs = {}
+    for name, lean in (("rest", "1"), ("full", "0")):
+        monkeypatch.setenv("SPECPILOT_K0_LEAN", lean)
+        with _standin("adaptive", batch, tmp_path / name, async_scheduling=True) as hook:
             lean_steps = 0
             ks = []
             for _ in range(1500):
                 lean_steps += hook._lean
                 ks.extend(_run(hook, 1))
             hook._publish(time.monotonic())
-            runs[name] = (ks, lean_steps, hook)
-        ks_rest, lean_rest, rest = runs["rest"]
-        ks_full, lean_full, full = runs["full"]
-        assert lean_full == 0
-        assert lean_rest > (0.75 if batch == 1 else 0.85) * len(ks_rest)
-        spec_rest, spec_full = sum(k > 0 for k in ks_rest), sum(k > 0 for k in ks_full)
-        assert 0 < spec_full < 0.1 * len(ks_full)  # probes and explorations; K = 0 otherwise
-        assert abs(spec_rest - spec_full) <= max(3, 0.3 * spec_full)
-        for hook in (rest, full):
-            assert sum(hook.controller.steps_at_k) == hook._step_index == len(ks_rest)
-        # the policy's own step count (explorations aside) moved on through the rests too
-        assert abs(rest.controller.policy.steps - full.controller.policy.steps) <= 0.05 * len(ks_rest)
-    finally:
-        for _, channel in hooks.values():
-            channel.close()
+            assert sum(hook.controller.steps_at_k) == hook._step_index == len(ks)  # every step counted
+            runs[name] = (ks, lean_steps, hook.controller.policy.steps)
+    (ks_rest, lean_rest, policy_rest), (ks_full, lean_full, policy_full) = runs["rest"], runs["full"]
+    assert lean_full == 0
+    assert lean_rest > (0.75 if batch == 1 else 0.85) * len(ks_rest)
+    spec_rest, spec_full = sum(k > 0 for k in ks_rest), sum(k > 0 for k in ks_full)
+    assert 0 < spec_full < 0.1 * len(ks_full)  # probes and explorations; K = 0 otherwise
+    assert abs(spec_rest - spec_full) <= max(3, 0.3 * spec_full)
+    # the policy's own step count (explorations aside) moved on through the rests too
+    assert abs(policy_rest - policy_full) <= 0.05 * len(ks_rest)
 
 
 def test_adaptive_leaves_the_rest_when_drafts_start_to_pay(tmp_path):
-    hook, channel = standin_hook("adaptive", 8, str(tmp_path), async_scheduling=True)
-    try:
+    with _standin("adaptive", 8, tmp_path, async_scheduling=True) as hook:
         _run(hook, 600)
         assert hook._lean and hook.controller.policy.current == 0
         ks = _run(hook, 1500, accept=lambda i: 4, start=600)  # every draft token accepted from now on
         assert not hook._lean
         assert ks[-200:].count(0) == 0  # speculating again
         assert sum(hook.controller.steps_at_k) == hook._step_index
-    finally:
-        channel.close()
 
 
 def test_adaptive_leaves_the_rest_when_the_engine_drains(tmp_path):
-    hook, channel = standin_hook("adaptive", 2, str(tmp_path), async_scheduling=True)
-    try:
+    with _standin("adaptive", 2, tmp_path, async_scheduling=True) as hook:
         _run(hook, 200)
         assert hook._lean and hook._resting
         running = hook.running
@@ -267,25 +254,17 @@ def test_adaptive_leaves_the_rest_when_the_engine_drains(tmp_path):
         hook.running = running
         _run(hook, 5)
         assert hook._lean
-    finally:
-        channel.close()
 
 
 def test_adaptive_does_not_rest_where_the_gate_drops_drafts_request_by_request(tmp_path):
     """Synchronous scheduling with the per-request gate on: each request's probe count
     advances every step, so adaptive decides every step; without the gate it rests."""
-    hook, channel = standin_hook("adaptive", 4, str(tmp_path / "gate"))
-    try:
+    with _standin("adaptive", 4, tmp_path / "gate") as hook:
         _run(hook, 300)
         assert not hook._lean
-    finally:
-        channel.close()
-    hook, channel = standin_hook("adaptive_step", 4, str(tmp_path / "step"))
-    try:
+    with _standin("adaptive_step", 4, tmp_path / "step") as hook:
         _run(hook, 300)
         assert hook._lean
-    finally:
-        channel.close()
 
 
 def test_the_adaptive_policy_says_how_long_it_holds_k0():
