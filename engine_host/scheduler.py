@@ -130,7 +130,8 @@ class _SpecPilotHook:
     # goodput comparison or exploration and, for a lone request under async scheduling,
     # before the gate's next probe (SpeculationController.rest_steps; a drained engine ends
     # a span too, so a new request is decided afresh); the step after a span takes the full path
-    # and decides K again. Not where the per-request gate drops drafts request by request
+    # and decides K again. A span begins only with no drafts in flight, and an output that
+    # verified drafts (a probe's) ends it, so what they say is acted on at once. Not where the per-request gate drops drafts request by request
     # (synchronous scheduling), whose per-request probe counts advance every step.
     LEAN_SPAN = 16
 
@@ -584,7 +585,13 @@ class _SpecPilotHook:
         step_time, step = self._clock.output(t)
         if self._lean:
             n = self._lean_outputs = self._lean_outputs + 1
-            if n % self.LEAN_SAMPLE and t < self._publish_due and self._trace is None and self.running:  # type: ignore[attr-defined]
+            if (
+                n % self.LEAN_SAMPLE
+                and t < self._publish_due
+                and self._trace is None
+                and self.running  # type: ignore[attr-defined]
+                and not self._drafted  # drafts verified (a probe's, in flight when the rest began): observed
+            ):
                 self._busy_s += step_time
                 self._lean_skipped += 1
                 self._lean_request_steps += len(scheduler_output.num_scheduled_tokens)
@@ -646,7 +653,8 @@ class _SpecPilotHook:
                     )
                 )
         self._draft_fetch_s = 0.0
-        if self._drafted:  # (the histograms only count with drafts)
+        drafted = self._drafted
+        if drafted:  # (the histograms only count with drafts)
             self._drafted = self._accepted = 0
             hist, dh = self._hist, self._dhist
             for i in range(len(hist)):
@@ -656,14 +664,17 @@ class _SpecPilotHook:
         if now - self._last_publish >= PUBLISH_INTERVAL_S or running == 0:
             self._publish(now)
         if self._lean:
-            if running == 0 and self._resting:  # drained: a new request is decided afresh
+            # drained: a new request is decided afresh; drafts verified: what they say is
+            # acted on at the next step (a probe's result raises a request's own depth)
+            if self._resting and (running == 0 or drafted):
                 self._leave_lean()
         elif (
             self._lean_ok
             and running
             and self._k_decided == 0
             and self.specpilot_last_scheduled_k in (0, None)
-            and not self._drafted
+            and not drafted  # nothing verified in this step whose result is not acted on yet
+            and not k_proposed  # nor drafts in flight (async: proposed here, verified next)
         ):
             span = self._rest_span()
             if span > 0:

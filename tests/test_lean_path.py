@@ -27,21 +27,27 @@ def _standin(mode: str, batch: int, folder, **kwargs):
         channel.close()
 
 
-def _run(hook, n: int, accept=lambda i: 0, start: int = 0) -> list[int]:
+def _run(hook, n: int, accept=lambda i: 0, start: int = 0, async_order: bool = False) -> list[int]:
     """n steps as in an engine: a step verifies the drafts proposed at the K the step
     before it was scheduled at, and ``accept(step)`` of each request's draft tokens are
-    accepted; returns the K each step was scheduled at."""
+    accepted; returns the K each step was scheduled at. With ``async_order`` as on vLLM's
+    ``AsyncScheduler``: step i + 1 is scheduled before step i's output is handed back."""
     ks = []
     for i in range(start, start + n):
         hook.has_requests()
         out = hook.schedule()
         k = out.num_spec_tokens_to_schedule
         ks.append(k)
-        prev = getattr(hook, "_test_prev_k", 0)
-        if prev:
-            for req in hook.running:
-                hook.make_spec_decoding_stats(None, prev, min(accept(i), prev), request_id=req.request_id)
+        step = (out, getattr(hook, "_test_prev_k", 0), i)  # (output, drafts it verifies, index)
         hook._test_prev_k = k
+        if async_order:
+            step, hook._test_pending = getattr(hook, "_test_pending", None), step
+            if step is None:
+                continue
+        out, verified, j = step
+        if verified:
+            for req in hook.running:
+                hook.make_spec_decoding_stats(None, verified, min(accept(j), verified), request_id=req.request_id)
         hook.update_from_output(out, None)
     return ks
 
@@ -312,3 +318,28 @@ def test_steps_skipped_on_the_lean_path_age_the_per_depth_step_times():
     ctl.skip_quiet(tm.fresh_steps + 1, tm.fresh_steps + 1)
     assert tm.steps - cell[2] > tm.fresh_steps  # stale: the bucket's correction is used
     assert tm.correction(1, 4) == tm.correction(1)
+
+
+def test_a_probe_that_pays_ends_the_rest_as_soon_as_its_result_is_back(tmp_path, monkeypatch):
+    """Async scheduling, one request (mixed traffic at 1 client): after a stretch whose
+    drafts were all rejected, a new request whose drafts are all accepted is found by the
+    gate's probe. Its drafts are verified one step after they were proposed, while the next
+    step is already scheduled: the rest must not begin in between, so the request drafts at
+    the same step as with the lean path off (it once waited out a whole span at K = 0)."""
+    import types
+
+    runs = {}
+    for name, lean in (("rest", "1"), ("full", "0")):
+        monkeypatch.setenv("SPECPILOT_K0_LEAN", lean)
+        with _standin("adaptive", 1, tmp_path / name, async_scheduling=True) as hook:
+            _run(hook, 400, async_order=True)  # nothing accepted: K held at 0
+            assert hook._resting == (name == "rest")
+            req = types.SimpleNamespace(request_id="docs", spec_token_ids=[], num_output_tokens=8)
+            hook.running, hook.requests = [req], {"docs": req}
+            ks = _run(hook, 64, accept=lambda i: 4, start=400, async_order=True)
+            runs[name] = ks
+    rest, full = runs["rest"], runs["full"]
+    first = [next(i for i, k in enumerate(ks) if k) for ks in (rest, full)]
+    assert first[0] == first[1] < 16  # the gate's probe, at the same step
+    assert sum(k > 0 for k in full) >= 48  # drafting from shortly after it
+    assert sum(k > 0 for k in rest) >= sum(k > 0 for k in full) - 2
