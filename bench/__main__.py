@@ -705,9 +705,9 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         if args.rounds == 1:
             print(paths["md"].read_text())
     if args.rounds > 1:
-        from .spread import load_runs, render, spread_table
+        from .spread import load_hook_shares, load_runs, render, spread_table
 
-        text = render(spread_table(load_runs(folders)), len(folders))
+        text = render(spread_table(load_runs(folders), load_hook_shares(folders)), len(folders))
         (out / "spread.md").write_text(f"Command: `{meta['command']}`\n\n{text}\n")
         print(text)
     print(f"results: {out}")

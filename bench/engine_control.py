@@ -309,6 +309,28 @@ def steps_at_k_delta(first: dict[str, Any] | None, last: dict[str, Any] | None) 
     return [int(y - x) for x, y in zip(a, b)]
 
 
+def overhead_delta(first: dict[str, Any] | None, last: dict[str, Any] | None) -> dict[str, float] | None:
+    """The scheduler hook's own time between two state documents (their ``overhead``:
+    cumulative since the engine started): ``{"hook_seconds", "hook_cpu_seconds",
+    "busy_seconds"}`` (s) of the interval and ``fraction`` / ``cpu_fraction``, the hook's
+    wall and CPU time as a fraction 0..1 of the engine's busy time in it. None where either
+    document lacks the figures or the engine was not busy in between (or restarted: its
+    counters went back)."""
+    a, b = (first or {}).get("overhead") or {}, (last or {}).get("overhead") or {}
+    try:
+        d = {k: float(b[k]) - float(a[k]) for k in ("hook_seconds", "hook_cpu_seconds", "busy_seconds")}
+    except (KeyError, TypeError, ValueError):
+        return None
+    busy = d["busy_seconds"]
+    if busy <= 0 or d["hook_seconds"] < 0 or d["hook_cpu_seconds"] < 0:
+        return None
+    return {
+        **{k: round(v, 6) for k, v in d.items()},
+        "fraction": d["hook_seconds"] / busy,
+        "cpu_fraction": d["hook_cpu_seconds"] / busy,
+    }
+
+
 def mean_k(steps_at_k: list[int]) -> float | None:
     """Step-weighted mean K (tokens) from a steps-at-K histogram."""
     n = sum(steps_at_k)

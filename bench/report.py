@@ -106,6 +106,10 @@ def _fmt(v: Any, nd: int = 1) -> str:
     return str(v)
 
 
+def _pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.2f}"
+
+
 def markdown_tables(rows: Sequence[dict[str, Any]], ratios: Sequence[dict[str, Any]]) -> str:
     """Markdown: output tokens/s by (workload, load) x mode, the ratios, then per-cell details."""
     modes: list[str] = []
@@ -146,8 +150,8 @@ def markdown_tables(rows: Sequence[dict[str, Any]], ratios: Sequence[dict[str, A
         "### Per cell",
         "",
         "| workload | load | mode | tok/s | goodput tok/s | TTFT p50/p95/p99 ms | ITL mean/p50/p95/p99 ms | "
-        "E2E p50/p95/p99 ms | finished | acceptance | mean K |",
-        "|---|---|---|---:|---:|---|---|---|---:|---:|---:|",
+        "E2E p50/p95/p99 ms | finished | acceptance | mean K | hook % of busy |",
+        "|---|---|---|---:|---:|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
@@ -155,7 +159,7 @@ def markdown_tables(rows: Sequence[dict[str, Any]], ratios: Sequence[dict[str, A
             f"{_fmt(r['goodput_tokens_per_s'])} | {_fmt(r['ttft_p50_ms'], 0)}/{_fmt(r['ttft_p95_ms'], 0)}/{_fmt(r['ttft_p99_ms'], 0)} | "
             f"{_fmt(r['itl_mean_ms'])}/{_fmt(r['itl_p50_ms'])}/{_fmt(r['itl_p95_ms'])}/{_fmt(r['itl_p99_ms'])} | "
             f"{_fmt(r['e2e_p50_ms'], 0)}/{_fmt(r['e2e_p95_ms'], 0)}/{_fmt(r['e2e_p99_ms'], 0)} | {r['requests_finished']} | "
-            f"{_fmt(r['acceptance_rate'], 3)} | {_fmt(r['mean_k'], 2)} |"
+            f"{_fmt(r['acceptance_rate'], 3)} | {_fmt(r['mean_k'], 2)} | {_pct(r.get('hook_cpu_share'))} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from .engine_control import EngineControl, StateSampler, mean_k, mode_patch, steps_at_k_delta
+from .engine_control import EngineControl, StateSampler, mean_k, mode_patch, overhead_delta, steps_at_k_delta
 from .loadgen import Load, run_load
 from .metrics import SLO, RequestRecord, acceptance_from_counters, makespan_s, summarize, tokens_per_second_series
 from .workloads import Workload
@@ -125,7 +125,9 @@ async def run_cell(
         step-weighted mean K, polled timeline), ``server_samples`` (per-second samples
         from ``/control/samples``, ``t_s`` relative to the run start), ``throughput_series``
         (client-side tokens/s per second), ``controller_end`` and ``overhead`` (from
-        ``/control/state`` after the run) and ``requests``.
+        ``/control/state`` after the run; cumulative since the engine started),
+        ``overhead_window`` (the hook's own time inside this cell's window,
+        :func:`bench.engine_control.overhead_delta`) and ``requests``.
     """
     model = model or await control.served_model()
     applied = await control.apply_mode(spec.mode)
@@ -233,6 +235,7 @@ async def run_cell(
         "workload_series": _workload_series(records),
         "controller_end": {k: ctl.get(k) for k in CONTROLLER_FIELDS if k in ctl},
         "overhead": state_end.get("overhead"),
+        "overhead_window": overhead_delta(at_open["state"], state_end),
         "requests": [r.to_json() for r in records] if spec.keep_requests else None,
     }
 
@@ -274,4 +277,7 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         "acceptance_rate": a["acceptance_rate"],
         "mean_acceptance_length": a["mean_acceptance_length"],
         "mean_k": k["mean_k_steps"],
+        # the scheduler hook's CPU time as a fraction 0..1 of the engine's busy time in the
+        # window (plain vLLM has no hook: None)
+        "hook_cpu_share": (result.get("overhead_window") or {}).get("cpu_fraction"),
     }

@@ -731,6 +731,8 @@ def test_spread_puts_runs_side_by_side_with_ratios_per_run(tmp_path, capsys):
             "spec": {"workload": workload, "mode": mode, "load": {"label": load}},
             "client": {"output_tokens_per_s": tps},
         }
+        if mode == "adaptive" and workload == "shift":  # the hook's share inside the cell
+            body["overhead_window"] = {"cpu_fraction": tps / 10000}
         (folder / f"{workload}-{load}-{mode.replace(':', '')}.json").write_text(json.dumps(body))
 
     a, b = tmp_path / "a", tmp_path / "b"
@@ -740,19 +742,41 @@ def test_spread_puts_runs_side_by_side_with_ratios_per_run(tmp_path, capsys):
         cell(folder, "shift", "low", "fixed:4", k4)
         cell(folder, "shift", "low", "plain", plain)
         cell(folder, "code", "high", "adaptive", 50.0)
-    table = spread.spread_table(spread.load_runs([a, b]))
+    table = spread.spread_table(spread.load_runs([a, b]), spread.load_hook_shares([a, b]))
     ada = next(c for c in table["cells"] if c["workload"] == "shift" and c["mode"] == "adaptive")
     assert ada["runs"] == [110.0, 90.0] and ada["mean"] == 100.0 and ada["spread"] == pytest.approx(0.2)
+    assert ada["hook_cpu_share"] == [pytest.approx(0.011), pytest.approx(0.009)]
+    k0 = next(c for c in table["cells"] if c["workload"] == "shift" and c["mode"] == "fixed:0")
+    assert k0["hook_cpu_share"] == [None, None]  # not recorded: not made up
     shift = next(g for g in table["groups"] if g["workload"] == "shift")
     assert shift["x_plain"] == [pytest.approx(1.1), pytest.approx(90 / 110)]
+    assert shift["x_plain_median"] == pytest.approx((1.1 + 90 / 110) / 2)
     assert shift["x_best_static"] == [pytest.approx(1.1), pytest.approx(0.9)]
     assert shift["x_best_other"] == [pytest.approx(1.1), pytest.approx(0.9)]  # plain is no "other" mode
     assert [g["workload"] for g in table["groups"]] == ["code", "shift"]  # the harness's workload order
     code = table["groups"][0]
     assert code["x_plain"] == [None, None]  # no plain column: no ratio, not a crash
     assert spread.main([str(a), str(b)]) == 0
-    assert "110.0 / 90.0" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "110.0 / 90.0" in out
+    assert "1.10 / 0.82 (median 0.96)" in out
+    assert "| shift | low | adaptive | 1.10 / 0.90 |" in out  # the hook's share, % of busy time
     assert spread.main([str(tmp_path / "nothing")]) == 2
+
+
+def test_the_hooks_share_of_a_cell_is_taken_between_the_window_and_the_end():
+    from bench.engine_control import overhead_delta
+
+    def state(hook, cpu, busy):
+        return {"overhead": {"hook_seconds": hook, "hook_cpu_seconds": cpu, "busy_seconds": busy}}
+
+    d = overhead_delta(state(1.0, 0.8, 100.0), state(1.5, 1.1, 120.0))
+    assert d["busy_seconds"] == pytest.approx(20.0)
+    assert d["fraction"] == pytest.approx(0.025) and d["cpu_fraction"] == pytest.approx(0.015)
+    assert overhead_delta(state(1.0, 0.8, 100.0), state(0.1, 0.1, 5.0)) is None  # the engine restarted
+    assert overhead_delta(state(1.0, 0.8, 100.0), state(1.0, 0.8, 100.0)) is None  # not busy in between
+    assert overhead_delta({}, state(1.0, 0.8, 100.0)) is None  # plain vLLM: no hook
+    assert overhead_delta(None, None) is None
 
 
 def test_metric_total_sums_every_label_set_and_histogram_counts():
