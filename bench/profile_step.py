@@ -86,7 +86,9 @@ def _engine_pids(root_pid: int) -> list[int]:
 
 
 def _load(url: str, model: str, clients: int, stop: threading.Event) -> list[threading.Thread]:
-    """``clients`` threads sending chat requests (64 tokens) until ``stop`` is set; returns them."""
+    """``clients`` threads sending chat requests (64 tokens) until ``stop`` is set; returns them.
+    A request cut off after ``stop`` is set (the engine is being stopped) ends its thread
+    quietly."""
     from .workloads import Workload
 
     wl = Workload("chat", seed=1)
@@ -97,7 +99,12 @@ def _load(url: str, model: str, clients: int, stop: threading.Event) -> list[thr
             while not stop.is_set():
                 with lock:
                     p = wl.next_prompt()
-                c.post(p.path, json=p.body(model, 64))
+                try:
+                    c.post(p.path, json=p.body(model, 64))
+                except httpx.HTTPError:
+                    if stop.is_set():
+                        return
+                    raise
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     for t in threads:
@@ -166,14 +173,17 @@ def profile(extra: list[str], clients: int, seconds: float, rate: int, out_dir: 
         eh.wait_ready(timeout_s=600)
         model = httpx.get(eh.url + "/v1/models").json()["data"][0]["id"]
         stop = threading.Event()
-        _load(eh.url, model, clients, stop)
+        threads = _load(eh.url, model, clients, stop)
         time.sleep(5)  # let the batch fill
         pids = [p for p in _engine_pids(eh.proc.pid) if p != eh.proc.pid]
         s0 = httpx.get(eh.url + "/control/state", headers=eh.control_headers).json()["engine"]["step_index"]
         res = _sample(pids, seconds, rate, out_dir, tag, py_spy)
         s1 = httpx.get(eh.url + "/control/state", headers=eh.control_headers).json()["engine"]["step_index"]
         stop.set()
+        for t in threads:  # their requests in flight finish before the engine stops
+            t.join(timeout=60)
     finally:
+        stop.set()
         eh.stop()
     return {"steps": s1 - s0, "rate": rate, **res}
 
@@ -273,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         "plain vLLM is left as it is)",
     )
     ap.add_argument("--py-spy", default=None, help="py-spy executable (default: next to Python, or on PATH)")
+    ap.add_argument(
+        "--spec-first",
+        action="store_true",
+        help="without --attach: profile the n-gram engine before the plain one (the engines run one "
+        "after the other; swapping the order tells a difference between them from a drift of the host)",
+    )
     args = ap.parse_args(argv)
     try:
         py_spy = _py_spy(args.py_spy)
@@ -295,10 +311,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"profiling {e['name']} ({e['url']}) ...", file=sys.stderr, flush=True)
             results[e["name"]] = profile_attached(e, args.clients, args.seconds, args.rate, out, py_spy, args.mode)
     else:
-        for name, extra in (
+        engines = [
             ("plain", ["--k-max", "0"]),
             ("ngram K=0", ["--k-max", "8", "--speculation-mode", "fixed", "--k", "0"]),
-        ):
+        ]
+        for name, extra in reversed(engines) if args.spec_first else engines:
             print(f"profiling {name} ...", file=sys.stderr, flush=True)
             results[name] = profile(extra, args.clients, args.seconds, args.rate, out, py_spy)
     (out / "profile.json").write_text(json.dumps(results, indent=1))
