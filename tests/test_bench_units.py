@@ -807,6 +807,27 @@ def test_profile_step_attach_refuses_a_state_without_engines(tmp_path, capsys):
     assert "| model forward | 60.00 | 75.0% |" in t and "| steps/s | 5.0 |" in t
 
 
+def test_profile_step_runs_the_engines_in_the_order_asked(tmp_path, monkeypatch, capsys):
+    """The engines are profiled one after the other; --spec-first swaps them, so that a drift
+    of the host is told from a difference between the engines."""
+    from bench import profile_step
+
+    fake_spy = tmp_path / "py-spy"
+    fake_spy.write_text("")
+    order: list[str] = []
+
+    def fake_profile(extra, clients, seconds, rate, out, py_spy):
+        order.append("plain" if extra[1] == "0" else "spec")
+        return {"rate": rate, "steps": 10, "wall_s": 1.0, "components": {"model forward": 50}}
+
+    monkeypatch.setattr(profile_step, "profile", fake_profile)
+    for flag, want in (([], ["plain", "spec"]), (["--spec-first"], ["spec", "plain"])):
+        order.clear()
+        assert profile_step.main(["--py-spy", str(fake_spy), "--out", str(tmp_path / "o"), *flag]) == 0
+        assert order == want
+    assert "| component | ngram K=0: ms/step" in capsys.readouterr().out  # columns in the order run
+
+
 def test_profile_components_name_the_speculators_and_the_hook():
     from bench.profile_step import component_of
 
