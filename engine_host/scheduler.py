@@ -131,8 +131,9 @@ class _SpecPilotHook:
     # before the gate's next probe (SpeculationController.rest_steps; a drained engine ends
     # a span too, so a new request is decided afresh); the step after a span takes the full path
     # and decides K again. A span begins only with no drafts in flight, and an output that
-    # verified drafts (a probe's) ends it, so what they say is acted on at once. Not where the per-request gate drops drafts request by request
-    # (synchronous scheduling), whose per-request probe counts advance every step.
+    # verified drafts (a probe's) ends it, so what they say is acted on at once. Not where
+    # the per-request gate drops drafts request by request (synchronous scheduling), whose
+    # per-request probe counts advance every step.
     LEAN_SPAN = 16
 
     # Attributes of vLLM's Scheduler (set in its __init__) that the hook reads and caps.
