@@ -278,6 +278,6 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         "mean_acceptance_length": a["mean_acceptance_length"],
         "mean_k": k["mean_k_steps"],
         # the scheduler hook's CPU time as a fraction 0..1 of the engine's busy time in the
-        # window (plain vLLM has no hook: None)
+        # window (None for plain `vllm serve`, which has no hook)
         "hook_cpu_share": (result.get("overhead_window") or {}).get("cpu_fraction"),
     }

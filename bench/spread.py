@@ -55,8 +55,8 @@ def load_runs(folders: list[Path]) -> list[dict[tuple[str, str, str], float]]:
 def load_hook_shares(folders: list[Path]) -> list[dict[tuple[str, str, str], float]]:
     """Per run, ``{(workload, load label, mode): the scheduler hook's CPU time as a fraction
     0..1 of the engine's busy time inside the cell}`` (``overhead_window`` of the cell
-    file); cells without it (plain vLLM, results written before it was recorded) are left
-    out."""
+    file); cells without it (plain `vllm serve`, which has no hook, and results written
+    before it was recorded) are left out."""
     out = []
     for folder in folders:
         shares = {}
