@@ -109,8 +109,9 @@ class AcceptanceEstimator:
     ``r_i = r_(i-1) * a_i`` with ``a_i`` the conditional acceptance of position i, measured
     on the requests whose positions 1..i-1 were all accepted (exponentially weighted the
     same way; the last value with at least ``fresh_weight`` request-steps of such evidence,
-    ``prior_decay`` before any; one below ``prior_decay`` returns toward it with the same
-    memory once that evidence has faded): a workload change seen at shallow depth moves the deep
+    ``prior_decay`` before any; once that evidence has faded, one below ``prior_decay`` returns
+    toward it with the same memory, and one above it too while position i is drafted (steps
+    at K >= i) and still not measured): a workload change seen at shallow depth moves the deep
     estimates at once, and they keep the shape of n-gram drafts (a draft whose first
     tokens are accepted tends to be accepted further). Explorations then measure them.
     (Taking ``r_i`` itself where position i was fresh mixed windows: a short exploration at
@@ -239,15 +240,19 @@ class AcceptanceEstimator:
         if batch_size <= 0:
             return
         g = self._fade(batch_size)
-        # a conditional acceptance below the prior that is no longer measured returns toward
-        # the prior with the estimates' memory: one measured in another workload (e.g. 0 in
-        # chat, where a draft's first token is accepted now and then and its second never)
+        # a conditional acceptance that is no longer measured returns toward the prior with
+        # the estimates' memory. One below the prior, measured in another workload (e.g. 0 in
+        # chat, where a draft's first token is accepted now and then and its second never),
         # would otherwise keep every later workload at the depth it was measured at, since
         # the controller never drafts deep enough to measure it again. One above the prior
-        # is kept: the depth it suggests is drafted, and so measured.
+        # returns only while its position is drafted and still not measured: when the
+        # controller does not draft that deep it keeps the shape of the drafts measured before
+        # (class doc), but when it does and hardly any request gets that far (copy traffic,
+        # then open-ended chat whose first token is accepted now and then), a depth measured
+        # in the old workload would price every deep draft of the new one as accepted.
         need = min(self.fresh_weight * self.alpha, 0.5)
         for i in range(1, self.k_max):
-            if self.cden[i] < need and self.cond[i] < self.prior_decay:
+            if self.cden[i] < need and (self.cond[i] < self.prior_decay or i < k_drafted):
                 self.cond[i] += g * (self.prior_decay - self.cond[i])
         if k_drafted <= 0:
             return

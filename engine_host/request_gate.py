@@ -23,8 +23,9 @@ accepted up to its first rejected token, so one verification of a k-token draft 
 accepted is n successes and, when n < k, one failure; the tokens after the first
 rejection are never judged): ``a_i = accepted / (accepted + rejections)``, with a Beta
 prior of strength ``prior_accepted + prior_rejected`` whose mean is the traffic's own
-per-token acceptance (the same estimate pooled over every request's recent verifications,
-``pool_decay``; ``prior_accepted / (prior_accepted + prior_rejected)`` before any), so a
+per-token acceptance (the same estimate pooled over the tokens judged in every request's
+recent verifications, ``pool_decay``; ``prior_accepted / (prior_accepted +
+prior_rejected)`` before any), so a
 new request starts where the requests before it stood: in traffic whose drafts are
 rejected (chat) a new request is not drafted at the prior's depth for its first steps, in
 traffic that quotes (docs) it is drafted from its first step.
@@ -82,9 +83,10 @@ class RequestDraftGate:
         probe_every: a request whose drafts were dropped this many steps in a row is
             drafted again (steps, >= 1).
         pool_decay: factor (0..1) applied to the pooled counts of every request's
-            verifications before each new one (memory about ``1 / (1 - pool_decay)``
-            verifications); 0 keeps the prior's mean fixed at ``prior_accepted /
-            (prior_accepted + prior_rejected)``.
+            verifications once per token each new verification judges (its accepted tokens
+            and its rejection, if any; memory about ``1 / (1 - pool_decay)`` judged tokens);
+            0 keeps the prior's mean fixed at ``prior_accepted / (prior_accepted +
+            prior_rejected)``.
     Raises:
         ValueError: a parameter out of range.
     """
@@ -116,6 +118,8 @@ class RequestDraftGate:
         self.pool_decay = pool_decay
         self._pool_accepted = 0.0  # every request's verifications (decayed counts)
         self._pool_rejections = 0.0
+        self._pool_offered = 0.0  # every request's offers (steps at K > 0; decayed counts)
+        self._pool_found = 0.0  # of those, with a draft
         self._reqs: dict[str, _RequestStats] = {}
         self.last_total = 0  # requests with drafts considered in the last step
         self.last_verified = 0  # of those, drafts kept for verification
@@ -134,8 +138,13 @@ class RequestDraftGate:
         rejected = 1.0 if n < num_draft_tokens else 0.0
         s.rejections = s.rejections * self.decay + rejected
         if self.pool_decay > 0.0:
-            self._pool_accepted = self._pool_accepted * self.pool_decay + n
-            self._pool_rejections = self._pool_rejections * self.pool_decay + rejected
+            # one factor per token judged (each accepted token and the rejection, if any): a
+            # verification of 8 accepted tokens weighs as the 8 judgments it is, and it fades
+            # as fast as 8 rejections would, so after copy traffic a run of rejected chat
+            # drafts brings the prior down within about 1 / (1 - pool_decay) of them
+            f = self.pool_decay ** (n + rejected)
+            self._pool_accepted = self._pool_accepted * f + n
+            self._pool_rejections = self._pool_rejections * f + rejected
 
     def observe_offer(self, req_id: str, drafted: bool) -> None:
         """Fold in one step at K > 0 after which request ``req_id`` (past its prefill)
@@ -146,15 +155,30 @@ class RequestDraftGate:
             s = self._reqs[req_id] = _RequestStats()
         s.offered = s.offered * self.decay + 1.0
         s.found = s.found * self.decay + (1.0 if drafted else 0.0)
+        if self.pool_decay > 0.0:
+            self._pool_offered = self._pool_offered * self.pool_decay + 1.0
+            self._pool_found = self._pool_found * self.pool_decay + (1.0 if drafted else 0.0)
+
+    def prior_draft_rate(self) -> float:
+        """Share (fraction 0..1) of steps at K > 0 after which a request had a draft, pooled
+        over every request's recent offers (``pool_decay``): ``(found + 1) / (offered + 1)``,
+        1.0 before any offer."""
+        return (self._pool_found + 1.0) / (self._pool_offered + 1.0)
 
     def draft_rate(self, req_id: str) -> float:
         """Estimated share (fraction 0..1) of steps at K > 0 after which the request has a
-        draft: ``(found + 1) / (offered + 1)``, 1.0 before any offer (a new request is
-        assumed to draft)."""
+        draft: ``(found + p) / (offered + 1)`` with ``p`` the traffic's pooled share
+        (:meth:`prior_draft_rate`; 1.0 before any offer, and always with ``pool_decay`` 0),
+        so a new request starts at ``p``. With a prior fixed at 1.0 the estimate could not
+        fall below ``1 / (1 + 1 / (1 - decay))`` (0.09 at ``decay`` 0.9) however seldom the
+        request drafts: on chat at 1 client a request that found a draft in one step of 15
+        kept being planned in at depth on the prior's acceptance, and most steps ran at
+        K > 0 with nothing to verify."""
+        p = self.prior_draft_rate()
         s = self._reqs.get(req_id)
         if s is None:
-            return 1.0
-        return (s.found + 1.0) / (s.offered + 1.0)
+            return p
+        return (s.found + p) / (s.offered + 1.0)
 
     def prior_mean(self) -> float:
         """Mean (fraction 0..1) of a request's prior: the per-token acceptance pooled over

@@ -301,6 +301,37 @@ def test_stale_deep_positions_follow_a_change_seen_at_shallow_depth():
     assert est.r()[7] == pytest.approx(est.r()[0], rel=0.01)
 
 
+def test_deep_acceptance_of_copy_traffic_fades_when_chat_is_drafted_deep_and_never_gets_there():
+    # copy traffic measures every depth at ~1.0; then chat, still drafted at K = 8: its first
+    # token is accepted one step in ten, a second one now and then, nothing deeper. The deep
+    # positions are drafted but no request reaches them, so what copy measured there must not
+    # stay: kept at 1.0 they priced every chat draft of 8 as if its rare accepted first token
+    # ran on to the end (the engine then held K at 7-8 on chat after copy traffic)
+    rng = random.Random(5)
+    est = AcceptanceEstimator(8)
+    for _ in range(300):
+        est.observe(8, 4, [4] * 8)
+    assert min(est.conditional()[1:]) > 0.95
+    for _ in range(400):
+        hist = [0] * 8
+        for _ in range(4):
+            if rng.random() < 0.1:
+                hist[0] += 1
+                if rng.random() < 0.3:
+                    hist[1] += 1
+        est.observe(8, 4, hist)
+    assert est.r()[0] == pytest.approx(0.1, abs=0.05)
+    assert max(est.cond[2:]) < 0.55, est.cond  # back at the prior (0.5), not at copy's 1.0
+    assert est.expected_tokens(8) < 1.25, est.r()
+    # a depth the controller does not draft keeps its shape (the test above): only drafted,
+    # unmeasured positions return toward the prior
+    for _ in range(200):
+        est.observe(8, 4, [4] * 8)
+    for _ in range(200):
+        est.observe(2, 4, [2, 2] + [0] * 6)
+    assert min(est.cond[2:]) > 0.95
+
+
 def test_chat_to_copy_change_is_found_from_k0():
     sim = Sim(adaptive(), seed=11)
     sim.run(400, batch=1, accept=0.0, t0=0.03, t1=0.0003)
@@ -460,8 +491,9 @@ def test_a_long_spell_at_k0_keeps_the_cost_of_deep_k_at_batch_1():
 def test_near_zero_acceptance_chooses_k0_when_deep_k_costs_ten_percent_at_batch_1():
     # the chat trap at 1 client: the step times of the test above (the 2.4 ms partly in the
     # draft fetch outside the step clock), and an acceptance so low that E(8) = 1.08 (one
-    # request-step in ten drafts, one in a hundred accepts a whole draft, as whole drafts were
-    # accepted on docs before). K = 8 then yields
+    # request-step in ten drafts, one in 25 has its first token accepted, half of those the
+    # next; the deeper positions that docs measured at 0.9 are back at the prior, as too few
+    # chat drafts reach them). K = 8 then yields
     # about 1.08 / 1.14 of K = 0's goodput: the policy must choose K = 0, from K = 2 (its
     # start) as from K = 8 (where docs left it).
     for start in (8, 2):
@@ -475,12 +507,11 @@ def test_near_zero_acceptance_chooses_k0_when_deep_k_costs_ten_percent_at_batch_
                 _chat_step(ctl, 1, 0.0252 + 0.0013 * d, drafted=d, fetch=0.0012, warmup=True)
             else:
                 _chat_step(ctl, 0, 0.024, warmup=True)
-        # docs left whole drafts accepted, then one request-step in a hundred accepts one
-        # (batches of 100: the detector stays out of it)
+        # docs left whole drafts accepted, then chat (batches of 100: the detector stays out of it)
         for _ in range(10):
             ctl.acceptance.observe(8, 100, [90] * 8, [100] * 8)
         for _ in range(20):
-            ctl.acceptance.observe(8, 100, [1] * 8, [10] * 8)
+            ctl.acceptance.observe(8, 100, [4, 2, 1, 0, 0, 0, 0, 0], [10] * 8)
         assert ctl.acceptance.expected_tokens(8) == pytest.approx(1.08, abs=0.002)
         ctl.policy.current = start
         ks = [ctl.k_for_batch(1) for _ in range(30)]
