@@ -118,8 +118,6 @@ class RequestDraftGate:
         self.pool_decay = pool_decay
         self._pool_accepted = 0.0  # every request's verifications (decayed counts)
         self._pool_rejections = 0.0
-        self._pool_offered = 0.0  # every request's offers (steps at K > 0; decayed counts)
-        self._pool_found = 0.0  # of those, with a draft
         self._reqs: dict[str, _RequestStats] = {}
         self.last_total = 0  # requests with drafts considered in the last step
         self.last_verified = 0  # of those, drafts kept for verification
@@ -155,30 +153,15 @@ class RequestDraftGate:
             s = self._reqs[req_id] = _RequestStats()
         s.offered = s.offered * self.decay + 1.0
         s.found = s.found * self.decay + (1.0 if drafted else 0.0)
-        if self.pool_decay > 0.0:
-            self._pool_offered = self._pool_offered * self.pool_decay + 1.0
-            self._pool_found = self._pool_found * self.pool_decay + (1.0 if drafted else 0.0)
-
-    def prior_draft_rate(self) -> float:
-        """Share (fraction 0..1) of steps at K > 0 after which a request had a draft, pooled
-        over every request's recent offers (``pool_decay``): ``(found + 1) / (offered + 1)``,
-        1.0 before any offer."""
-        return (self._pool_found + 1.0) / (self._pool_offered + 1.0)
 
     def draft_rate(self, req_id: str) -> float:
         """Estimated share (fraction 0..1) of steps at K > 0 after which the request has a
-        draft: ``(found + p) / (offered + 1)`` with ``p`` the traffic's pooled share
-        (:meth:`prior_draft_rate`; 1.0 before any offer, and always with ``pool_decay`` 0),
-        so a new request starts at ``p``. With a prior fixed at 1.0 the estimate could not
-        fall below ``1 / (1 + 1 / (1 - decay))`` (0.09 at ``decay`` 0.9) however seldom the
-        request drafts: on chat at 1 client a request that found a draft in one step of 15
-        kept being planned in at depth on the prior's acceptance, and most steps ran at
-        K > 0 with nothing to verify."""
-        p = self.prior_draft_rate()
+        draft: ``(found + 1) / (offered + 1)``, 1.0 before any offer (a new request is
+        assumed to draft)."""
         s = self._reqs.get(req_id)
         if s is None:
-            return p
-        return (s.found + p) / (s.offered + 1.0)
+            return 1.0
+        return (s.found + 1.0) / (s.offered + 1.0)
 
     def prior_mean(self) -> float:
         """Mean (fraction 0..1) of a request's prior: the per-token acceptance pooled over

@@ -293,30 +293,6 @@ def test_a_request_that_never_has_a_draft_is_planned_out_when_a_step_at_k_costs_
     assert g.plan("copy", 4, 0.057, step_cost=0.06) is True
 
 
-def test_a_new_request_starts_at_the_draft_rate_of_the_traffic_before_it():
-    """On chat an n-gram proposer finds a draft after about one step in 15 at K > 0. A new
-    chat request starts at that pooled share, not at 1.0, so with the prior's acceptance it is
-    planned out where a step at K > 0 costs 10 % of a plain one (8 % on the 2-core CPU at 1
-    client); and a request that never drafts is not held at a floor of 0.09 (decayed counts
-    with a prior fixed at 1.0), where the plan let it draft at depth on every step."""
-    g = RequestDraftGate(probe_every=100)
-    for n in range(90):
-        g.observe_offer(f"chat-{n // 30}", n % 15 == 14)
-    assert g.prior_draft_rate() < 0.15
-    assert g.draft_rate("new-chat") < 0.15
-    assert g.plan("new-chat", 8, 0.01, step_cost=0.1) is False  # at 1.0: True
-    for _ in range(30):
-        g.observe_offer("dry", False)
-    assert g.draft_rate("dry") < 0.02
-    # a request that does draft rises to its own share within a few offers
-    for _ in range(4):
-        g.observe_offer("copy", True)
-    assert g.draft_rate("copy") > 0.75
-    fixed = RequestDraftGate(pool_decay=0.0)
-    fixed.observe_offer("chat", False)
-    assert fixed.draft_rate("new") == 1.0
-
-
 def test_a_new_request_starts_at_the_acceptance_of_the_traffic_before_it():
     """A new request's prior is the per-token acceptance pooled over the requests before
     it: after chat (drafts rejected) it starts low and is not drafted at the prior's depth,
