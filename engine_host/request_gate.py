@@ -25,10 +25,10 @@ rejection are never judged): ``a_i = accepted / (accepted + rejections)``, with 
 prior of strength ``prior_accepted + prior_rejected`` whose mean is the traffic's own
 per-token acceptance (the same estimate pooled over the tokens judged in every request's
 recent verifications, ``pool_decay``; ``prior_accepted / (prior_accepted +
-prior_rejected)`` before any), so a
-new request starts where the requests before it stood: in traffic whose drafts are
-rejected (chat) a new request is not drafted at the prior's depth for its first steps, in
-traffic that quotes (docs) it is drafted from its first step.
+prior_rejected)`` before any), so a new request starts where the requests before it
+stood: in traffic whose drafts are rejected (chat) a new request is not drafted at the
+prior's depth for its first steps, in traffic that quotes (docs) it is drafted from its
+first step.
 Accepted / drafted would be the mean accepted *fraction*, ``x_i(k) / k``, not ``a_i``;
 used as ``a`` it underestimates x_i(k) (at a = 0.8, k = 8 it gives 0.7 tokens instead
 of 3.3) and drops drafts that pay. A request whose drafts were dropped is drafted again
