@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import tempfile
 import time
@@ -140,15 +141,25 @@ def standin_hook(mode: str, batch: int, folder: str, async_scheduling: bool = Fa
 
 
 def measure(
-    mode: str, batch: int, steps: int, profile: bool = False, cold_mib: int = 0, async_scheduling: bool = False
+    mode: str,
+    batch: int,
+    steps: int,
+    profile: bool = False,
+    cold_mib: int = 0,
+    async_scheduling: bool = False,
+    acceptance: float = 0.0,
 ) -> dict[str, float]:
     """Run ``steps`` hook steps at ``batch`` decode requests in ``mode`` (``fixed:K``,
     ``adaptive``, ``off``); with ``cold_mib`` > 0 the caches are made cold between steps
     (:class:`_Evictor`), as in an engine, where the model's and vLLM's work runs between
-    two calls of the hook; ``async_scheduling``: see :func:`standin_hook`.
+    two calls of the hook; ``async_scheduling``: see :func:`standin_hook`. Each draft token
+    is accepted with probability ``acceptance`` (fraction 0..1) given the ones before it
+    were (seeded, so runs compare): above about 0.3 the adaptive policy drafts, and its
+    per-step path at K > 0 is what is measured.
 
     Returns:
-        ``{"us_per_step": wall µs per step of the whole loop, "hook_clock_us_per_step": the
+        ``{"mean_k": the mean K (tokens) of the steps scheduled, over the whole run,
+        "us_per_step": wall µs per step of the whole loop, "hook_clock_us_per_step": the
         hook's own clock per step, "hook_cpu_us_per_step": its thread's CPU time inside the
         same spans, per step}``.
     Raises:
@@ -156,12 +167,19 @@ def measure(
     """
     with tempfile.TemporaryDirectory() as d:
         hook, channel = standin_hook(mode, batch, d, async_scheduling)
+        rng = random.Random(0)
+
+        def accepted(n: int) -> int:
+            a = 0
+            while a < n and rng.random() < acceptance:
+                a += 1
+            return a
 
         def step() -> None:
             hook.has_requests()
             out = hook.schedule()
             for rid, drafts in out.scheduled_spec_decode_tokens.items():
-                hook.make_spec_decoding_stats(None, len(drafts), 0, request_id=rid)
+                hook.make_spec_decoding_stats(None, len(drafts), accepted(len(drafts)), request_id=rid)
             hook.update_from_output(out, None)
 
         for _ in range(200):  # warm
@@ -193,7 +211,9 @@ def measure(
             prof.disable()
             pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(12)
         channel.close()
+        ks = hook.controller.steps_at_k
         return {
+            "mean_k": sum(k * n for k, n in enumerate(ks)) / max(sum(ks), 1),
             "us_per_step": wall / steps * 1e6,
             "hook_clock_us_per_step": hook._overhead_s / steps * 1e6,
             "hook_cpu_us_per_step": hook._overhead_cpu_s / steps * 1e6,
@@ -223,6 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the hook as on vLLM's async scheduler (GPU engines): the per-request gate probes all "
         "requests at once, and the adaptive policy rests on the lean path while it holds K at 0",
     )
+    ap.add_argument(
+        "--acceptance",
+        type=float,
+        default=0.0,
+        metavar="A",
+        help="each draft token is accepted with probability A (0..1) given the ones before it were; "
+        "0 (default): none is, and the adaptive policy rests at K = 0; 0.8: it drafts",
+    )
     args = ap.parse_args(argv)
     from bench.engine_control import BenchError
 
@@ -233,13 +261,18 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--batch needs sizes >= 1 and --steps >= 1")
         if args.cold < 0:
             raise ValueError("--cold needs MiB >= 0")
-        print("| mode | batch | µs per step (CPU, loop) | hook's own clock µs per step | its CPU time µs per step |")
-        print("|---|---:|---:|---:|---:|")
+        if not 0.0 <= args.acceptance <= 1.0:
+            raise ValueError("--acceptance needs a fraction in 0..1")
+        print(
+            "| mode | batch | mean K (tokens) | µs per step (CPU, loop) | hook's own clock µs per step "
+            "| its CPU time µs per step |"
+        )
+        print("|---|---:|---:|---:|---:|---:|")
         for mode in modes:
             for b in batches:
-                r = measure(mode, b, args.steps, args.profile, args.cold, args.async_scheduling)
+                r = measure(mode, b, args.steps, args.profile, args.cold, args.async_scheduling, args.acceptance)
                 print(
-                    f"| {mode} | {b} | {r['us_per_step']:.1f} | {r['hook_clock_us_per_step']:.1f} "
+                    f"| {mode} | {b} | {r['mean_k']:.2f} | {r['us_per_step']:.1f} | {r['hook_clock_us_per_step']:.1f} "
                     f"| {r['hook_cpu_us_per_step']:.1f} |"
                 )
     except (ValueError, BenchError) as exc:

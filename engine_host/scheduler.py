@@ -108,6 +108,9 @@ class _SpecPilotHook:
     # steps, while pricing them is most of the hook's per-step work at batch 1 under the
     # adaptive policy (python -m bench hook-cost)
     GATE_COST_EVERY = 8
+    # finished requests leave the gate at the first full-path step GATE_FORGET_EVERY steps
+    # after the last time they did (lean steps skip the gate, so never a fixed step index)
+    GATE_FORGET_EVERY = 256
     # a quiet step (a decode step that verified no draft and fetched none, outside the
     # warm-up) is kept and folded into the controller with the next ones, QUIET_STEPS at a
     # time, and before every state publish and config change: between engine steps the
@@ -182,6 +185,7 @@ class _SpecPilotHook:
         self._k_decided = 0  # K chosen for the step being scheduled
         self._gate_cost_memo: dict[tuple[int, int], tuple[float, float, int]] = {}
         self._steps_planned_out = 0  # steps in a row the gate ran at K = 0 (async probes)
+        self._gate_forget_at = 0  # step index from which the gate forgets finished requests
         self._k_drafted = 0  # K of the drafts verified in the step being scheduled
         self._k_first_use_step: int | None = None
         self._t_sched = 0.0
@@ -444,8 +448,8 @@ class _SpecPilotHook:
         if not self._caps_steady:
             self._apply_caps()
         self._k_drafted = self._k_decided
-        # with the gate off only its forgetting of finished requests is due (every 256 steps)
-        if self._k_engine > 0 and (self._gate_on or self._step_index % 256 == 0):
+        # with the gate off only its forgetting of finished requests is due (GATE_FORGET_EVERY)
+        if self._k_engine > 0 and (self._gate_on or self._step_index >= self._gate_forget_at):
             self._gate_drafts()
         self._overhead_s += time.perf_counter() - t
         self._overhead_cpu_s += time.thread_time() - c
@@ -544,7 +548,8 @@ class _SpecPilotHook:
         for their verification; vLLM then schedules them without draft tokens."""
         gate = self._gate
         gate.begin_step()
-        if self._step_index % 256 == 0:
+        if self._step_index >= self._gate_forget_at:  # (lean steps skip this method: not a modulo)
+            self._gate_forget_at = self._step_index + self.GATE_FORGET_EVERY
             gate.forget(live_ids=set(self.requests))  # type: ignore[attr-defined]
         if not self._gate_on or self._warmup_k is not None or not self.GATE_DRAFTS:
             return

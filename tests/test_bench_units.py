@@ -956,6 +956,11 @@ def test_hook_cost_drives_the_real_hook_and_reports_per_step(capsys):
     assert "| fixed:0 | 1 |" in capsys.readouterr().out
     assert main(["--modes", "nonsense", "--batch", "1", "--steps", "10"]) == 2
     assert "unknown mode" in capsys.readouterr().err
+    # accepted drafts: the adaptive policy drafts, and its path at K > 0 is what is timed
+    assert measure("adaptive", 1, 600)["mean_k"] < 0.5  # nothing accepted: it holds K at 0
+    assert measure("adaptive", 1, 600, async_scheduling=True, acceptance=0.9)["mean_k"] > 2.0
+    assert main(["--modes", "adaptive", "--batch", "1", "--steps", "10", "--acceptance", "1.5"]) == 2
+    assert "--acceptance needs a fraction in 0..1" in capsys.readouterr().err
 
 
 def test_matrix_refuses_bad_rounds_and_side_by_side_without_plain(tmp_path, capsys):

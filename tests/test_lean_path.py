@@ -343,3 +343,23 @@ def test_a_probe_that_pays_ends_the_rest_as_soon_as_its_result_is_back(tmp_path,
     assert first[0] == first[1] < 16  # the gate's probe, at the same step
     assert sum(k > 0 for k in full) >= 48  # drafting from shortly after it
     assert sum(k > 0 for k in rest) >= sum(k > 0 for k in full) - 2
+
+
+def test_finished_requests_leave_the_gate_while_the_adaptive_policy_rests(tmp_path):
+    """The gate forgets finished requests at a full-path step every ``GATE_FORGET_EVERY``
+    steps. Lean steps skip the gate, so a forget due on a multiple of that count (the old
+    rule, ``step % 256 == 0``) was missed whenever the step that landed there was lean: while
+    the policy rested at K = 0, requests that had finished stayed in the gate."""
+    with _standin("adaptive", 2, tmp_path, async_scheduling=True) as hook:
+        every = getattr(hook, "GATE_FORGET_EVERY", 256)
+        _run(hook, 50)
+        for i in range(2):  # requests the engine has finished, still known to the gate
+            hook._gate.observe(f"done-{i}", 2, 0)
+        assert {"done-0", "done-1"} <= set(hook._gate._reqs)
+        lean = 0
+        for _ in range(2 * every):
+            lean += hook._lean
+            _run(hook, 1)
+        assert lean > every  # mostly resting on the lean path
+        assert not {"done-0", "done-1"} & set(hook._gate._reqs)
+        assert set(hook._gate._reqs) <= {r.request_id for r in hook.running}
