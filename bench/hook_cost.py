@@ -22,6 +22,10 @@ and the hook's code and data have left the CPU's caches by then; the hot loop al
 that. With ``--cold`` each step is preceded by a copy of MIB MiB and a little unrelated Python,
 and only the steps themselves are timed.
 
+``--acceptance A``: each draft token of the stand-in is accepted with probability A given the
+ones before it were (seeded). With the default 0 nothing is, and the adaptive policy holds K at
+0; with 0.8 it drafts, and its per-step path at K > 0 is what is timed (the mean K is printed).
+
 At ``fixed:0`` (and ``off``) the hook takes its lean path (``LEAN_SAMPLE`` in
 ``engine_host.scheduler``); ``SPECPILOT_K0_LEAN=0`` measures its full per-step path instead.
 """
