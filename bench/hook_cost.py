@@ -215,6 +215,7 @@ def measure(
             prof.disable()
             pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(12)
         channel.close()
+        hook._flush_lean()  # steps the lean path has not handed to the controller yet
         ks = hook.controller.steps_at_k
         return {
             "mean_k": sum(k * n for k, n in enumerate(ks)) / max(sum(ks), 1),

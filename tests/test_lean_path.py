@@ -351,7 +351,7 @@ def test_finished_requests_leave_the_gate_while_the_adaptive_policy_rests(tmp_pa
     rule, ``step % 256 == 0``) was missed whenever the step that landed there was lean: while
     the policy rested at K = 0, requests that had finished stayed in the gate."""
     with _standin("adaptive", 2, tmp_path, async_scheduling=True) as hook:
-        every = getattr(hook, "GATE_FORGET_EVERY", 256)
+        every = hook.GATE_FORGET_EVERY
         _run(hook, 50)
         for i in range(2):  # requests the engine has finished, still known to the gate
             hook._gate.observe(f"done-{i}", 2, 0)
