@@ -192,6 +192,7 @@ class _SpecPilotHook:
         self._clock = StepClock()
         self._trace = step_trace_from_env()  # $SPECPILOT_STEP_TRACE: one row per step (profiling)
         self._step_index = 0
+        self._published_step = -1  # _step_index at the last state publish
         self.specpilot_last_scheduled_k: int | None = None  # K of the step scheduled last
         self._hist = [0] * max(self._k_engine, 1)
         self._dhist = [0] * max(self._k_engine, 1)
@@ -417,6 +418,10 @@ class _SpecPilotHook:
             t = time.perf_counter()
             c = time.thread_time()
             self._poll_config()
+            if self._published_step != self._step_index:
+                # drained without a last output (requests aborted: a client's stop string or
+                # disconnect): the state read while idle counts every step that ran
+                self._publish(time.monotonic())
             self._overhead_s += time.perf_counter() - t
             self._overhead_cpu_s += time.thread_time() - c
         return busy
@@ -710,6 +715,7 @@ class _SpecPilotHook:
     # -- state ---------------------------------------------------------------
     def _publish(self, now: float) -> None:
         self._last_publish = now
+        self._published_step = self._step_index
         self._publish_due = time.perf_counter() + PUBLISH_INTERVAL_S
         if self._quiet:
             self._observe_quiet()

@@ -363,3 +363,26 @@ def test_finished_requests_leave_the_gate_while_the_adaptive_policy_rests(tmp_pa
         assert lean > every  # mostly resting on the lean path
         assert not {"done-0", "done-1"} & set(hook._gate._reqs)
         assert set(hook._gate._reqs) <= {r.request_id for r in hook.running}
+
+
+def test_the_state_read_while_idle_counts_steps_of_requests_that_were_aborted(tmp_path, monkeypatch):
+    """A request ended by its client (a stop string, a disconnect) leaves the engine through
+    an abort, with no last output to publish on: the engine's first idle check publishes."""
+    from bench import hook_cost
+
+    monkeypatch.setattr(hook_cost._SchedulerStandIn, "has_requests", lambda self: bool(self.running))
+    with _standin("fixed:0", 2, tmp_path) as hook:
+        channel = hook._channel
+        _run(hook, 1)
+        hook._publish(time.monotonic())
+        first = channel.read_state()
+        _run(hook, 40)  # 40 quick steps: no publish falls due
+        assert channel.read_state()["step_index"] == first["step_index"]
+        hook.running = []  # both requests aborted
+        assert not hook.has_requests()
+        state = channel.read_state()
+        assert state["step_index"] == first["step_index"] + 40
+        assert sum(state["controller"]["steps_at_k"]) - sum(first["controller"]["steps_at_k"]) == 40
+        assert state["running"] == 0
+        hook.has_requests()  # idle again, nothing new: no publish
+        assert channel.read_state()["published_at"] == state["published_at"]

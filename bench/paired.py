@@ -1,0 +1,398 @@
+"""Engines compared burst by burst on the same prompts: a paired A/B whose pairs are
+seconds apart, for hosts whose speed moves between cells.
+
+On the offline GPU hosts the same engine measured a minute apart moved by -11 % to +27 %,
+and two identical engine hosts differed by up to 25 % in one pair of 5 s cells
+(docs/gpu.md): a cell-by-cell comparison resolves nothing below about 10 %. The host's
+levels hold for seconds, longer than one request at 1 client. So this benchmark sends the
+*same* burst of prompts to every arm back to back (one request per client, ``c`` clients
+at once), rotates which arm goes first every round, and compares the arms round by round.
+
+An arm is one running server, given as ``NAME=URL[,mode=MODE][,token-env=VAR]``: an engine
+host (``mode`` is set once through ``PUT /control/config`` before the first burst, with the
+bearer token read from ``$VAR``, default ``$SPECPILOT_CONTROL_TOKEN``) or a bare vLLM server
+(no ``mode``). The first arm is the baseline unless ``--baseline`` names another.
+
+Per burst: output tokens over the time from sending the burst to its last token (tokens/s;
+with ``c`` > 1 this includes the burst's ramp-down, the same for every arm since every arm
+gets the same prompts), the median TTFT (ms) and, for engine hosts, the engine steps by K
+and the hook's time from ``/control/state``. Per cell (workload, clients) and arm against
+the baseline: the pooled ratio (sum of tokens over sum of time, arm over baseline) with a
+95 % percentile-bootstrap interval over rounds (Efron, Ann. Statist. 7 (1979) 1-26), the
+median and range of the per-round ratios, and in how many rounds the arm was faster.
+
+Example (plain vLLM on :8100, the engine host on :8000)::
+
+    python -m bench paired --arm plain=http://127.0.0.1:8100 \\
+        --arm k0=http://127.0.0.1:8000,mode=fixed:0 --arm adaptive=http://127.0.0.1:8001,mode=adaptive \\
+        --workloads chat,docs --clients 1,8 --rounds 40 --time-budget 500 --out bench/results/paired
+
+    python -m bench paired --report bench/results/paired/paired.json      # the table again
+
+Results: ``--out/paired.json`` (rewritten after every round) and a Markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from engine_host import envs
+
+from .engine_control import BenchError, EngineControl, overhead_delta, spec_counters, steps_at_k_delta
+from .loadgen import stream_request
+from .metrics import RequestRecord
+from .workloads import WORKLOADS, Prompt, Workload
+
+BOOTSTRAP_RESAMPLES = 4000
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One server under comparison.
+
+    Attributes:
+        name: row label.
+        url: base URL (``http://host:port``).
+        mode: speculation mode set once before the first burst (``bench matrix``'s mode
+            strings: ``fixed:0``, ``adaptive``...); None leaves the server as it is.
+        token_env: environment variable holding the control token.
+    """
+
+    name: str
+    url: str
+    mode: str | None = None
+    token_env: str = envs.CONTROL_TOKEN
+
+
+def parse_arm(text: str) -> Arm:
+    """``"k0=http://127.0.0.1:8000,mode=fixed:0,token-env=A_TOKEN"`` -> :class:`Arm`.
+
+    Raises:
+        ValueError: no ``NAME=`` or URL, or an option other than ``mode`` / ``token-env``.
+    """
+    name, sep, rest = text.partition("=")
+    if not sep or not name.strip() or not rest.strip():
+        raise ValueError(f"an arm looks like NAME=URL[,mode=MODE][,token-env=VAR], got {text!r}")
+    url, *opts = rest.split(",")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"arm {name!r}: the URL must start with http:// or https://, got {url!r}")
+    fields: dict[str, str] = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        key = key.strip().replace("_", "-")
+        if not sep or key not in ("mode", "token-env") or not value.strip():
+            raise ValueError(f"arm {name!r}: options are mode=MODE and token-env=VAR, got {opt!r}")
+        fields[key] = value.strip()
+    return Arm(name.strip(), url.rstrip("/"), fields.get("mode"), fields.get("token-env", envs.CONTROL_TOKEN))
+
+
+def arm_order(arms: list[str], round_index: int) -> list[str]:
+    """The arms in the order they run in round ``round_index`` (0-based): rotated by one
+    each round, so that every arm goes first equally often."""
+    k = round_index % len(arms)
+    return arms[k:] + arms[:k]
+
+
+def burst_figures(records: list[RequestRecord]) -> dict[str, Any]:
+    """One burst's figures: ``tokens`` (output tokens), ``wall_s`` (send to last token, s),
+    ``tok_s`` (tokens/s), ``ttft_ms`` (median), ``errors`` (failed requests)."""
+    ends = [r.done_s if r.done_s is not None else (r.chunks[-1][0] if r.chunks else 0.0) for r in records]
+    wall = max(ends) if ends else 0.0
+    tokens = sum(r.output_tokens for r in records)
+    ttfts = [r.ttft_ms for r in records if r.ttft_ms is not None]
+    return {
+        "tokens": tokens,
+        "wall_s": round(wall, 5),
+        "tok_s": round(tokens / wall, 3) if wall > 0 else None,
+        "ttft_ms": round(statistics.median(ttfts), 3) if ttfts else None,
+        "errors": sum(1 for r in records if r.error),
+    }
+
+
+def pooled_ratio(arm: list[dict[str, Any]], base: list[dict[str, Any]]) -> float | None:
+    """(Σ tokens / Σ wall) of ``arm`` over the same of ``base`` (bursts of the same rounds)."""
+    ta, wa = sum(b["tokens"] for b in arm), sum(b["wall_s"] for b in arm)
+    tb, wb = sum(b["tokens"] for b in base), sum(b["wall_s"] for b in base)
+    if wa <= 0 or wb <= 0 or tb <= 0:
+        return None
+    return (ta / wa) / (tb / wb)
+
+
+def bootstrap_interval(
+    arm: list[dict[str, Any]], base: list[dict[str, Any]], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> tuple[float, float] | None:
+    """95 % percentile-bootstrap interval of :func:`pooled_ratio`, resampling rounds (pairs
+    of bursts) with replacement (Efron, Ann. Statist. 7 (1979) 1-26). None with fewer than
+    3 rounds."""
+    n = len(arm)
+    if n < 3 or len(base) != n:
+        return None
+    ta = np.array([b["tokens"] for b in arm], float)
+    wa = np.array([b["wall_s"] for b in arm], float)
+    tb = np.array([b["tokens"] for b in base], float)
+    wb = np.array([b["wall_s"] for b in base], float)
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    num, den = ta[idx].sum(1) / wa[idx].sum(1), tb[idx].sum(1) / wb[idx].sum(1)
+    ratios = num / np.where(den > 0, den, np.nan)
+    lo, hi = np.nanpercentile(ratios, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def summarize(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (cell, arm) against the baseline arm, over the rounds both completed.
+
+    Returns:
+        dicts with ``cell``, ``arm``, ``rounds``, ``tok_s`` (pooled, tokens/s), ``x_base``
+        (pooled ratio), ``ci95`` ([lo, hi] or None), ``per_round`` (median, min, max of the
+        round ratios), ``faster`` (rounds where the arm beat the baseline), ``ttft_ms``
+        (median of burst medians), and, from engine hosts, ``steps``, ``steps_k_gt0``,
+        ``draft_tokens``, ``accepted_tokens`` and ``hook_share`` (fraction 0..1 of busy time).
+    """
+    base = res["baseline"]
+    rows = []
+    for cell in res["cells"]:
+        bursts = [b for b in res["bursts"] if b["cell"] == cell]
+        by_arm: dict[str, dict[int, dict[str, Any]]] = {}
+        for b in bursts:
+            by_arm.setdefault(b["arm"], {})[b["round"]] = b
+        for arm in res["arms"]:
+            mine, theirs = by_arm.get(arm, {}), by_arm.get(base, {})
+            rounds = sorted(set(mine) & set(theirs))
+            a = [mine[r] for r in rounds]
+            b = [theirs[r] for r in rounds]
+            per = [x["tok_s"] / y["tok_s"] for x, y in zip(a, b) if x["tok_s"] and y["tok_s"]]
+            ci = bootstrap_interval(a, b) if arm != base else None
+            wall = sum(x["wall_s"] for x in a)
+            row: dict[str, Any] = {
+                "cell": cell,
+                "arm": arm,
+                "rounds": len(rounds),
+                "tok_s": round(sum(x["tokens"] for x in a) / wall, 2) if wall > 0 else None,
+                "x_base": pooled_ratio(a, b),
+                "ci95": list(ci) if ci else None,
+                "per_round": [statistics.median(per), min(per), max(per)] if per else None,
+                "faster": sum(1 for x in per if x > 1.0),
+                "ttft_ms": statistics.median([x["ttft_ms"] for x in a if x["ttft_ms"] is not None] or [0.0]),
+            }
+            engine = [x for x in a if x.get("steps_at_k") is not None]
+            if engine:
+                row["steps"] = sum(sum(x["steps_at_k"]) for x in engine)
+                row["steps_k_gt0"] = sum(sum(x["steps_at_k"][1:]) for x in engine)
+                hook = [x["overhead"] for x in engine if x.get("overhead")]
+                busy = sum(h["busy_seconds"] for h in hook)
+                row["hook_share"] = sum(h["hook_seconds"] for h in hook) / busy if busy > 0 else None
+            row["draft_tokens"] = sum(x.get("draft_tokens", 0) for x in a)
+            row["accepted_tokens"] = sum(x.get("accepted_tokens", 0) for x in a)
+            rows.append(row)
+    return rows
+
+
+def render(res: dict[str, Any]) -> str:
+    """Markdown table of :func:`summarize` (ratios against the baseline arm)."""
+
+    def f(v: Any, fmt: str = "{:.3f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    lines = [
+        f"Baseline: `{res['baseline']}`. Bursts of `c` requests (the same prompts for every arm), arms "
+        "rotated each round; x base = pooled tokens/s over the baseline's in the same rounds, with a 95 % "
+        "bootstrap interval over rounds.",
+        "",
+        "| cell | arm | rounds | tok/s | x base | 95 % interval | per round: median [min, max] | rounds faster "
+        "| TTFT p50 ms | steps (K > 0) | accepted / draft tokens | hook share |",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---|---|---:|",
+    ]
+    for r in summarize(res):
+        base = r["arm"] == res["baseline"]
+        per = r["per_round"]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["cell"],
+                    f"`{r['arm']}`",
+                    str(r["rounds"]),
+                    f(r["tok_s"], "{:.1f}"),
+                    "1.000" if base else f(r["x_base"]),
+                    "-" if base or not r["ci95"] else f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]",
+                    "-" if base or not per else f"{per[0]:.3f} [{per[1]:.3f}, {per[2]:.3f}]",
+                    "-" if base else f"{r['faster']} of {r['rounds']}",
+                    f(r["ttft_ms"], "{:.2f}"),
+                    f"{r['steps']} ({r['steps_k_gt0']})" if "steps" in r else "-",
+                    f"{int(r['accepted_tokens'])} / {int(r['draft_tokens'])}" if r["draft_tokens"] else "-",
+                    f(r.get("hook_share"), "{:.2%}"),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+class _Client:
+    """One arm's HTTP and control clients, served model and state reads."""
+
+    def __init__(self, arm: Arm, timeout_s: float):
+        self.arm = arm
+        self.http = httpx.AsyncClient(base_url=arm.url, timeout=timeout_s)
+        self.control = EngineControl(arm.url, os.environ.get(arm.token_env))
+        self.model = ""
+        self.is_host = False
+
+    async def setup(self) -> None:
+        self.model = await self.control.served_model()
+        self.is_host = bool(await self.control.state())
+        if self.arm.mode is not None:
+            await self.control.apply_mode(self.arm.mode)
+
+    async def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        state = await self.control.state() if self.is_host else {}
+        return state, await self.control.counters()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+        await self.control.aclose()
+
+
+async def _burst(client: _Client, prompts: list[Prompt], max_tokens: int) -> dict[str, Any]:
+    state0, count0 = await client.snapshot()
+    t0 = time.perf_counter()
+    recs = [RequestRecord(index=i, workload=p.workload, source=p.source, sent_s=0.0) for i, p in enumerate(prompts)]
+    await asyncio.gather(*(stream_request(client.http, p, client.model, max_tokens, r, t0) for p, r in zip(prompts, recs)))
+    out = burst_figures(recs)
+    state1, count1 = await client.snapshot()
+    if out["errors"]:
+        first = next(r.error for r in recs if r.error)
+        raise BenchError(f"arm {client.arm.name!r}: {out['errors']} of {len(recs)} requests failed: {first}")
+    out["draft_tokens"] = count1["draft_tokens"] - count0["draft_tokens"]
+    out["accepted_tokens"] = count1["accepted_tokens"] - count0["accepted_tokens"]
+    if client.is_host:
+        out["steps_at_k"] = steps_at_k_delta(state0, state1)
+        out["overhead"] = overhead_delta(state0, state1)
+    return out
+
+
+async def run(args: argparse.Namespace, arms: list[Arm]) -> dict[str, Any]:
+    """Warm-up rounds, then ``--rounds`` rounds of every cell, every arm in rotated order;
+    ``paired.json`` rewritten after each round. Returns the result document."""
+    clients = {a.name: _Client(a, args.request_timeout) for a in arms}
+    names = [a.name for a in arms]
+    cells = [(w, c) for w in args.workloads for c in args.clients]
+    res: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "started_at_unix": time.time(),
+        "baseline": args.baseline or names[0],
+        "arms": names,
+        "arm_specs": [a.__dict__ for a in arms],
+        "cells": [f"{w}@c{c}" for w, c in cells],
+        "max_tokens": args.max_tokens,
+        "bursts": [],
+    }
+    out = args.out / "paired.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        for c in clients.values():
+            await c.setup()
+        # shift moves code -> docs -> chat every 8 requests (every arm gets the same ones)
+        streams = {cell: Workload(cell[0], seed=args.seed, period_requests=8) for cell in cells}
+        total = args.warm_rounds + args.rounds
+        bar = tqdm(total=total, desc="rounds", unit="round", file=sys.stderr, disable=args.quiet, dynamic_ncols=True)
+        started, took = time.monotonic(), 0.0
+        for r in range(total):
+            if args.time_budget and time.monotonic() - started + took > args.time_budget:
+                print(f"time budget reached after {r - args.warm_rounds} rounds", file=sys.stderr)
+                break
+            t_round = time.monotonic()
+            for (w, c), label in zip(cells, res["cells"]):
+                prompts = [streams[(w, c)].next_prompt() for _ in range(c)]
+                for name in arm_order(names, r):
+                    b = await _burst(clients[name], prompts, args.max_tokens)
+                    if r >= args.warm_rounds:
+                        res["bursts"].append({"round": r - args.warm_rounds, "cell": label, "arm": name, **b})
+            took = time.monotonic() - t_round
+            out.write_text(json.dumps(res, indent=1))
+            bar.update(1)
+        bar.close()
+    finally:
+        for c in clients.values():
+            await c.aclose()
+    return res
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench paired",
+        description="Running servers compared burst by burst on the same prompts, arms rotated every round.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("Example", 1)[1] if __doc__ else None,
+    )
+    p.add_argument(
+        "--arm",
+        action="append",
+        default=[],
+        metavar="NAME=URL[,mode=MODE][,token-env=VAR]",
+        help="a server to compare (two or more); the first is the baseline unless --baseline",
+    )
+    p.add_argument("--baseline", help="arm every ratio is taken against (default: the first --arm)")
+    p.add_argument("--workloads", default="chat", help=f"comma-separated, from {', '.join(WORKLOADS)} (default chat)")
+    p.add_argument("--clients", default="1", help="comma-separated burst sizes: requests sent at once (default 1)")
+    p.add_argument("--rounds", type=int, default=30, help="measured rounds (default 30)")
+    p.add_argument("--warm-rounds", type=int, default=1, help="untimed rounds first (default 1)")
+    p.add_argument("--max-tokens", type=int, default=128, help="output cap per request, tokens (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="prompt order and chat sampling seeds (default 0)")
+    p.add_argument("--time-budget", type=float, default=0.0, help="stop before a round that would pass this many s")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="per request, s (default 300)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>-paired)")
+    p.add_argument("--report", type=Path, help="print the table of an earlier paired.json and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench paired``; exit status 2 with a message on bad input or a failed request."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.report:
+            print(render(json.loads(args.report.read_text())))
+            return 0
+        arms = [parse_arm(a) for a in args.arm]
+        if len(arms) < 2:
+            raise ValueError("give at least two --arm")
+        if len({a.name for a in arms}) != len(arms):
+            raise ValueError("arm names must differ")
+        if args.baseline and args.baseline not in {a.name for a in arms}:
+            raise ValueError(f"--baseline {args.baseline!r} names no arm")
+        args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        for w in args.workloads:
+            if w not in WORKLOADS:
+                raise ValueError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+        args.clients = [int(c) for c in args.clients.split(",")]
+        if any(c < 1 for c in args.clients) or args.rounds < 1 or args.warm_rounds < 0 or args.max_tokens < 1:
+            raise ValueError("--clients, --rounds and --max-tokens must be >= 1, --warm-rounds >= 0")
+        args.out = args.out or Path("bench/results") / f"{time.strftime('%Y%m%d-%H%M%S')}-paired"
+        res = asyncio.run(run(args, arms))
+    except (ValueError, BenchError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except httpx.TransportError as exc:
+        print(f"error: cannot reach a server: {exc or type(exc).__name__}. Is every --arm URL up?", file=sys.stderr)
+        return 2
+    print(render(res))
+    print(f"results: {args.out / 'paired.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""``python -m bench paired``: arm parsing, rotation, the pooled ratio and its interval, and
+one run against the real engine host (CPU) over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.paired import arm_order, bootstrap_interval, parse_arm, pooled_ratio, render, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_an_arm_takes_url_mode_and_token_variable():
+    a = parse_arm("k0=http://127.0.0.1:8000/,mode=fixed:0,token-env=A_TOKEN")
+    assert (a.name, a.url, a.mode, a.token_env) == ("k0", "http://127.0.0.1:8000", "fixed:0", "A_TOKEN")
+    plain = parse_arm("plain=http://h:1")
+    assert plain.mode is None and plain.token_env == "SPECPILOT_CONTROL_TOKEN"
+
+
+@pytest.mark.parametrize(
+    "bad", ["http://h:1", "=http://h:1", "x=", "x=h:1", "x=http://h:1,speed=3", "x=http://h:1,mode="]
+)
+def test_a_malformed_arm_is_refused_with_the_reason(bad):
+    with pytest.raises(ValueError, match="arm"):
+        parse_arm(bad)
+
+
+def test_every_arm_goes_first_equally_often():
+    arms = ["a", "b", "c"]
+    firsts = [arm_order(arms, r)[0] for r in range(6)]
+    assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]
+    assert all(sorted(arm_order(arms, r)) == arms for r in range(6))
+
+
+def _b(tokens: int, wall: float) -> dict:
+    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "ttft_ms": 10.0}
+
+
+def test_the_pooled_ratio_weights_rounds_by_their_time():
+    arm = [_b(100, 1.0), _b(100, 3.0)]  # 200 tokens in 4 s
+    base = [_b(100, 2.0), _b(100, 2.0)]  # 200 tokens in 4 s
+    assert pooled_ratio(arm, base) == pytest.approx(1.0)  # the per-round ratios are 2.0 and 0.667
+
+
+def test_the_interval_holds_the_ratio_and_narrows_with_more_rounds():
+    rng = __import__("random").Random(1)
+
+    def rounds(n: int) -> tuple[list, list]:
+        base, arm = [], []
+        for _ in range(n):
+            level = rng.uniform(0.8, 1.25)  # the host's speed, shared by the pair
+            base.append(_b(128, 0.3 * level * rng.uniform(0.98, 1.02)))
+            arm.append(_b(128, 0.3 * level * 1.05 * rng.uniform(0.98, 1.02)))  # 5 % slower
+        return arm, base
+
+    a, b = rounds(10)
+    lo10, hi10 = bootstrap_interval(a, b)
+    a, b = rounds(160)
+    lo, hi = bootstrap_interval(a, b)
+    assert lo <= pooled_ratio(a, b) <= hi and hi < 1.0  # resolves the 5 % despite the levels
+    assert hi - lo < hi10 - lo10
+    assert bootstrap_interval(a[:2], b[:2]) is None
+
+
+def test_the_summary_compares_each_arm_over_rounds_both_completed():
+    res = {
+        "baseline": "plain",
+        "arms": ["plain", "k0"],
+        "cells": ["chat@c1"],
+        "bursts": [
+            {"round": 0, "cell": "chat@c1", "arm": "plain", **_b(100, 1.0)},
+            {"round": 0, "cell": "chat@c1", "arm": "k0", **_b(100, 0.5), "steps_at_k": [90, 0, 10]},
+            {"round": 1, "cell": "chat@c1", "arm": "plain", **_b(100, 1.0)},  # k0 never ran round 1
+        ],
+    }
+    rows = {r["arm"]: r for r in summarize(res)}
+    assert rows["k0"]["rounds"] == 1 and rows["k0"]["x_base"] == pytest.approx(2.0)
+    assert rows["k0"]["faster"] == 1 and rows["k0"]["steps"] == 100 and rows["k0"]["steps_k_gt0"] == 10
+    assert "| chat@c1 | `k0` | 1 |" in render(res)
+
+
+def test_bad_input_exits_2_with_the_reason(tmp_path):
+    cmd = [sys.executable, "-m", "bench", "paired", "--arm", "a=http://127.0.0.1:9", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "at least two --arm" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.engine
+def test_paired_run_on_the_engine_host_reads_steps_and_tokens(engine_host, restore_config, tmp_path):
+    env = dict(os.environ, BENCH_TEST_TOKEN=engine_host.token)
+    cmd = [sys.executable, "-m", "bench", "paired",
+           "--arm", f"k0={engine_host.url},mode=fixed:0,token-env=BENCH_TEST_TOKEN",
+           "--arm", f"same={engine_host.url},token-env=BENCH_TEST_TOKEN",
+           "--workloads", "chat,code", "--clients", "1,2", "--rounds", "2", "--warm-rounds", "0",
+           "--max-tokens", "8", "--out", str(tmp_path), "--quiet"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "paired.json").read_text())
+    assert len(res["bursts"]) == 2 * 4 * 2  # rounds x cells x arms
+    for b in res["bursts"]:
+        n = 2 if b["cell"].endswith("c2") else 1
+        assert 1 <= b["tokens"] <= 8 * n and b["wall_s"] > 0 and b["errors"] == 0
+        if b["cell"].startswith("chat"):  # (code ends on stop strings: the engine runs on until the abort)
+            assert sum(b["steps_at_k"]) >= b["tokens"] // n - 1  # a step per token after the first
+        assert b["steps_at_k"][1:] == [0] * (len(b["steps_at_k"]) - 1)  # fixed:0 drafts nothing
+    # arms alternate which goes first: round 0 k0 first, round 1 same first
+    firsts = [next(b["arm"] for b in res["bursts"] if b["round"] == r) for r in (0, 1)]
+    assert firsts == ["k0", "same"]
+    assert "| chat@c1 | `same` | 2 |" in proc.stdout
