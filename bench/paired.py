@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from engine_host import envs
 
-from .engine_control import BenchError, EngineControl, overhead_delta, spec_counters, steps_at_k_delta
+from .engine_control import BenchError, EngineControl, overhead_delta, steps_at_k_delta
 from .loadgen import stream_request
 from .metrics import RequestRecord
 from .workloads import WORKLOADS, Prompt, Workload
@@ -270,7 +270,9 @@ async def _burst(client: _Client, prompts: list[Prompt], max_tokens: int) -> dic
     state0, count0 = await client.snapshot()
     t0 = time.perf_counter()
     recs = [RequestRecord(index=i, workload=p.workload, source=p.source, sent_s=0.0) for i, p in enumerate(prompts)]
-    await asyncio.gather(*(stream_request(client.http, p, client.model, max_tokens, r, t0) for p, r in zip(prompts, recs)))
+    await asyncio.gather(
+        *(stream_request(client.http, p, client.model, max_tokens, r, t0) for p, r in zip(prompts, recs))
+    )
     out = burst_figures(recs)
     state1, count1 = await client.snapshot()
     if out["errors"]:
