@@ -28,7 +28,11 @@ recent verifications, ``pool_decay``; ``prior_accepted / (prior_accepted +
 prior_rejected)`` before any), so a new request starts where the requests before it
 stood: in traffic whose drafts are rejected (chat) a new request is not drafted at the
 prior's depth for its first steps, in traffic that quotes (docs) it is drafted from its
-first step.
+first step. Where the engine names a request's class (:meth:`RequestDraftGate.set_class`;
+the scheduler hook: ``greedy`` or ``sampled`` from its temperature), the pool is the
+class's own: a sampled chat request after greedy requests that quote starts at what
+sampled requests were accepted at, not at the quoting requests' rate, and a greedy one
+after chat is not held at chat's. Requests without a class share one pool.
 Accepted / drafted would be the mean accepted *fraction*, ``x_i(k) / k``, not ``a_i``;
 used as ``a`` it underestimates x_i(k) (at a = 0.8, k = 8 it gives 0.7 tokens instead
 of 3.3) and drops drafts that pay. A request whose drafts were dropped is drafted again
@@ -116,8 +120,10 @@ class RequestDraftGate:
         self.margin = margin
         self.probe_every = probe_every
         self.pool_decay = pool_decay
-        self._pool_accepted = 0.0  # every request's verifications (decayed counts)
-        self._pool_rejections = 0.0
+        # [accepted, rejections] over recent verifications (decayed counts), per request
+        # class; None: every request's (``summary``'s prior) and that of requests with no class
+        self._pools: dict[str | None, list[float]] = {None: [0.0, 0.0]}
+        self._class: dict[str, str] = {}  # request id -> its class (set_class)
         self._reqs: dict[str, _RequestStats] = {}
         self.last_total = 0  # requests with drafts considered in the last step
         self.last_verified = 0  # of those, drafts kept for verification
@@ -141,8 +147,20 @@ class RequestDraftGate:
             # as fast as 8 rejections would, so after copy traffic a run of rejected chat
             # drafts brings the prior down within about 1 / (1 - pool_decay) of them
             f = self.pool_decay ** (n + rejected)
-            self._pool_accepted = self._pool_accepted * f + n
-            self._pool_rejections = self._pool_rejections * f + rejected
+            pools = self._pools
+            cls = self._class.get(req_id)
+            for key in (None, cls) if cls is not None else (None,):
+                pool = pools.get(key)
+                if pool is None:
+                    pool = pools[key] = [0.0, 0.0]
+                pool[0] = pool[0] * f + n
+                pool[1] = pool[1] * f + rejected
+
+    def set_class(self, req_id: str, cls: str) -> None:
+        """Name the class of request ``req_id`` (e.g. ``"sampled"``): its prior's mean is
+        then pooled over requests of that class only (module doc). Forgotten with the
+        request (:meth:`forget`)."""
+        self._class[req_id] = cls
 
     def observe_offer(self, req_id: str, drafted: bool) -> None:
         """Fold in one step at K > 0 after which request ``req_id`` (past its prefill)
@@ -163,19 +181,20 @@ class RequestDraftGate:
             return 1.0
         return (s.found + 1.0) / (s.offered + 1.0)
 
-    def prior_mean(self) -> float:
-        """Mean (fraction 0..1) of a request's prior: the per-token acceptance pooled over
-        every request's recent verifications, itself starting at the configured prior's
-        mean (module doc)."""
+    def prior_mean(self, cls: str | None = None) -> float:
+        """Mean (fraction 0..1) of a new request's prior: the per-token acceptance pooled
+        over recent verifications of requests of class ``cls`` (None: of every request),
+        itself starting at the configured prior's mean (module doc)."""
         a0, r0 = self.prior_accepted, self.prior_rejected
-        return (self._pool_accepted + a0) / (self._pool_accepted + self._pool_rejections + a0 + r0)
+        acc, rej = self._pools.get(cls) or (0.0, 0.0)
+        return (acc + a0) / (acc + rej + a0 + r0)
 
     def acceptance(self, req_id: str) -> float:
         """Estimated per-token acceptance ``a`` of the request's drafts, fraction 0..1:
         the probability that the next draft token is accepted given the ones before it
         were (``accepted / (accepted + rejections)`` with the Beta prior; module doc)."""
         s = self._reqs.get(req_id)
-        m = self.prior_mean()
+        m = self.prior_mean(self._class.get(req_id))
         if s is None:
             return m
         strength = self.prior_accepted + self.prior_rejected
@@ -185,9 +204,12 @@ class RequestDraftGate:
         """Drop one finished request, or every request not in ``live_ids``."""
         if req_id is not None:
             self._reqs.pop(req_id, None)
+            self._class.pop(req_id, None)
         if live_ids is not None:
             for rid in [r for r in self._reqs if r not in live_ids]:
                 del self._reqs[rid]
+            for rid in [r for r in self._class if r not in live_ids]:
+                del self._class[rid]
 
     # -- decisions ---------------------------------------------------------------
     @staticmethod
@@ -304,8 +326,9 @@ class RequestDraftGate:
     def summary(self) -> dict:
         """JSON-able: requests drafted / considered in the last step, the distribution
         of per-request acceptance over the requests with verified drafts (counts per bin
-        of ``ACCEPTANCE_BUCKETS``), and ``prior_acceptance``: where a new request's
-        estimate starts (:meth:`prior_mean`, fraction 0..1)."""
+        of ``ACCEPTANCE_BUCKETS``), ``prior_acceptance``: where a new request's
+        estimate starts (:meth:`prior_mean`, fraction 0..1), and
+        ``prior_acceptance_by_class``: the same per request class seen so far."""
         hist = [0] * len(ACCEPTANCE_BUCKETS)
         for rid, s in self._reqs.items():
             if s.drafted <= 0:
@@ -319,6 +342,9 @@ class RequestDraftGate:
             "acceptance_bins": list(ACCEPTANCE_BUCKETS),
             "acceptance_hist": hist,
             "prior_acceptance": round(self.prior_mean(), 4),
+            "prior_acceptance_by_class": {
+                cls: round(self.prior_mean(cls), 4) for cls in sorted(k for k in self._pools if k is not None)
+            },
         }
 
 

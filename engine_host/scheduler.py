@@ -408,6 +408,16 @@ class _SpecPilotHook:
         return max(0, min(int(k), self._k_engine))
 
     # -- vLLM scheduler overrides ---------------------------------------------
+    def add_request(self, request: Any) -> None:  # type: ignore[override]
+        super().add_request(request)  # type: ignore[misc]
+        if self._k_engine > 0:
+            # the per-request gate pools a new request's prior over its own class: sampled
+            # requests (temperature > 0, vLLM's greedy threshold 1e-5) accept n-gram drafts
+            # far less often than greedy ones (engine_host.request_gate)
+            sp = getattr(request, "sampling_params", None)
+            temperature = getattr(sp, "temperature", 0.0) or 0.0
+            self._gate.set_class(request.request_id, "sampled" if temperature >= 1e-5 else "greedy")
+
     def has_requests(self) -> bool:  # type: ignore[override]
         # Also called while the engine idles and is woken by a utility call, so a
         # config published while idle is acknowledged without waiting for traffic. With

@@ -151,6 +151,7 @@ EXPECTED_SHAPE: dict[str, Any] = {
     "scheduler_init_sets": ["dynamic_sd_lookup", "max_num_running_reqs", "max_num_scheduled_tokens", "num_spec_tokens"],
     "schedule_indexes_dynamic_sd_lookup": True,
     "scheduler_methods": [
+        "add_request",
         "has_requests",
         "make_spec_decoding_stats",
         "schedule",

@@ -386,3 +386,16 @@ def test_the_state_read_while_idle_counts_steps_of_requests_that_were_aborted(tm
         assert state["running"] == 0
         hook.has_requests()  # idle again, nothing new: no publish
         assert channel.read_state()["published_at"] == state["published_at"]
+
+
+def test_the_hook_names_each_new_request_greedy_or_sampled_for_the_gate(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from bench import hook_cost
+
+    monkeypatch.setattr(hook_cost._SchedulerStandIn, "add_request", lambda self, request: None, raising=False)
+    with _standin("adaptive", 1, tmp_path) as hook:
+        for rid, temperature in (("chat", 0.7), ("code", 0.0), ("near-zero", 1e-6)):
+            hook.add_request(SimpleNamespace(request_id=rid, sampling_params=SimpleNamespace(temperature=temperature)))
+        hook.add_request(SimpleNamespace(request_id="pooling", sampling_params=None))
+        assert hook._gate._class == {"chat": "sampled", "code": "greedy", "near-zero": "greedy", "pooling": "greedy"}

@@ -88,6 +88,10 @@ def test_live_page_line_says_how_many_requests_drafted():
     )
     line = live_views.per_request_line(st)
     assert "2 of 5" in line and "3 at 0%-20%" in line and "2 at 80%-100%" in line
+    st.per_request = dict(
+        st.per_request, prior_acceptance=0.3, prior_acceptance_by_class={"sampled": 0.04, "greedy": 0.62}
+    )
+    assert "a new request starts at 62% (greedy), 4% (sampled)" in live_views.per_request_line(st)
     st.per_request = {"enabled": False}
     assert "off" in live_views.per_request_line(st)
     st.k_max_engine = 0
@@ -463,3 +467,28 @@ def test_quiet_steps_are_folded_in_a_few_at_a_time_in_order_and_before_a_publish
         assert len(seen) == n + 2 and hook._quiet == []
     finally:
         channel.close()
+
+
+def test_a_new_request_starts_at_the_acceptance_of_its_own_class():
+    """Interleaved traffic (sampled chat between greedy requests that quote): with classes
+    named, a new sampled request starts at what sampled requests were accepted at and a new
+    greedy one at the greedy requests' rate; without them both start at the mix."""
+    g, mixed = RequestDraftGate(), RequestDraftGate()
+    for i in range(6):
+        for gate in (g, mixed):
+            gate.set_class(f"chat-{i}", "sampled")
+            gate.set_class(f"docs-{i}", "greedy")
+        for gate, (chat, docs) in ((g, (f"chat-{i}", f"docs-{i}")), (mixed, (f"c{i}", f"d{i}"))):
+            _feed(gate, chat, 0.0, steps=10)
+            _feed(gate, docs, 0.8, steps=10, k=5)
+    g.set_class("new-chat", "sampled")
+    g.set_class("new-docs", "greedy")
+    assert g.acceptance("new-chat") < 0.05 < 0.4 < mixed.acceptance("new-chat")
+    assert g.depth("new-chat", 0.0375, 8) == 0 < mixed.depth("new-chat", 0.0375, 8)
+    assert g.acceptance("new-docs") > mixed.acceptance("new-docs") > 0.4
+    by_class = g.summary()["prior_acceptance_by_class"]
+    assert by_class["sampled"] < 0.05 and by_class["greedy"] > 0.6
+    assert abs(g.summary()["prior_acceptance"] - mixed.summary()["prior_acceptance"]) < 1e-9
+    g.set_class("other", "sampled")
+    g.forget(live_ids={"new-docs"})
+    assert g.acceptance("other") == pytest.approx(g.prior_mean())  # its class went with it

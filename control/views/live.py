@@ -25,7 +25,7 @@ def per_request_line(status: HostStatus) -> str | None:
     """One line on draft length per request: how many running requests had their drafts
     verified in the last step, how per-request acceptance is spread (requests per
     acceptance bin), and where a new request's estimate starts (the traffic's pooled
-    acceptance). None when the engine does not report it (no speculation, older engine)."""
+    acceptance, per request class where the engine reports classes). None when the engine does not report it (no speculation, older engine)."""
     pr = status.per_request or {}
     if not pr or not status.k_max_engine:
         return None
@@ -40,6 +40,9 @@ def per_request_line(status: HostStatus) -> str | None:
     )
     prior = pr.get("prior_acceptance")
     start = f" · a new request starts at {prior:.0%}" if isinstance(prior, (int, float)) else ""
+    by_class = {c: v for c, v in (pr.get("prior_acceptance_by_class") or {}).items() if isinstance(v, (int, float))}
+    if start and by_class:
+        start = " · a new request starts at " + ", ".join(f"{v:.0%} ({c})" for c, v in sorted(by_class.items()))
     return (
         f"Draft length per request: {pr.get('requests_verified', 0)} of {pr.get('requests_with_drafts', 0)} "
         f"requests with drafts verified them in the last step · per-request acceptance: {spread or 'no data yet'}"
