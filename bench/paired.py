@@ -1,12 +1,12 @@
 """Engines compared burst by burst on the same prompts: a paired A/B whose pairs are
 seconds apart, for hosts whose speed moves between cells.
 
-On the offline GPU hosts the same engine measured a minute apart moved by -11 % to +27 %,
-and two identical engine hosts differed by up to 25 % in one pair of 5 s cells
-(docs/gpu.md): a cell-by-cell comparison resolves nothing below about 10 %. The host's
-levels hold for seconds, longer than one request at 1 client. So this benchmark sends the
-*same* burst of prompts to every arm back to back (one request per client, ``c`` clients
-at once), rotates which arm goes first every round, and compares the arms round by round.
+Where a host's speed moves from minute to minute (the offline GPU hosts of docs/gpu.md),
+cells of one engine taken after another's mix the engines' difference with the host's
+drift. This benchmark sends the *same* burst of prompts to every arm back to back (one
+request per client, ``c`` clients at once), rotates which arm goes first every round, and
+compares the arms round by round, so the drift falls on every arm alike; two arms on one
+server measure what the method resolves.
 
 An arm is one running server, given as ``NAME=URL[,mode=MODE][,token-env=VAR]``: an engine
 host (``mode`` is set once through ``PUT /control/config`` before the first burst, with the
@@ -27,7 +27,7 @@ Example (plain vLLM on :8100, the engine host on :8000)::
         --arm k0=http://127.0.0.1:8000,mode=fixed:0 --arm adaptive=http://127.0.0.1:8001,mode=adaptive \\
         --workloads chat,docs --clients 1,8 --rounds 40 --time-budget 500 --out bench/results/paired
 
-    python -m bench paired --report bench/results/paired/paired.json      # the table again
+    python -m bench paired --report bench/results/paired/paired.json      # the table again (.json.xz too)
 
 Results: ``--out/paired.json`` (rewritten after every round) and a Markdown table on stdout.
 """
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import lzma
 import os
 import statistics
 import sys
@@ -241,6 +242,22 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def load_result(path: Path) -> dict[str, Any]:
+    """A ``paired.json`` written by this benchmark, plain or ``xz``-compressed (``.xz``).
+
+    Raises:
+        ValueError: the file cannot be read or is not such a result (the message says which).
+    """
+    try:
+        raw = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
+        res = json.loads(raw)
+    except (OSError, lzma.LZMAError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(res, dict) or not {"baseline", "arms", "cells", "bursts"} <= set(res):
+        raise ValueError(f"{path} is not a result of python -m bench paired")
+    return res
+
+
 class _Client:
     """One arm's HTTP and control clients, served model and state reads."""
 
@@ -357,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=0.0, help="stop before a round that would pass this many s")
     p.add_argument("--request-timeout", type=float, default=300.0, help="per request, s (default 300)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>-paired)")
-    p.add_argument("--report", type=Path, help="print the table of an earlier paired.json and exit")
+    p.add_argument("--report", type=Path, help="print the table of an earlier paired.json (or .json.xz) and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -367,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.report:
-            print(render(json.loads(args.report.read_text())))
+            print(render(load_result(args.report)))
             return 0
         arms = [parse_arm(a) for a in args.arm]
         if len(arms) < 2:
@@ -380,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
         for w in args.workloads:
             if w not in WORKLOADS:
                 raise ValueError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
-        args.clients = [int(c) for c in args.clients.split(",")]
+        try:
+            args.clients = [int(c) for c in args.clients.split(",")]
+        except ValueError:
+            raise ValueError(f"--clients takes whole numbers separated by commas, got {args.clients!r}") from None
         if any(c < 1 for c in args.clients) or args.rounds < 1 or args.warm_rounds < 0 or args.max_tokens < 1:
             raise ValueError("--clients, --rounds and --max-tokens must be >= 1, --warm-rounds >= 0")
         args.out = args.out or Path("bench/results") / f"{time.strftime('%Y%m%d-%H%M%S')}-paired"

@@ -114,3 +114,25 @@ def test_paired_run_on_the_engine_host_reads_steps_and_tokens(engine_host, resto
     firsts = [next(b["arm"] for b in res["bursts"] if b["round"] == r) for r in (0, 1)]
     assert firsts == ["k0", "same"]
     assert "| chat@c1 | `same` | 2 |" in proc.stdout
+
+
+def test_the_report_reads_plain_and_xz_results_and_refuses_other_files(tmp_path, capsys):
+    import lzma
+
+    from bench.paired import main
+
+    res = {
+        "baseline": "plain",
+        "arms": ["plain", "k0"],
+        "cells": ["chat@c1"],
+        "bursts": [
+            {"round": 0, "cell": "chat@c1", "arm": "plain", **_b(100, 1.0)},
+            {"round": 0, "cell": "chat@c1", "arm": "k0", **_b(100, 0.8)},
+        ],
+    }
+    (tmp_path / "r.json.xz").write_bytes(lzma.compress(json.dumps(res).encode()))
+    assert main(["--report", str(tmp_path / "r.json.xz")]) == 0
+    assert "| chat@c1 | `k0` | 1 | 125.0 | 1.250 |" in capsys.readouterr().out
+    (tmp_path / "notes.json").write_text('{"rows": []}')
+    assert main(["--report", str(tmp_path / "notes.json")]) == 2
+    assert "is not a result of python -m bench paired" in capsys.readouterr().err
