@@ -269,10 +269,13 @@ class _Client:
         self.is_host = False
 
     async def setup(self) -> None:
-        self.model = await self.control.served_model()
-        self.is_host = bool(await self.control.state())
-        if self.arm.mode is not None:
-            await self.control.apply_mode(self.arm.mode)
+        try:
+            self.model = await self.control.served_model()
+            self.is_host = bool(await self.control.state())
+            if self.arm.mode is not None:
+                await self.control.apply_mode(self.arm.mode)
+        except BenchError as exc:
+            raise BenchError(f"arm {self.arm.name!r} (token from ${self.arm.token_env}): {exc}") from None
 
     async def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
         state = await self.control.state() if self.is_host else {}

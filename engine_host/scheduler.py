@@ -410,10 +410,11 @@ class _SpecPilotHook:
     # -- vLLM scheduler overrides ---------------------------------------------
     def add_request(self, request: Any) -> None:  # type: ignore[override]
         super().add_request(request)  # type: ignore[misc]
-        if self._k_engine > 0:
+        if self._gate_on:
             # the per-request gate pools a new request's prior over its own class: sampled
             # requests (temperature > 0, vLLM's greedy threshold 1e-5) accept n-gram drafts
-            # far less often than greedy ones (engine_host.request_gate)
+            # far less often than greedy ones (engine_host.request_gate). Only while the gate
+            # is on: at a static K the lean path never reaches the gate's forget.
             sp = getattr(request, "sampling_params", None)
             temperature = getattr(sp, "temperature", 0.0) or 0.0
             self._gate.set_class(request.request_id, "sampled" if temperature >= 1e-5 else "greedy")

@@ -399,3 +399,6 @@ def test_the_hook_names_each_new_request_greedy_or_sampled_for_the_gate(tmp_path
             hook.add_request(SimpleNamespace(request_id=rid, sampling_params=SimpleNamespace(temperature=temperature)))
         hook.add_request(SimpleNamespace(request_id="pooling", sampling_params=None))
         assert hook._gate._class == {"chat": "sampled", "code": "greedy", "near-zero": "greedy", "pooling": "greedy"}
+    with _standin("fixed:0", 1, tmp_path / "k0") as hook:  # gate off: nothing kept (the lean path never forgets)
+        hook.add_request(SimpleNamespace(request_id="chat", sampling_params=SimpleNamespace(temperature=0.7)))
+        assert hook._gate._class == {}
