@@ -186,7 +186,9 @@ def summarize(res: dict[str, Any]) -> list[dict[str, Any]]:
                 "ci95": list(ci) if ci else None,
                 "per_round": [statistics.median(per), min(per), max(per)] if per else None,
                 "faster": sum(1 for x in per if x > 1.0),
-                "ttft_ms": statistics.median([x["ttft_ms"] for x in a if x["ttft_ms"] is not None] or [0.0]),
+                "ttft_ms": statistics.median(ttfts)
+                if (ttfts := [x["ttft_ms"] for x in a if x["ttft_ms"] is not None])
+                else None,
             }
             engine = [x for x in a if x.get("steps_at_k") is not None]
             if engine:

@@ -42,6 +42,16 @@ def _b(tokens: int, wall: float) -> dict:
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "ttft_ms": 10.0}
 
 
+def _result(*bursts: dict) -> dict:
+    """A paired result of arms ``plain`` (baseline) and ``k0`` in one cell, chat@c1."""
+    return {
+        "baseline": "plain",
+        "arms": ["plain", "k0"],
+        "cells": ["chat@c1"],
+        "bursts": [{"cell": "chat@c1", **b} for b in bursts],
+    }
+
+
 def test_the_pooled_ratio_weights_rounds_by_their_time():
     arm = [_b(100, 1.0), _b(100, 3.0)]  # 200 tokens in 4 s
     base = [_b(100, 2.0), _b(100, 2.0)]  # 200 tokens in 4 s
@@ -69,16 +79,11 @@ def test_the_interval_holds_the_ratio_and_narrows_with_more_rounds():
 
 
 def test_the_summary_compares_each_arm_over_rounds_both_completed():
-    res = {
-        "baseline": "plain",
-        "arms": ["plain", "k0"],
-        "cells": ["chat@c1"],
-        "bursts": [
-            {"round": 0, "cell": "chat@c1", "arm": "plain", **_b(100, 1.0)},
-            {"round": 0, "cell": "chat@c1", "arm": "k0", **_b(100, 0.5), "steps_at_k": [90, 0, 10]},
-            {"round": 1, "cell": "chat@c1", "arm": "plain", **_b(100, 1.0)},  # k0 never ran round 1
-        ],
-    }
+    res = _result(
+        {"round": 0, "arm": "plain", **_b(100, 1.0)},
+        {"round": 0, "arm": "k0", **_b(100, 0.5), "steps_at_k": [90, 0, 10]},
+        {"round": 1, "arm": "plain", **_b(100, 1.0)},  # k0 never ran round 1
+    )
     rows = {r["arm"]: r for r in summarize(res)}
     assert rows["k0"]["rounds"] == 1 and rows["k0"]["x_base"] == pytest.approx(2.0)
     assert rows["k0"]["faster"] == 1 and rows["k0"]["steps"] == 100 and rows["k0"]["steps_k_gt0"] == 10
@@ -121,15 +126,7 @@ def test_the_report_reads_plain_and_xz_results_and_refuses_other_files(tmp_path,
 
     from bench.paired import main
 
-    res = {
-        "baseline": "plain",
-        "arms": ["plain", "k0"],
-        "cells": ["chat@c1"],
-        "bursts": [
-            {"round": 0, "cell": "chat@c1", "arm": "plain", **_b(100, 1.0)},
-            {"round": 0, "cell": "chat@c1", "arm": "k0", **_b(100, 0.8)},
-        ],
-    }
+    res = _result({"round": 0, "arm": "plain", **_b(100, 1.0)}, {"round": 0, "arm": "k0", **_b(100, 0.8)})
     (tmp_path / "r.json.xz").write_bytes(lzma.compress(json.dumps(res).encode()))
     assert main(["--report", str(tmp_path / "r.json.xz")]) == 0
     assert "| chat@c1 | `k0` | 1 | 125.0 | 1.250 |" in capsys.readouterr().out
