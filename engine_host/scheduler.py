@@ -103,6 +103,11 @@ class _SpecPilotHook:
     # estimate drafts (``_per_request_k``): one verification at shallow depth says whether it
     # has started to accept, at a fraction of a deep draft's verification
     PROBE_DEPTH = 2
+    # under async scheduling a probe of every running request at once (``_any_request_wants_
+    # drafts``) after which still no request's drafts pay doubles the steps at K = 0 before
+    # the next, up to PROBE_BACKOFF times ``probe_every``: in traffic that never accepts
+    # (sampled chat), a probe step at K > 0 is paid about every 4 * 16 steps instead of 16
+    PROBE_BACKOFF = 4
     # the gate's step-time inputs (``_gate_costs``) are recomputed every GATE_COST_EVERY steps
     # at one (batch size, K): they come from the step-time model, which moves over tens of
     # steps, while pricing them is most of the hook's per-step work at batch 1 under the
@@ -185,6 +190,10 @@ class _SpecPilotHook:
         self._k_decided = 0  # K chosen for the step being scheduled
         self._gate_cost_memo: dict[tuple[int, int], tuple[float, float, int]] = {}
         self._steps_planned_out = 0  # steps in a row the gate ran at K = 0 (async probes)
+        self._probe_interval = self._gate.probe_every  # steps at K = 0 before the next async probe
+        self._batch_k_memo = (0, -(1 << 62))  # (_batch_k's K, step index it was computed at)
+        self._lean_newest: Any = None  # the newest running request when the rest span began
+        self._probe_newest: Any = None  # the newest running request at the last async probe count
         self._gate_forget_at = 0  # step index from which the gate forgets finished requests
         self._k_drafted = 0  # K of the drafts verified in the step being scheduled
         self._k_first_use_step: int | None = None
@@ -284,6 +293,7 @@ class _SpecPilotHook:
         if not self._gate_on:
             self._gate.begin_step()  # the per-step counts say nothing while the gate is off
         self._gate.probe_every = cfg.speculation.adaptive.probe_every
+        self._probe_interval = self._gate.probe_every
         self._config_error = None
         self._cap_seqs = cfg.batch.max_num_seqs or self._startup_max_seqs
         self._cap_tokens = cfg.batch.max_num_batched_tokens or self._startup_max_tokens
@@ -314,21 +324,28 @@ class _SpecPilotHook:
     def _rest_span(self) -> int:
         """Steps the lean path may schedule from now (0: none): the controller's
         :meth:`~engine_host.controller.SpeculationController.rest_steps`, at most
-        ``LEAN_SPAN`` for a policy that decides K (unbounded at a static K = 0) and, with the
-        gate on and one request running, ending before the gate's next all-request probe
-        (``_any_request_wants_drafts``)."""
+        ``LEAN_SPAN`` for a policy that decides K (unbounded at a static K = 0). With the gate
+        on and one request running, the span ends before the gate's next all-request probe
+        (``_any_request_wants_drafts``), and it is taken also while the policy's own K is
+        above 0: the gate held this step at K = 0 because the request's drafts do not pay,
+        and until its next probe it holds every step there, so asking the policy meanwhile
+        only costs the hook's time (the policy counts the steps, ``Policy.skip``)."""
         self._lean_probe_count = False
         span = self.controller.rest_steps()
-        if span >= 1 << 62 or span <= 0:
+        if span >= 1 << 62:
             return span
-        span = min(span, self.LEAN_SPAN)
-        self._lean_probe_count = self._gate_on and len(self.running) == 1  # type: ignore[attr-defined]
-        if self._lean_probe_count:
-            span = min(span, self._gate.probe_every - self._steps_planned_out - 1)
+        lone = self._gate_on and len(self.running) == 1  # type: ignore[attr-defined]
+        if not lone:
+            return max(min(span, self.LEAN_SPAN), 0)
+        self._lean_probe_count = True
+        to_probe = self._probe_interval - self._steps_planned_out - 1
+        span = to_probe if span <= 0 else min(span, to_probe)
         return max(span, 0)
 
     def _enter_lean(self, span: int) -> None:
         self._lean = True
+        running = self.running  # type: ignore[attr-defined]
+        self._lean_newest = running[-1] if running else None
         self._lean_left = span
         self._resting = span < 1 << 62  # a span of a policy that decides K (not a static K = 0)
         self._lean_outputs = 0
@@ -375,7 +392,9 @@ class _SpecPilotHook:
         else:
             k = k_policy = self.controller.k_for_batch(batch_size)
             if self._gate_on:
-                k = self._per_request_k(k_policy)
+                if batch_size > 1 and not self.GATE_DRAFTS:
+                    k = max(k, self._batch_k(batch_size))
+                k = self._per_request_k(k)
                 if k > 0 and not self._any_request_wants_drafts(k):
                     k = 0
                 if k != k_policy:  # count the step, and report K, as scheduled
@@ -441,7 +460,12 @@ class _SpecPilotHook:
         t = time.perf_counter()
         if self._lean:
             view = self._config_seq_view
-            if (view is None or view[0] == self._config_seq) and self._lean_left > 0:  # (None: no channel)
+            if (
+                (view is None or view[0] == self._config_seq)
+                and self._lean_left > 0
+                # a lone request's span: a request that joined is decided at its first step
+                and (not self._lean_probe_count or (self.running and self.running[-1] is self._lean_newest))  # type: ignore[attr-defined]
+            ):  # (view None: no channel)
                 self._lean_left -= 1
                 if not self._caps_steady:  # a cap below the start-up limits, followed down
                     self._apply_caps()
@@ -453,7 +477,7 @@ class _SpecPilotHook:
                 self._overhead_s += d
                 self._overhead_cpu_s += d
                 return super().schedule(*args, **kwargs)  # type: ignore[misc]
-            if self._lean_left <= 0:  # the rest span is over: this step decides K again
+            if self._resting:  # the rest span is over (or a request joined): this step decides K again
                 self._leave_lean()
         c = time.thread_time()
         self._t_sched = t
@@ -532,6 +556,50 @@ class _SpecPilotHook:
             return min(self.PROBE_DEPTH, hi)
         return max(k, own)
 
+    def _batch_k(self, batch_size: int) -> int:
+        """Under async scheduling, the step's K (tokens) that the running requests' own
+        acceptance estimates make best for the whole batch, 0 when none beats plain decoding
+        by the policy's margin: every request drafts at the step's K there, so the goodput law
+        (Leviathan et al., arXiv 2211.17192: a k-token draft at per-token acceptance ``a``
+        yields ``sum_{j<=k} a^j`` tokens) is applied to the batch,
+        ``G(K) = (B + sum_i r_i * sum_{j<=K} a_i^j) / T(B, K)``, with ``a_i`` and ``r_i``
+        each request's acceptance and draft rate (``RequestDraftGate``, a new request at its
+        class's prior) and ``T`` the step-time model's curve. The controller's own estimates
+        are pooled over the traffic and learn at K = 0 only from its explorations, so after
+        chat a batch of requests that quote would wait for them; the requests' estimates
+        (verified drafts, class priors) know at once. Recomputed every ``GATE_COST_EVERY``
+        steps."""
+        k_memo, at = self._batch_k_memo
+        if self._step_index - at < self.GATE_COST_EVERY:
+            return k_memo
+        hi = int(getattr(self.controller.policy, "k_hi", self._k_engine))
+        if hi <= 0:
+            return 0
+        gate = self._gate
+        gain = [0.0] * (hi + 1)  # gain[j]: sum over requests of r_i * a_i^j
+        rate = 0.0
+        for req in self.running:  # type: ignore[attr-defined]
+            rid = req.request_id
+            a = gate.acceptance(rid)
+            p = r = gate.draft_rate(rid)
+            rate += r
+            for j in range(1, hi + 1):
+                p *= a
+                gain[j] += p
+        b = float(batch_size)
+        per_request = rate / b
+        times = self.controller.step_time.predict_curve(batch_size, [per_request * j for j in range(hi + 1)])
+        margin = float(getattr(self._config.speculation.adaptive, "margin", 0.0))
+        best, best_g = 0, b / times[0] * (1.0 + margin)
+        tokens = b
+        for j in range(1, hi + 1):
+            tokens += gain[j]
+            g = tokens / times[j]
+            if g > best_g:
+                best, best_g = j, g
+        self._batch_k_memo = (best, self._step_index)
+        return best
+
     def _any_request_wants_drafts(self, k: int) -> bool:
         """False when the per-request gate is on and no running request's drafts would pay
         at depth ``k`` (nor is due for a probe): the next step then runs at K = 0
@@ -540,7 +608,10 @@ class _SpecPilotHook:
         Where drafts cannot be dropped per request (``GATE_DRAFTS`` False: async
         scheduling), a request's probe would make every request of the step draft, so the
         probes are taken together: after ``probe_every`` steps in a row at K = 0 one step
-        runs at depth ``k`` for all."""
+        runs at depth ``k`` for all. A probe after which still no request's drafts pay
+        doubles the steps to the next, up to ``PROBE_BACKOFF`` times ``probe_every``; a
+        request whose drafts pay (a probe's result or a new request's prior), or a request
+        that joined since, brings them back to ``probe_every``."""
         if not self._gate_on:
             return True
         running = self.running  # type: ignore[attr-defined]
@@ -552,10 +623,18 @@ class _SpecPilotHook:
         for req in running:  # every request is planned, so each one's probe count advances
             wants = self._gate.plan(req.request_id, k, cost, step_cost, probe=per_request_probes) or wants
         if not per_request_probes:
-            self._steps_planned_out = 0 if wants else self._steps_planned_out + 1
-            if self._steps_planned_out >= self._gate.probe_every:
+            newest = running[-1]
+            if wants or newest is not self._probe_newest:  # (a new request has not been probed)
+                self._probe_newest = newest
+                self._probe_interval = self._gate.probe_every
+            if wants:
                 self._steps_planned_out = 0
-                wants = True
+            else:
+                self._steps_planned_out += 1
+                if self._steps_planned_out >= self._probe_interval:
+                    self._steps_planned_out = 0
+                    self._probe_interval = min(2 * self._probe_interval, self.PROBE_BACKOFF * self._gate.probe_every)
+                    wants = True
         return wants
 
     def _gate_drafts(self) -> None:

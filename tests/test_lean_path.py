@@ -402,3 +402,40 @@ def test_the_hook_names_each_new_request_greedy_or_sampled_for_the_gate(tmp_path
     with _standin("fixed:0", 1, tmp_path / "k0") as hook:  # gate off: nothing kept (the lean path never forgets)
         hook.add_request(SimpleNamespace(request_id="chat", sampling_params=SimpleNamespace(temperature=0.7)))
         assert hook._gate._class == {}
+
+
+def test_a_lone_request_whose_drafts_do_not_pay_rests_even_where_the_policy_holds_k_above_zero(tmp_path, monkeypatch):
+    """Mixed traffic at 1 client: after requests that quote, the policy's own K (pooled over
+    the traffic) stays above 0 while a chat request runs, and the gate holds every one of
+    that request's steps at K = 0 but its probes. The hook rests on the lean path between
+    those probes instead of asking the policy every step, and about as many steps run at
+    K > 0 as with the lean path off. A request that joins the lone one ends the rest at once."""
+    import types
+
+    runs = {}
+    for name, lean in (("rest", "1"), ("full", "0")):
+        monkeypatch.setenv("SPECPILOT_K0_LEAN", lean)
+        with _standin("adaptive", 1, tmp_path / name, async_scheduling=True) as hook:
+            monkeypatch.setattr(hook.controller.policy, "k_for_batch", lambda b: 4)
+            monkeypatch.setattr(hook.controller.policy, "rest_steps", lambda: 0)
+            lean_steps, ks = 0, []
+            for _ in range(600):
+                lean_steps += hook._lean
+                ks.extend(_run(hook, 1, async_order=True))
+            hook._publish(time.monotonic())
+            assert sum(hook.controller.steps_at_k) == hook._step_index  # every step counted
+            runs[name] = (ks, lean_steps)
+            if name == "rest":
+                assert hook._lean
+                joined = types.SimpleNamespace(request_id="joined", spec_token_ids=[], num_output_tokens=1)
+                hook.running.append(joined)
+                hook.requests["joined"] = joined
+                _run(hook, 1, start=600, async_order=True)
+                assert not hook._lean  # decided afresh at the joined request's first step
+    (ks_rest, lean_rest), (ks_full, lean_full) = runs["rest"], runs["full"]
+    assert lean_full == 0 and lean_rest > 0.8 * len(ks_rest)
+    # the same steps at K > 0, give or take a decision the step-time model's drift moves
+    # within a rest (as for the policy's own rests above), and probes backed off
+    spec_rest, spec_full = sum(k > 0 for k in ks_rest), sum(k > 0 for k in ks_full)
+    assert abs(spec_rest - spec_full) <= 3
+    assert 0 < spec_rest <= 3 + 600 // 64 + 6

@@ -6,6 +6,7 @@ import pytest
 
 from control.views import common
 from control.views import live as live_views
+from engine_host.config import LiveConfig
 from engine_host.request_gate import RequestDraftGate, draft_token_cost
 
 COST = draft_token_cost(t_plain_s=0.020, t_spec_s=0.026, k=4)  # 6 ms for 4 tokens -> 0.075 per token
@@ -182,6 +183,10 @@ def _hook(
     h._overhead_s = 0.0
     h._overhead_cpu_s = 0.0
     h._steps_planned_out = 0
+    h._probe_interval = probe_every
+    h._probe_newest = None
+    h._batch_k_memo = (0, -(1 << 62))
+    h._config = LiveConfig()
     h._gate_cost_memo = {}
     h.running = [_req(r) for r in request_ids]
     return h
@@ -234,7 +239,9 @@ def test_under_async_scheduling_the_gate_sets_the_step_k_and_probes_every_reques
         seq += [h._decide_k(2) for _ in range(10)]
         ks[gate_drafts] = seq
     assert ks[True] == [0, 0, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8]  # each request's own probe
-    assert ks[False] == [0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0, 8]  # one probe step for both
+    # one probe step for both (counted afresh from chat-2's join), and the next one after
+    # twice as many steps, since that probe's result still paid for nobody
+    assert ks[False] == [0, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0, 8]
     h = hook(False)
     h.running.append(_req("copy"))
     _feed(h._gate, "copy", 0.9, k=8)
@@ -492,3 +499,55 @@ def test_a_new_request_starts_at_the_acceptance_of_its_own_class():
     g.set_class("other", "sampled")
     g.forget(live_ids={"new-docs"})
     assert g.acceptance("other") == pytest.approx(g.prior_mean())  # its class went with it
+
+
+def test_async_probes_back_off_while_they_find_nothing_and_a_request_that_joins_resets_them():
+    """Under async scheduling the all-request probe after which still nothing pays doubles
+    the steps at K = 0 before the next, up to ``PROBE_BACKOFF`` times probe_every; a request
+    that joins is probed after probe_every steps again, and one whose drafts pay drafts at
+    once and brings the interval back."""
+    h = _hook(_step_time(), 8, 4, ["chat-1"], gate_drafts=False)
+    _feed(h._gate, "chat-1", 0.0, k=8)
+    ks = [h._decide_k(1) for _ in range(60)]
+    probes = [i for i, k in enumerate(ks) if k]
+    assert probes == [3, 11, 27, 43, 59]  # after 4, 8, 16 and then 16 (= 4 x 4) steps at K = 0
+    h.running = [_req("chat-2")]
+    _feed(h._gate, "chat-2", 0.0, k=8)
+    ks = [h._decide_k(1) for _ in range(8)]
+    assert [i for i, k in enumerate(ks) if k] == [3]  # the new request: after probe_every again
+    h.running = [_req("copy")]
+    _feed(h._gate, "copy", 0.9, k=8)
+    assert [h._decide_k(1) for _ in range(3)] == [8, 8, 8]
+    assert h._probe_interval == 4
+
+
+def test_under_async_scheduling_a_batch_drafts_when_its_requests_own_estimates_pay():
+    """At batch > 1 under async scheduling the step's K is the deeper of the controller's
+    and the one the requests' own estimates make best for the batch (``_batch_k``): after
+    chat the controller sits at K = 0, and a batch of requests that quote is drafted from
+    their estimates; a batch of chat requests is not."""
+    h = _hook(_step_time(), 0, 16, ["copy-1", "copy-2", "copy-3"], gate_drafts=False)
+    for rid in ("copy-1", "copy-2", "copy-3"):
+        _feed(h._gate, rid, 0.9, k=8)
+    assert h._batch_k(3) == 8
+    assert h._decide_k(3) == 8
+    h = _hook(_step_time(), 0, 16, ["chat-1", "chat-2", "chat-3"], gate_drafts=False)
+    for rid in ("chat-1", "chat-2", "chat-3"):
+        _feed(h._gate, rid, 0.0, k=8)
+    assert h._batch_k(3) == 0
+    assert [h._decide_k(3) for _ in range(5)] == [0] * 5
+    # one request of three that quotes: its gain alone does not pay for the whole batch's
+    # slower step at every depth; the batch's best K is below the lone request's
+    h = _hook(_step_time(), 0, 16, ["copy", "chat-1", "chat-2"], gate_drafts=False)
+    _feed(h._gate, "copy", 0.9, k=8)
+    for rid in ("chat-1", "chat-2"):
+        _feed(h._gate, rid, 0.0, k=8)
+    k_mixed = h._batch_k(3)
+    h1 = _hook(_step_time(), 0, 16, ["copy"], gate_drafts=False)
+    _feed(h1._gate, "copy", 0.9, k=8)
+    assert k_mixed <= h1._per_request_k(0)
+    # with synchronous scheduling drafts are dropped request by request: the batch K is not used
+    h = _hook(_step_time(), 0, 16, ["copy-1", "copy-2"], gate_drafts=True)
+    for rid in ("copy-1", "copy-2"):
+        _feed(h._gate, rid, 0.9, k=8)
+    assert h._decide_k(2) == 0
