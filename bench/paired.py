@@ -13,6 +13,13 @@ host (``mode`` is set once through ``PUT /control/config`` before the first burs
 bearer token read from ``$VAR``, default ``$SPECPILOT_CONTROL_TOKEN``) or a bare vLLM server
 (no ``mode``). The first arm is the baseline unless ``--baseline`` names another.
 
+``--per-client N`` makes a burst ``c`` closed-loop clients that send N requests each, the
+next as soon as the previous one ends. With N = 1 (the default) a burst of ``c`` > 1 lasts as
+long as its slowest request: an engine that speeds up most requests but not that one gains
+almost nothing, and one that slows only that one loses it all (at 8 clients of mixed traffic,
+the sampled chat request sets the burst's end). With N > 1 a request that ends early frees its
+client for the next, as under a user's load, and the ramp-down is one request in N.
+
 Per burst: output tokens over the time from sending the burst to its last token (tokens/s;
 with ``c`` > 1 this includes the burst's ramp-down, the same for every arm since every arm
 gets the same prompts), the median TTFT (ms) and, for engine hosts, the engine steps by K
@@ -26,6 +33,8 @@ Example (plain vLLM on :8100, the engine host on :8000)::
     python -m bench paired --arm plain=http://127.0.0.1:8100 \\
         --arm k0=http://127.0.0.1:8000,mode=fixed:0 --arm adaptive=http://127.0.0.1:8001,mode=adaptive \\
         --workloads chat,docs --clients 1,8 --rounds 40 --time-budget 500 --out bench/results/paired
+
+    python -m bench paired ... --workloads mixed --clients 8 --per-client 4   # closed-loop clients
 
     python -m bench paired --report bench/results/paired/paired.json      # the table again (.json.xz too)
 
@@ -209,8 +218,10 @@ def render(res: dict[str, Any]) -> str:
     def f(v: Any, fmt: str = "{:.3f}") -> str:
         return "-" if v is None else fmt.format(v)
 
+    n = int(res.get("per_client", 1) or 1)
+    burst = "Bursts of `c` requests" if n == 1 else f"Bursts of `c` closed-loop clients, {n} requests each"
     lines = [
-        f"Baseline: `{res['baseline']}`. Bursts of `c` requests (the same prompts for every arm), arms "
+        f"Baseline: `{res['baseline']}`. {burst} (the same prompts for every arm), arms "
         "rotated each round; x base = pooled tokens/s over the baseline's in the same rounds, with a 95 % "
         "bootstrap interval over rounds.",
         "",
@@ -288,13 +299,26 @@ class _Client:
         await self.control.aclose()
 
 
-async def _burst(client: _Client, prompts: list[Prompt], max_tokens: int) -> dict[str, Any]:
+async def _burst(client: _Client, prompts: list[Prompt], max_tokens: int, clients: int | None = None) -> dict[str, Any]:
+    """One burst on one arm: ``clients`` clients (default: one per prompt) each send their
+    share of ``prompts`` (client i: prompts i, i + clients, ...) one after another, the next as
+    soon as the previous one ends (a closed loop); returns :func:`burst_figures` and, from an
+    engine host, the steps by K and the hook's time over the burst.
+
+    Raises:
+        BenchError: a request failed.
+    """
     state0, count0 = await client.snapshot()
     t0 = time.perf_counter()
     recs = [RequestRecord(index=i, workload=p.workload, source=p.source, sent_s=0.0) for i, p in enumerate(prompts)]
-    await asyncio.gather(
-        *(stream_request(client.http, p, client.model, max_tokens, r, t0) for p, r in zip(prompts, recs))
-    )
+    n = clients or len(prompts)
+
+    async def closed_loop(i: int) -> None:
+        for j in range(i, len(prompts), n):
+            recs[j].sent_s = time.perf_counter() - t0
+            await stream_request(client.http, prompts[j], client.model, max_tokens, recs[j], t0)
+
+    await asyncio.gather(*(closed_loop(i) for i in range(n)))
     out = burst_figures(recs)
     state1, count1 = await client.snapshot()
     if out["errors"]:
@@ -322,6 +346,7 @@ async def run(args: argparse.Namespace, arms: list[Arm]) -> dict[str, Any]:
         "arm_specs": [a.__dict__ for a in arms],
         "cells": [f"{w}@c{c}" for w, c in cells],
         "max_tokens": args.max_tokens,
+        "per_client": args.per_client,
         "bursts": [],
     }
     out = args.out / "paired.json"
@@ -340,9 +365,9 @@ async def run(args: argparse.Namespace, arms: list[Arm]) -> dict[str, Any]:
                 break
             t_round = time.monotonic()
             for (w, c), label in zip(cells, res["cells"]):
-                prompts = [streams[(w, c)].next_prompt() for _ in range(c)]
+                prompts = [streams[(w, c)].next_prompt() for _ in range(c * args.per_client)]
                 for name in arm_order(names, r):
-                    b = await _burst(clients[name], prompts, args.max_tokens)
+                    b = await _burst(clients[name], prompts, args.max_tokens, c)
                     if r >= args.warm_rounds:
                         res["bursts"].append({"round": r - args.warm_rounds, "cell": label, "arm": name, **b})
             took = time.monotonic() - t_round
@@ -373,6 +398,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", default="chat", help=f"comma-separated, from {', '.join(WORKLOADS)} (default chat)")
     p.add_argument("--clients", default="1", help="comma-separated burst sizes: requests sent at once (default 1)")
     p.add_argument("--rounds", type=int, default=30, help="measured rounds (default 30)")
+    p.add_argument(
+        "--per-client",
+        type=int,
+        default=1,
+        metavar="N",
+        help="requests each client sends per burst, one after another (a closed loop; default 1: "
+        "the burst ends with its slowest request)",
+    )
     p.add_argument("--warm-rounds", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument("--max-tokens", type=int, default=128, help="output cap per request, tokens (default 128)")
     p.add_argument("--seed", type=int, default=0, help="prompt order and chat sampling seeds (default 0)")
@@ -406,8 +439,14 @@ def main(argv: list[str] | None = None) -> int:
             args.clients = [int(c) for c in args.clients.split(",")]
         except ValueError:
             raise ValueError(f"--clients takes whole numbers separated by commas, got {args.clients!r}") from None
-        if any(c < 1 for c in args.clients) or args.rounds < 1 or args.warm_rounds < 0 or args.max_tokens < 1:
-            raise ValueError("--clients, --rounds and --max-tokens must be >= 1, --warm-rounds >= 0")
+        if (
+            any(c < 1 for c in args.clients)
+            or args.rounds < 1
+            or args.warm_rounds < 0
+            or args.max_tokens < 1
+            or args.per_client < 1
+        ):
+            raise ValueError("--clients, --per-client, --rounds and --max-tokens must be >= 1, --warm-rounds >= 0")
         args.out = args.out or Path("bench/results") / f"{time.strftime('%Y%m%d-%H%M%S')}-paired"
         res = asyncio.run(run(args, arms))
     except (ValueError, BenchError) as exc:

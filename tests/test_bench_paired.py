@@ -121,6 +121,24 @@ def test_paired_run_on_the_engine_host_reads_steps_and_tokens(engine_host, resto
     assert "| chat@c1 | `same` | 2 |" in proc.stdout
 
 
+@pytest.mark.engine
+def test_closed_loop_clients_send_their_requests_one_after_another(engine_host, restore_config, tmp_path):
+    """``--per-client 3`` on the engine host: a burst of 2 clients holds 6 requests."""
+    env = dict(os.environ, BENCH_TEST_TOKEN=engine_host.token)
+    cmd = [sys.executable, "-m", "bench", "paired",
+           "--arm", f"a={engine_host.url},token-env=BENCH_TEST_TOKEN",
+           "--arm", f"b={engine_host.url},token-env=BENCH_TEST_TOKEN",
+           "--workloads", "chat", "--clients", "2", "--per-client", "3", "--rounds", "1", "--warm-rounds", "0",
+           "--max-tokens", "4", "--out", str(tmp_path), "--quiet"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "paired.json").read_text())
+    assert res["per_client"] == 3 and len(res["bursts"]) == 2
+    for b in res["bursts"]:
+        assert 6 <= b["tokens"] <= 6 * 4 and b["errors"] == 0
+    assert "closed-loop clients, 3 requests each" in proc.stdout
+
+
 def test_the_report_reads_plain_and_xz_results_and_refuses_other_files(tmp_path, capsys):
     import lzma
 
@@ -133,3 +151,39 @@ def test_the_report_reads_plain_and_xz_results_and_refuses_other_files(tmp_path,
     (tmp_path / "notes.json").write_text('{"rows": []}')
     assert main(["--report", str(tmp_path / "notes.json")]) == 2
     assert "is not a result of python -m bench paired" in capsys.readouterr().err
+
+
+def test_a_closed_loop_client_sends_its_next_request_when_the_previous_one_ends(monkeypatch):
+    """``_burst`` with 2 clients and 6 prompts: never more than 2 requests at once, each
+    client's requests in its own order (prompts 0, 2, 4 and 1, 3, 5), all 6 sent."""
+    import asyncio
+    import types
+
+    from bench import paired
+
+    live, peak, order = [0], [0], []
+
+    async def fake_stream(http, prompt, model, max_tokens, rec, t0):
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        order.append(rec.index)
+        await asyncio.sleep(0.01 * (1 + rec.index % 2))
+        live[0] -= 1
+        rec.output_tokens = 2
+        rec.done_s = 0.1
+
+    async def snapshot():
+        return {}, {"draft_tokens": 0, "accepted_tokens": 0}
+
+    monkeypatch.setattr(paired, "stream_request", fake_stream)
+    client = types.SimpleNamespace(
+        snapshot=snapshot, http=None, model="m", is_host=False, arm=types.SimpleNamespace(name="a")
+    )
+    prompts = [types.SimpleNamespace(workload="chat", source="s") for _ in range(6)]
+    out = asyncio.run(paired._burst(client, prompts, 8, 2))
+    assert peak[0] == 2 and sorted(order) == list(range(6))
+    assert [i for i in order if i % 2 == 0] == [0, 2, 4] and [i for i in order if i % 2] == [1, 3, 5]
+    assert out["tokens"] == 12
+    order.clear()
+    asyncio.run(paired._burst(client, prompts, 8))  # default: one client per prompt
+    assert peak[0] == 6
