@@ -213,9 +213,7 @@ def measure(
             import pstats
 
             prof.disable()
-            pstats.Stats(prof, stream=sys.stdout).sort_stats(
-                os.environ.get("SPECPILOT_PROFILE_SORT", "tottime")
-            ).print_stats(int(os.environ.get("SPECPILOT_PROFILE_ROWS", "12")))
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(12)
         channel.close()
         hook._flush_lean()  # steps the lean path has not handed to the controller yet
         ks = hook.controller.steps_at_k
