@@ -392,7 +392,7 @@ class _SpecPilotHook:
         else:
             k = k_policy = self.controller.k_for_batch(batch_size)
             if self._gate_on:
-                if batch_size > 1 and not self.GATE_DRAFTS:
+                if batch_size > 1:
                     k = max(k, self._batch_k(batch_size))
                 k = self._per_request_k(k)
                 if k > 0 and not self._any_request_wants_drafts(k):
@@ -557,18 +557,21 @@ class _SpecPilotHook:
         return max(k, own)
 
     def _batch_k(self, batch_size: int) -> int:
-        """Under async scheduling, the step's K (tokens) that the running requests' own
-        acceptance estimates make best for the whole batch, 0 when none beats plain decoding
-        by the policy's margin: every request drafts at the step's K there, so the goodput law
-        (Leviathan et al., arXiv 2211.17192: a k-token draft at per-token acceptance ``a``
-        yields ``sum_{j<=k} a^j`` tokens) is applied to the batch,
-        ``G(K) = (B + sum_i r_i * sum_{j<=K} a_i^j) / T(B, K)``, with ``a_i`` and ``r_i``
-        each request's acceptance and draft rate (``RequestDraftGate``, a new request at its
-        class's prior) and ``T`` the step-time model's curve. The controller's own estimates
-        are pooled over the traffic and learn at K = 0 only from its explorations, so after
-        chat a batch of requests that quote would wait for them; the requests' estimates
-        (verified drafts, class priors) know at once. Recomputed every ``GATE_COST_EVERY``
-        steps."""
+        """The step's K (tokens) that the running requests' own acceptance estimates make best
+        for the whole batch, 0 when none beats plain decoding by the policy's margin. The
+        goodput law (Leviathan et al., arXiv 2211.17192: a k-token draft at per-token
+        acceptance ``a`` yields ``x(k) = sum_{j<=k} a^j`` tokens) is applied to the batch,
+        ``G(K) = (B + sum_i r_i x_i(K)) / T(B, K)``, with ``a_i`` and ``r_i`` each request's
+        acceptance and draft rate (``RequestDraftGate``, a new request at its class's prior)
+        and ``T`` the step-time model's prediction for the draft tokens verified. Under async
+        scheduling every request verifies the step's K; where the gate drops drafts request
+        by request (synchronous scheduling) only the requests whose drafts pay at K
+        (``RequestDraftGate.pays``) are counted, in the gain and in ``T``.
+
+        The controller's own estimates are pooled over the traffic and learn at K = 0 only
+        from its explorations, so after chat a batch with requests that quote would wait for
+        them; the requests' estimates (verified drafts, class priors) know at once.
+        Recomputed every ``GATE_COST_EVERY`` steps."""
         k_memo, at = self._batch_k_memo
         if self._step_index - at < self.GATE_COST_EVERY:
             return k_memo
@@ -576,25 +579,33 @@ class _SpecPilotHook:
         if hi <= 0:
             return 0
         gate = self._gate
-        gain = [0.0] * (hi + 1)  # gain[j]: sum over requests of r_i * a_i^j
-        rate = 0.0
+        gains = []  # per request: (r, [x(0), x(1), ..., x(hi)])
         for req in self.running:  # type: ignore[attr-defined]
             rid = req.request_id
             a = gate.acceptance(rid)
-            p = r = gate.draft_rate(rid)
-            rate += r
-            for j in range(1, hi + 1):
+            x, p, xs = 0.0, 1.0, [0.0]
+            for _ in range(hi):
                 p *= a
-                gain[j] += p
+                x += p
+                xs.append(x)
+            gains.append((gate.draft_rate(rid), xs))
         b = float(batch_size)
-        per_request = rate / b
-        times = self.controller.step_time.predict_curve(batch_size, [per_request * j for j in range(hi + 1)])
+        tm = self.controller.step_time
+        t_plain = tm.predict(batch_size, 0)
+        t_floor = t_plain * (1.0 + tm.spec_floor_ratio())
         margin = float(getattr(self._config.speculation.adaptive, "margin", 0.0))
-        best, best_g = 0, b / times[0] * (1.0 + margin)
-        tokens = b
+        drop = self.GATE_DRAFTS
+        best, best_g = 0, b / t_plain * (1.0 + margin)
         for j in range(1, hi + 1):
-            tokens += gain[j]
-            g = tokens / times[j]
+            bar = (1.0 + gate.margin) * j * self._gate_costs(batch_size, j)[0] if drop else -1.0
+            gain = drafting = 0.0
+            for r, xs in gains:
+                if xs[j] >= bar:
+                    gain += r * xs[j]
+                    drafting += r
+            if gain <= 0.0:
+                continue
+            g = (b + gain) / max(tm.predict_tokens(batch_size, b + drafting * j, j), t_floor)
             if g > best_g:
                 best, best_g = j, g
         self._batch_k_memo = (best, self._step_index)

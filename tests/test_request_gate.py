@@ -267,7 +267,8 @@ def test_at_batch_1_a_request_runs_at_its_own_depth_when_the_controller_says_les
     """After chat the controller's per-position estimates say K = 0, where nothing is
     learned; a new request alone in the batch is drafted at its own depth (the prior's
     first, then what its drafts show), a request whose drafts are rejected stays at K = 0,
-    and with two requests the step's K is the controller's (the gate may only lower it)."""
+    and with two requests the step's K is the one the batch's own estimates make best
+    (``_batch_k``: the docs request's drafts pay, the chat request's are dropped)."""
     hook = _hook(_step_time(idle_step_cost=True), 0, 16, ["docs"])
     k_new = hook._decide_k(1)
     assert 1 <= k_new < 8  # judged at the prior (0.5)
@@ -277,7 +278,7 @@ def test_at_batch_1_a_request_runs_at_its_own_depth_when_the_controller_says_les
     _feed(hook._gate, "chat", 0.0, k=8)
     assert [hook._decide_k(1) for _ in range(3)] == [0, 0, 0]
     hook.running = [_req("docs"), _req("chat")]
-    assert hook._decide_k(2) == 0  # several requests: the controller's K
+    assert hook._decide_k(2) == 8  # several requests: the batch's K from their estimates
     hook._gate_on = False
     hook.running = hook.running[:1]
     assert hook._decide_k(1) == 0
@@ -521,33 +522,34 @@ def test_async_probes_back_off_while_they_find_nothing_and_a_request_that_joins_
     assert h._probe_interval == 4
 
 
-def test_under_async_scheduling_a_batch_drafts_when_its_requests_own_estimates_pay():
-    """At batch > 1 under async scheduling the step's K is the deeper of the controller's
-    and the one the requests' own estimates make best for the batch (``_batch_k``): after
-    chat the controller sits at K = 0, and a batch of requests that quote is drafted from
-    their estimates; a batch of chat requests is not."""
-    h = _hook(_step_time(), 0, 16, ["copy-1", "copy-2", "copy-3"], gate_drafts=False)
+@pytest.mark.parametrize("gate_drafts", [False, True])
+def test_a_batch_drafts_when_its_requests_own_estimates_pay(gate_drafts):
+    """At batch > 1 the step's K is the deeper of the controller's and the one the requests'
+    own estimates make best for the batch (``_batch_k``): after chat the controller sits at
+    K = 0, and a batch of requests that quote is drafted from their estimates; a batch of
+    chat requests is not. Under async scheduling (``gate_drafts`` False) every request
+    verifies the step's K, so one request that quotes among chat requests gets a shallower
+    K than alone; where drafts are dropped request by request the chat requests cost nothing
+    and it gets the K it would get alone."""
+    h = _hook(_step_time(), 0, 16, ["copy-1", "copy-2", "copy-3"], gate_drafts=gate_drafts)
     for rid in ("copy-1", "copy-2", "copy-3"):
         _feed(h._gate, rid, 0.9, k=8)
     assert h._batch_k(3) == 8
     assert h._decide_k(3) == 8
-    h = _hook(_step_time(), 0, 16, ["chat-1", "chat-2", "chat-3"], gate_drafts=False)
+    h = _hook(_step_time(), 0, 16, ["chat-1", "chat-2", "chat-3"], gate_drafts=gate_drafts)
     for rid in ("chat-1", "chat-2", "chat-3"):
         _feed(h._gate, rid, 0.0, k=8)
     assert h._batch_k(3) == 0
     assert [h._decide_k(3) for _ in range(5)] == [0] * 5
-    # one request of three that quotes: its gain alone does not pay for the whole batch's
-    # slower step at every depth; the batch's best K is below the lone request's
-    h = _hook(_step_time(), 0, 16, ["copy", "chat-1", "chat-2"], gate_drafts=False)
+    h = _hook(_step_time(), 0, 16, ["copy", "chat-1", "chat-2", "chat-3", "chat-4"], gate_drafts=gate_drafts)
     _feed(h._gate, "copy", 0.9, k=8)
-    for rid in ("chat-1", "chat-2"):
+    for rid in ("chat-1", "chat-2", "chat-3", "chat-4"):
         _feed(h._gate, rid, 0.0, k=8)
-    k_mixed = h._batch_k(3)
-    h1 = _hook(_step_time(), 0, 16, ["copy"], gate_drafts=False)
-    _feed(h1._gate, "copy", 0.9, k=8)
-    assert k_mixed <= h1._per_request_k(0)
-    # with synchronous scheduling drafts are dropped request by request: the batch K is not used
-    h = _hook(_step_time(), 0, 16, ["copy-1", "copy-2"], gate_drafts=True)
-    for rid in ("copy-1", "copy-2"):
-        _feed(h._gate, rid, 0.9, k=8)
-    assert h._decide_k(2) == 0
+    k_mixed = h._batch_k(5)
+    h1 = _hook(_step_time(), 0, 16, ["copy", "other"], gate_drafts=gate_drafts)
+    for rid in ("copy", "other"):
+        _feed(h1._gate, rid, 0.9, k=8)
+    k_alone = h1._batch_k(2)
+    assert 0 < k_mixed <= k_alone
+    if gate_drafts:
+        assert k_mixed == k_alone
