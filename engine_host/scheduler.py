@@ -105,8 +105,9 @@ class _SpecPilotHook:
     PROBE_DEPTH = 2
     # under async scheduling a probe of every running request at once (``_any_request_wants_
     # drafts``) after which still no request's drafts pay doubles the steps at K = 0 before
-    # the next, up to PROBE_BACKOFF times ``probe_every``: in traffic that never accepts
-    # (sampled chat), a probe step at K > 0 is paid about every 4 * 16 steps instead of 16
+    # the next, up to PROBE_BACKOFF times ``probe_every``: in traffic whose probes accept
+    # nothing (sampled chat), a probe step at K > 0 is paid about every 4 * 16 steps instead
+    # of 16; an accepted draft token starts the wait from ``probe_every`` again
     PROBE_BACKOFF = 4
     # the gate's step-time inputs (``_gate_costs``) are recomputed every GATE_COST_EVERY steps
     # at one (batch size, K): they come from the step-time model, which moves over tens of
@@ -552,8 +553,8 @@ class _SpecPilotHook:
         if len(running) != 1 or k >= hi:
             return k
         own = self._gate.depth(running[0].request_id, self._gate_costs(1, hi)[0], hi)
-        if own == 0 and k == 0:
-            return min(self.PROBE_DEPTH, hi)
+        if own == 0:  # a probe, if any, at PROBE_DEPTH at least (an exploration's K = 1 shows little)
+            return max(k, min(self.PROBE_DEPTH, hi))
         return max(k, own)
 
     def _batch_k(self, batch_size: int) -> int:
@@ -621,8 +622,8 @@ class _SpecPilotHook:
         probes are taken together: after ``probe_every`` steps in a row at K = 0 one step
         runs at depth ``k`` for all. A probe after which still no request's drafts pay
         doubles the steps to the next, up to ``PROBE_BACKOFF`` times ``probe_every``; a
-        request whose drafts pay (a probe's result or a new request's prior), or a request
-        that joined since, brings them back to ``probe_every``."""
+        request whose drafts pay (a probe's result or a new request's prior), an accepted
+        draft token, or a request that joined since brings them back to ``probe_every``."""
         if not self._gate_on:
             return True
         running = self.running  # type: ignore[attr-defined]
@@ -677,6 +678,8 @@ class _SpecPilotHook:
             req_id = kwargs.get("request_id")
             if req_id is not None:
                 self._gate.observe(req_id, num_draft_tokens, num_accepted_tokens)
+            if num_accepted_tokens:  # drafts accepted: the async probes' wait starts again from probe_every
+                self._probe_interval = self._gate.probe_every
             self._drafted += num_draft_tokens
             self._accepted += num_accepted_tokens
             hist = self._hist

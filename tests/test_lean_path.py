@@ -3,17 +3,39 @@
 While the policy holds K at 0 and learns nothing from steps (fixed at 0, off), a step only
 checks the config's sequence number, keeps the step clock and counts itself; every
 ``LEAN_SAMPLE``-th output is still observed. These tests drive the real hook on the stand-in
-scheduler of ``python -m bench hook-cost``."""
+scheduler of ``python -m bench hook-cost``.
+
+The stand-in schedules in microseconds, so the step-time model would learn from the wall
+clock's jitter, and on a machine whose cores are busy the hook's decisions (and these tests)
+would vary from run to run. The hook reads a clock that advances 0.1 ms per reading instead:
+a step that runs more of the hook's code takes longer, the same in every run."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
+import types
 
 import pytest
 
+import engine_host.scheduler as scheduler_module
 from bench.hook_cost import standin_hook
 from engine_host.config import LiveConfig
+
+
+@pytest.fixture(autouse=True)
+def _steady_clock(monkeypatch):
+    """The scheduler hook's clocks (wall, thread CPU, monotonic) as one counter that advances
+    0.1 ms per reading."""
+    ticks = itertools.count()
+
+    def now() -> float:
+        return 1000.0 + next(ticks) * 1e-4
+
+    monkeypatch.setattr(
+        scheduler_module, "time", types.SimpleNamespace(perf_counter=now, thread_time=now, monotonic=now, time=now)
+    )
 
 
 @contextlib.contextmanager
@@ -439,3 +461,17 @@ def test_a_lone_request_whose_drafts_do_not_pay_rests_even_where_the_policy_hold
     spec_rest, spec_full = sum(k > 0 for k in ks_rest), sum(k > 0 for k in ks_full)
     assert abs(spec_rest - spec_full) <= 3
     assert 0 < spec_rest <= 3 + 600 // 64 + 6
+
+
+def test_an_accepted_draft_token_starts_the_async_probes_wait_again(tmp_path):
+    """Under async scheduling probes that accept nothing back off to 4 x probe_every steps;
+    a verification with an accepted token brings the wait back to probe_every."""
+    with _standin("adaptive", 1, tmp_path, async_scheduling=True) as hook:
+        _run(hook, 400, async_order=True)  # nothing accepted
+        every = hook._gate.probe_every
+        assert hook._probe_interval == hook.PROBE_BACKOFF * every
+        rid = hook.running[0].request_id
+        hook.make_spec_decoding_stats(None, 2, 0, request_id=rid)
+        assert hook._probe_interval == hook.PROBE_BACKOFF * every  # rejected: still backed off
+        hook.make_spec_decoding_stats(None, 2, 1, request_id=rid)
+        assert hook._probe_interval == every
