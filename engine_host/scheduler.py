@@ -861,7 +861,13 @@ class _SpecPilotHook:
                 "max_num_running_reqs_now": int(self.max_num_running_reqs),
             },
             "controller": self.controller.snapshot(),
-            "per_request": dict(self._gate.summary(), enabled=self._gate_on),
+            "per_request": dict(
+                self._gate.summary(),
+                enabled=self._gate_on,
+                # async scheduling: steps at K = 0 between probes of every request now, and as configured
+                probe_interval_steps=None if self.GATE_DRAFTS else self._probe_interval,
+                probe_every_steps=self._gate.probe_every,
+            ),
             "overhead": {
                 "hook_seconds": round(self._overhead_s, 6),
                 "hook_cpu_seconds": round(self._overhead_cpu_s, 6),

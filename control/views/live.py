@@ -25,7 +25,10 @@ def per_request_line(status: HostStatus) -> str | None:
     """One line on draft length per request: how many running requests had their drafts
     verified in the last step, how per-request acceptance is spread (requests per
     acceptance bin), and where a new request's estimate starts (the traffic's pooled
-    acceptance, per request class where the engine reports classes). None when the engine does not report it (no speculation, older engine)."""
+    acceptance, per request class where the engine reports classes) and, under async
+    scheduling, how many steps pass between probes of every request now (more than configured
+    while probes find nothing that pays). None when the engine does not report it (no
+    speculation, older engine)."""
     pr = status.per_request or {}
     if not pr or not status.k_max_engine:
         return None
@@ -43,10 +46,16 @@ def per_request_line(status: HostStatus) -> str | None:
     by_class = {c: v for c, v in (pr.get("prior_acceptance_by_class") or {}).items() if isinstance(v, (int, float))}
     if start and by_class:
         start = " · a new request starts at " + ", ".join(f"{v:.0%} ({c})" for c, v in sorted(by_class.items()))
+    probes = ""
+    every, now = pr.get("probe_every_steps"), pr.get("probe_interval_steps")
+    if isinstance(now, int) and isinstance(every, int):
+        probes = f" · probes every {now} steps" + (
+            f" (backed off from {every}: the last probes found nothing that pays)" if now > every else ""
+        )
     return (
         f"Draft length per request: {pr.get('requests_verified', 0)} of {pr.get('requests_with_drafts', 0)} "
         f"requests with drafts verified them in the last step · per-request acceptance: {spread or 'no data yet'}"
-        f"{start}"
+        f"{start}{probes}"
     )
 
 
