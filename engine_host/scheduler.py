@@ -99,9 +99,10 @@ class _SpecPilotHook:
     # it stays off until checked on that path, and the gate sets only the step's K
     # (``_any_request_wants_drafts``).
     GATE_DRAFTS = True
-    # draft length (tokens) of a lone request's probe when neither the controller nor its own
-    # estimate drafts (``_per_request_k``): one verification at shallow depth says whether it
-    # has started to accept, at a fraction of a deep draft's verification
+    # least draft length (tokens) of a lone request's probe when its own estimate does not
+    # draft (``_per_request_k``; an exploration's K = 1 would show little): one verification at
+    # shallow depth says whether it has started to accept, at a fraction of a deep draft's
+    # verification
     PROBE_DEPTH = 2
     # under async scheduling a probe of every running request at once (``_any_request_wants_
     # drafts``) after which still no request's drafts pay doubles the steps at K = 0 before
@@ -540,12 +541,13 @@ class _SpecPilotHook:
         the request's own depth (``RequestDraftGate.depth``, up to the policy's upper
         bound). The controller's per-position estimates are the traffic's, so after chat a
         new docs request would otherwise run at chat's K = 0, where nothing is learned, until
-        the controller explores its way up; with several requests the step's K stays the
-        controller's. A request whose own depth is 0 where the controller's K is 0 is offered
-        ``PROBE_DEPTH`` drafts, which ``_any_request_wants_drafts`` turns into a probe every
-        ``probe_every`` steps and K = 0 otherwise: a new request starts at the traffic's
-        acceptance (``RequestDraftGate.prior_mean``), so a docs request after chat is found by
-        its probes. Unchanged when the gate is off."""
+        the controller explores its way up; with several requests the batch's own estimates
+        do this (``_batch_k``). A request whose own depth is 0 is offered the controller's K,
+        and at least ``PROBE_DEPTH`` drafts, which ``_any_request_wants_drafts`` turns into a
+        probe after ``probe_every`` steps (backed off while probes find nothing) and K = 0
+        otherwise: a new request starts at its class's acceptance
+        (``RequestDraftGate.prior_mean``), so a docs request after chat is found by its
+        probes. Unchanged when the gate is off."""
         if not self._gate_on:
             return k
         running = self.running  # type: ignore[attr-defined]
