@@ -394,7 +394,7 @@ class _SpecPilotHook:
         else:
             k = k_policy = self.controller.k_for_batch(batch_size)
             if self._gate_on:
-                if batch_size > 1:
+                if batch_size > 1 and not self.GATE_DRAFTS:  # (docs/benchmarks.md: not kept on the sync path)
                     k = max(k, self._batch_k(batch_size))
                 k = self._per_request_k(k)
                 if k > 0 and not self._any_request_wants_drafts(k):
@@ -541,8 +541,8 @@ class _SpecPilotHook:
         the request's own depth (``RequestDraftGate.depth``, up to the policy's upper
         bound). The controller's per-position estimates are the traffic's, so after chat a
         new docs request would otherwise run at chat's K = 0, where nothing is learned, until
-        the controller explores its way up; with several requests the batch's own estimates
-        do this (``_batch_k``). A request whose own depth is 0 is offered the controller's K,
+        the controller explores its way up; with several requests under async scheduling the
+        batch's own estimates do this (``_batch_k``). A request whose own depth is 0 is offered the controller's K,
         and at least ``PROBE_DEPTH`` drafts, which ``_any_request_wants_drafts`` turns into a
         probe after ``probe_every`` steps (backed off while probes find nothing) and K = 0
         otherwise: a new request starts at its class's acceptance
@@ -569,7 +569,9 @@ class _SpecPilotHook:
         and ``T`` the step-time model's prediction for the draft tokens verified. Under async
         scheduling every request verifies the step's K; where the gate drops drafts request
         by request (synchronous scheduling) only the requests whose drafts pay at K
-        (``RequestDraftGate.pays``) are counted, in the gain and in ``T``.
+        (``RequestDraftGate.pays``) are counted, in the gain and in ``T``. The hook uses it
+        under async scheduling only (``_decide_k``; the synchronous path was tried and not
+        kept: docs/benchmarks.md).
 
         The controller's own estimates are pooled over the traffic and learn at K = 0 only
         from its explorations, so after chat a batch with requests that quote would wait for

@@ -273,8 +273,8 @@ def test_at_batch_1_a_request_runs_at_its_own_depth_when_the_controller_says_les
     """After chat the controller's per-position estimates say K = 0, where nothing is
     learned; a new request alone in the batch is drafted at its own depth (the prior's
     first, then what its drafts show), a request whose drafts are rejected stays at K = 0,
-    and with two requests the step's K is the one the batch's own estimates make best
-    (``_batch_k``: the docs request's drafts pay, the chat request's are dropped)."""
+    and with two requests (synchronous scheduling) the step's K is the controller's (the
+    gate may only lower it; the batch's own K, ``_batch_k``, is used under async scheduling)."""
     hook = _hook(_step_time(idle_step_cost=True), 0, 16, ["docs"])
     k_new = hook._decide_k(1)
     assert 1 <= k_new < 8  # judged at the prior (0.5)
@@ -284,7 +284,7 @@ def test_at_batch_1_a_request_runs_at_its_own_depth_when_the_controller_says_les
     _feed(hook._gate, "chat", 0.0, k=8)
     assert [hook._decide_k(1) for _ in range(3)] == [0, 0, 0]
     hook.running = [_req("docs"), _req("chat")]
-    assert hook._decide_k(2) == 8  # several requests: the batch's K from their estimates
+    assert hook._decide_k(2) == 0  # several requests: the controller's K
     hook._gate_on = False
     hook.running = hook.running[:1]
     assert hook._decide_k(1) == 0
@@ -541,7 +541,8 @@ def test_a_batch_drafts_when_its_requests_own_estimates_pay(gate_drafts):
     for rid in ("copy-1", "copy-2", "copy-3"):
         _feed(h._gate, rid, 0.9, k=8)
     assert h._batch_k(3) == 8
-    assert h._decide_k(3) == 8
+    # the hook takes the batch's K under async scheduling only (sync: the controller's K)
+    assert h._decide_k(3) == (0 if gate_drafts else 8)
     h = _hook(_step_time(), 0, 16, ["chat-1", "chat-2", "chat-3"], gate_drafts=gate_drafts)
     for rid in ("chat-1", "chat-2", "chat-3"):
         _feed(h._gate, rid, 0.0, k=8)
