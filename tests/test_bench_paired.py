@@ -97,17 +97,25 @@ def test_bad_input_exits_2_with_the_reason(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.engine
-def test_paired_run_on_the_engine_host_reads_steps_and_tokens(engine_host, restore_config, tmp_path):
+def _paired_on_host(engine_host, tmp_path, arms: list[str], *args: str):
+    """``python -m bench paired`` against the engine host, one arm per ``NAME[,mode=MODE]`` in
+    ``arms`` (no warm-up round); returns the finished process and its ``paired.json``."""
     env = dict(os.environ, BENCH_TEST_TOKEN=engine_host.token)
-    cmd = [sys.executable, "-m", "bench", "paired",
-           "--arm", f"k0={engine_host.url},mode=fixed:0,token-env=BENCH_TEST_TOKEN",
-           "--arm", f"same={engine_host.url},token-env=BENCH_TEST_TOKEN",
-           "--workloads", "chat,code", "--clients", "1,2", "--rounds", "2", "--warm-rounds", "0",
-           "--max-tokens", "8", "--out", str(tmp_path), "--quiet"]  # fmt: skip
+    cmd = [sys.executable, "-m", "bench", "paired", "--warm-rounds", "0", "--out", str(tmp_path), "--quiet", *args]
+    for arm in arms:
+        name, _, rest = arm.partition(",")
+        extra = f",{rest}" if rest else ""
+        cmd += ["--arm", f"{name}={engine_host.url}{extra},token-env=BENCH_TEST_TOKEN"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads((tmp_path / "paired.json").read_text())
+    return proc, json.loads((tmp_path / "paired.json").read_text())
+
+
+@pytest.mark.engine
+def test_paired_run_on_the_engine_host_reads_steps_and_tokens(engine_host, restore_config, tmp_path):
+    proc, res = _paired_on_host(engine_host, tmp_path, ["k0,mode=fixed:0", "same"],
+                                "--workloads", "chat,code", "--clients", "1,2", "--rounds", "2",
+                                "--max-tokens", "8")  # fmt: skip
     assert len(res["bursts"]) == 2 * 4 * 2  # rounds x cells x arms
     for b in res["bursts"]:
         n = 2 if b["cell"].endswith("c2") else 1
@@ -124,15 +132,9 @@ def test_paired_run_on_the_engine_host_reads_steps_and_tokens(engine_host, resto
 @pytest.mark.engine
 def test_closed_loop_clients_send_their_requests_one_after_another(engine_host, restore_config, tmp_path):
     """``--per-client 3`` on the engine host: a burst of 2 clients holds 6 requests."""
-    env = dict(os.environ, BENCH_TEST_TOKEN=engine_host.token)
-    cmd = [sys.executable, "-m", "bench", "paired",
-           "--arm", f"a={engine_host.url},token-env=BENCH_TEST_TOKEN",
-           "--arm", f"b={engine_host.url},token-env=BENCH_TEST_TOKEN",
-           "--workloads", "chat", "--clients", "2", "--per-client", "3", "--rounds", "1", "--warm-rounds", "0",
-           "--max-tokens", "4", "--out", str(tmp_path), "--quiet"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads((tmp_path / "paired.json").read_text())
+    proc, res = _paired_on_host(engine_host, tmp_path, ["a", "b"],
+                                "--workloads", "chat", "--clients", "2", "--per-client", "3", "--rounds", "1",
+                                "--max-tokens", "4")  # fmt: skip
     assert res["per_client"] == 3 and len(res["bursts"]) == 2
     for b in res["bursts"]:
         assert 6 <= b["tokens"] <= 6 * 4 and b["errors"] == 0
