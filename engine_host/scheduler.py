@@ -566,12 +566,9 @@ class _SpecPilotHook:
         acceptance ``a`` yields ``x(k) = sum_{j<=k} a^j`` tokens) is applied to the batch,
         ``G(K) = (B + sum_i r_i x_i(K)) / T(B, K)``, with ``a_i`` and ``r_i`` each request's
         acceptance and draft rate (``RequestDraftGate``, a new request at its class's prior)
-        and ``T`` the step-time model's prediction for the draft tokens verified. Under async
-        scheduling every request verifies the step's K; where the gate drops drafts request
-        by request (synchronous scheduling) only the requests whose drafts pay at K
-        (``RequestDraftGate.pays``) are counted, in the gain and in ``T``. The hook uses it
-        under async scheduling only (``_decide_k``; the synchronous path was tried and not
-        kept: docs/benchmarks.md).
+        and ``T`` the step-time model's prediction for the draft tokens verified: under async
+        scheduling every request verifies the step's K. Used under async scheduling only
+        (``_decide_k``; the synchronous path was tried and not kept: docs/benchmarks.md).
 
         The controller's own estimates are pooled over the traffic and learn at K = 0 only
         from its explorations, so after chat a batch with requests that quote would wait for
@@ -599,15 +596,10 @@ class _SpecPilotHook:
         t_plain = tm.predict(batch_size, 0)
         t_floor = t_plain * (1.0 + tm.spec_floor_ratio())
         margin = float(getattr(self._config.speculation.adaptive, "margin", 0.0))
-        drop = self.GATE_DRAFTS
+        drafting = sum(r for r, _ in gains)  # expected requests with a draft
         best, best_g = 0, b / t_plain * (1.0 + margin)
         for j in range(1, hi + 1):
-            bar = (1.0 + gate.margin) * j * self._gate_costs(batch_size, j)[0] if drop else -1.0
-            gain = drafting = 0.0
-            for r, xs in gains:
-                if xs[j] >= bar:
-                    gain += r * xs[j]
-                    drafting += r
+            gain = sum(r * xs[j] for r, xs in gains)
             if gain <= 0.0:
                 continue
             g = (b + gain) / max(tm.predict_tokens(batch_size, b + drafting * j, j), t_floor)

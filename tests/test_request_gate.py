@@ -528,35 +528,33 @@ def test_async_probes_back_off_while_they_find_nothing_and_a_request_that_joins_
     assert h._probe_interval == 4
 
 
-@pytest.mark.parametrize("gate_drafts", [False, True])
-def test_a_batch_drafts_when_its_requests_own_estimates_pay(gate_drafts):
-    """At batch > 1 the step's K is the deeper of the controller's and the one the requests'
-    own estimates make best for the batch (``_batch_k``): after chat the controller sits at
-    K = 0, and a batch of requests that quote is drafted from their estimates; a batch of
-    chat requests is not. Under async scheduling (``gate_drafts`` False) every request
-    verifies the step's K, so one request that quotes among chat requests gets a shallower
-    K than alone; where drafts are dropped request by request the chat requests cost nothing
-    and it gets the K it would get alone."""
-    h = _hook(_step_time(), 0, 16, ["copy-1", "copy-2", "copy-3"], gate_drafts=gate_drafts)
+def test_under_async_scheduling_a_batch_drafts_when_its_requests_own_estimates_pay():
+    """At batch > 1 under async scheduling the step's K is the deeper of the controller's and
+    the one the requests' own estimates make best for the batch (``_batch_k``): after chat
+    the controller sits at K = 0, and a batch of requests that quote is drafted from their
+    estimates; a batch of chat requests is not, and one request that quotes among chat
+    requests gets a K no deeper than among others that quote (every request verifies it).
+    With synchronous scheduling the hook keeps the controller's K."""
+    h = _hook(_step_time(), 0, 16, ["copy-1", "copy-2", "copy-3"], gate_drafts=False)
     for rid in ("copy-1", "copy-2", "copy-3"):
         _feed(h._gate, rid, 0.9, k=8)
     assert h._batch_k(3) == 8
-    # the hook takes the batch's K under async scheduling only (sync: the controller's K)
-    assert h._decide_k(3) == (0 if gate_drafts else 8)
-    h = _hook(_step_time(), 0, 16, ["chat-1", "chat-2", "chat-3"], gate_drafts=gate_drafts)
+    assert h._decide_k(3) == 8
+    h = _hook(_step_time(), 0, 16, ["chat-1", "chat-2", "chat-3"], gate_drafts=False)
     for rid in ("chat-1", "chat-2", "chat-3"):
         _feed(h._gate, rid, 0.0, k=8)
     assert h._batch_k(3) == 0
     assert [h._decide_k(3) for _ in range(5)] == [0] * 5
-    h = _hook(_step_time(), 0, 16, ["copy", "chat-1", "chat-2", "chat-3", "chat-4"], gate_drafts=gate_drafts)
+    h = _hook(_step_time(), 0, 16, ["copy", "chat-1", "chat-2", "chat-3", "chat-4"], gate_drafts=False)
     _feed(h._gate, "copy", 0.9, k=8)
     for rid in ("chat-1", "chat-2", "chat-3", "chat-4"):
         _feed(h._gate, rid, 0.0, k=8)
     k_mixed = h._batch_k(5)
-    h1 = _hook(_step_time(), 0, 16, ["copy", "other"], gate_drafts=gate_drafts)
+    h1 = _hook(_step_time(), 0, 16, ["copy", "other"], gate_drafts=False)
     for rid in ("copy", "other"):
         _feed(h1._gate, rid, 0.9, k=8)
-    k_alone = h1._batch_k(2)
-    assert 0 < k_mixed <= k_alone
-    if gate_drafts:
-        assert k_mixed == k_alone
+    assert 0 < k_mixed <= h1._batch_k(2)
+    h = _hook(_step_time(), 0, 16, ["copy-1", "copy-2"], gate_drafts=True)
+    for rid in ("copy-1", "copy-2"):
+        _feed(h._gate, rid, 0.9, k=8)
+    assert h._decide_k(2) == 0  # synchronous scheduling: the controller's K
