@@ -37,6 +37,7 @@ Example (plain vLLM on :8100, the engine host on :8000)::
     python -m bench paired ... --workloads mixed --clients 8 --per-client 4   # closed-loop clients
 
     python -m bench paired --report bench/results/paired/paired.json      # the table again (.json.xz too)
+    python -m bench paired --report FILE --baseline k4                       # the same rounds against arm k4
 
 Results: ``--out/paired.json`` (rewritten after every round) and a Markdown table on stdout.
 """
@@ -394,7 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=URL[,mode=MODE][,token-env=VAR]",
         help="a server to compare (two or more); the first is the baseline unless --baseline",
     )
-    p.add_argument("--baseline", help="arm every ratio is taken against (default: the first --arm)")
+    p.add_argument(
+        "--baseline", help="arm every ratio is taken against (default: the first --arm; with --report: another arm of it)"
+    )
     p.add_argument("--workloads", default="chat", help=f"comma-separated, from {', '.join(WORKLOADS)} (default chat)")
     p.add_argument("--clients", default="1", help="comma-separated burst sizes: requests sent at once (default 1)")
     p.add_argument("--rounds", type=int, default=30, help="measured rounds (default 30)")
@@ -422,7 +425,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.report:
-            print(render(load_result(args.report)))
+            res = load_result(args.report)
+            if args.baseline:  # the same rounds read against another arm (e.g. the best static K)
+                if args.baseline not in res["arms"]:
+                    raise ValueError(f"--baseline {args.baseline!r} names no arm of {args.report} ({', '.join(res['arms'])})")
+                res["baseline"] = args.baseline
+            print(render(res))
             return 0
         arms = [parse_arm(a) for a in args.arm]
         if len(arms) < 2:

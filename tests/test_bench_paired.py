@@ -150,6 +150,11 @@ def test_the_report_reads_plain_and_xz_results_and_refuses_other_files(tmp_path,
     (tmp_path / "r.json.xz").write_bytes(lzma.compress(json.dumps(res).encode()))
     assert main(["--report", str(tmp_path / "r.json.xz")]) == 0
     assert "| chat@c1 | `k0` | 1 | 125.0 | 1.250 |" in capsys.readouterr().out
+    # the same rounds against another arm, and a name that is no arm refused
+    assert main(["--report", str(tmp_path / "r.json.xz"), "--baseline", "k0"]) == 0
+    assert "| chat@c1 | `plain` | 1 | 100.0 | 0.800 |" in capsys.readouterr().out
+    assert main(["--report", str(tmp_path / "r.json.xz"), "--baseline", "k4"]) == 2
+    assert "names no arm" in capsys.readouterr().err
     (tmp_path / "notes.json").write_text('{"rows": []}')
     assert main(["--report", str(tmp_path / "notes.json")]) == 2
     assert "is not a result of python -m bench paired" in capsys.readouterr().err
