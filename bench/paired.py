@@ -396,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="a server to compare (two or more); the first is the baseline unless --baseline",
     )
     p.add_argument(
-        "--baseline", help="arm every ratio is taken against (default: the first --arm; with --report: another arm of it)"
+        "--baseline",
+        help="arm every ratio is taken against (default: the first --arm; with --report: another arm of it)",
     )
     p.add_argument("--workloads", default="chat", help=f"comma-separated, from {', '.join(WORKLOADS)} (default chat)")
     p.add_argument("--clients", default="1", help="comma-separated burst sizes: requests sent at once (default 1)")
@@ -428,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
             res = load_result(args.report)
             if args.baseline:  # the same rounds read against another arm (e.g. the best static K)
                 if args.baseline not in res["arms"]:
-                    raise ValueError(f"--baseline {args.baseline!r} names no arm of {args.report} ({', '.join(res['arms'])})")
+                    raise ValueError(
+                        f"--baseline {args.baseline!r} names no arm of {args.report} ({', '.join(res['arms'])})"
+                    )
                 res["baseline"] = args.baseline
             print(render(res))
             return 0
