@@ -115,6 +115,7 @@ class _SpecPilotHook:
     # steps, while pricing them is most of the hook's per-step work at batch 1 under the
     # adaptive policy (python -m bench hook-cost)
     GATE_COST_EVERY = 8
+    _WANTS_STALE: tuple[int, Any, int, int, bool] = (-1, None, 0, -(1 << 62), False)
     # finished requests leave the gate at the first full-path step GATE_FORGET_EVERY steps
     # after the last time they did (lean steps skip the gate, so never a fixed step index)
     GATE_FORGET_EVERY = 256
@@ -194,6 +195,9 @@ class _SpecPilotHook:
         self._steps_planned_out = 0  # steps in a row the gate ran at K = 0 (async probes)
         self._probe_interval = self._gate.probe_every  # steps at K = 0 before the next async probe
         self._batch_k_memo = (0, -(1 << 62))  # (_batch_k's K, step index it was computed at)
+        # (K, newest running request, batch size, step index, answer) of the async
+        # _any_request_wants_drafts
+        self._wants_memo = self._WANTS_STALE
         self._lean_newest: Any = None  # the newest running request when the rest span began
         self._probe_newest: Any = None  # the newest running request at the last async probe count
         self._gate_forget_at = 0  # step index from which the gate forgets finished requests
@@ -619,30 +623,45 @@ class _SpecPilotHook:
         runs at depth ``k`` for all. A probe after which still no request's drafts pay
         doubles the steps to the next, up to ``PROBE_BACKOFF`` times ``probe_every``; a
         request whose drafts pay (a probe's result or a new request's prior), an accepted
-        draft token, or a request that joined since brings them back to ``probe_every``."""
+        draft token, or a request that joined since brings them back to ``probe_every``.
+        There the first request whose drafts pay answers, and the answer is kept for
+        ``GATE_COST_EVERY`` steps at the same K and batch until drafts are verified:
+        asking every request every step was most of the hook's work at batch 8."""
         if not self._gate_on:
             return True
         running = self.running  # type: ignore[attr-defined]
         if not running:
             return True
-        cost, step_cost = self._gate_costs(len(running), k)
-        wants = False
-        per_request_probes = self.GATE_DRAFTS
-        for req in running:  # every request is planned, so each one's probe count advances
-            wants = self._gate.plan(req.request_id, k, cost, step_cost, probe=per_request_probes) or wants
-        if not per_request_probes:
-            newest = running[-1]
-            if wants or newest is not self._probe_newest:  # (a new request has not been probed)
-                self._probe_newest = newest
-                self._probe_interval = self._gate.probe_every
-            if wants:
+        b = len(running)
+        if self.GATE_DRAFTS:
+            cost, step_cost = self._gate_costs(b, k)
+            wants = False
+            for req in running:  # every request is planned, so each one's probe count advances
+                wants = self._gate.plan(req.request_id, k, cost, step_cost) or wants
+            return wants
+        # async: no request keeps a probe count of its own, so the first request whose drafts
+        # pay decides, and the answer holds for GATE_COST_EVERY steps unless the batch or K
+        # changes or drafts are verified (make_spec_decoding_stats ends it)
+        newest = running[-1]
+        memo = self._wants_memo
+        if memo[0] == k and memo[1] is newest and memo[2] == b and self._step_index - memo[3] < self.GATE_COST_EVERY:
+            wants = memo[4]
+        else:
+            cost, step_cost = self._gate_costs(b, k)
+            plan = self._gate.plan
+            wants = any(plan(req.request_id, k, cost, step_cost, probe=False) for req in running)
+            self._wants_memo = (k, newest, b, self._step_index, wants)
+        if wants or newest is not self._probe_newest:  # (a new request has not been probed)
+            self._probe_newest = newest
+            self._probe_interval = self._gate.probe_every
+        if wants:
+            self._steps_planned_out = 0
+        else:
+            self._steps_planned_out += 1
+            if self._steps_planned_out >= self._probe_interval:
                 self._steps_planned_out = 0
-            else:
-                self._steps_planned_out += 1
-                if self._steps_planned_out >= self._probe_interval:
-                    self._steps_planned_out = 0
-                    self._probe_interval = min(2 * self._probe_interval, self.PROBE_BACKOFF * self._gate.probe_every)
-                    wants = True
+                self._probe_interval = min(2 * self._probe_interval, self.PROBE_BACKOFF * self._gate.probe_every)
+                wants = True
         return wants
 
     def _gate_drafts(self) -> None:
@@ -671,6 +690,7 @@ class _SpecPilotHook:
 
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens, *args, **kwargs):  # type: ignore[override]
         if num_draft_tokens:
+            self._wants_memo = self._WANTS_STALE  # drafts verified: whether drafts pay is asked again
             req_id = kwargs.get("request_id")
             if req_id is not None:
                 self._gate.observe(req_id, num_draft_tokens, num_accepted_tokens)

@@ -192,6 +192,7 @@ def _hook(
     h._probe_interval = probe_every
     h._probe_newest = None
     h._batch_k_memo = (0, -(1 << 62))
+    h._wants_memo = h._WANTS_STALE
     h._config = LiveConfig()
     h._gate_cost_memo = {}
     h.running = [_req(r) for r in request_ids]
@@ -558,3 +559,42 @@ def test_under_async_scheduling_a_batch_drafts_when_its_requests_own_estimates_p
     for rid in ("copy-1", "copy-2"):
         _feed(h._gate, rid, 0.9, k=8)
     assert h._decide_k(2) == 0  # synchronous scheduling: the controller's K
+
+
+def test_under_async_scheduling_whether_drafts_pay_is_kept_a_few_steps_and_asked_again_after_a_verification(
+    tmp_path,
+):
+    """Under async scheduling the first running request whose drafts pay answers whether the
+    step drafts, and the answer is kept for ``GATE_COST_EVERY`` steps at the same K and batch:
+    an estimate that changed is seen after that many steps, or at the next step once drafts
+    were verified (``make_spec_decoding_stats`` drops the kept answer)."""
+    from bench.hook_cost import standin_hook
+
+    def two_chat_requests():
+        h = _hook(_step_time(), 8, 1 << 20, ["chat-1", "chat-2"], gate_drafts=False)
+        for rid in ("chat-1", "chat-2"):
+            _feed(h._gate, rid, 0.0, k=8)
+        h._batch_k_memo = (0, 1 << 62)  # the batch's own K out of the way: the controller's K is asked about
+        assert h._decide_k(2) == 0
+        _feed(h._gate, "chat-2", 1.0, k=8)  # its drafts now pay
+        assert h._decide_k(2) == 0  # the kept answer
+        return h
+
+    h = two_chat_requests()
+    h._wants_memo = h._WANTS_STALE  # what a verification does (below)
+    assert h._decide_k(2) == 8
+    h = two_chat_requests()
+    for _ in range(h.GATE_COST_EVERY - 1):
+        h._step_index += 1
+        assert h._decide_k(2) == 0
+    h._step_index += 1
+    assert h._decide_k(2) == 8  # asked again after GATE_COST_EVERY steps
+    hook, channel = standin_hook("adaptive", 2, str(tmp_path), async_scheduling=True)
+    try:
+        kept = hook._wants_memo = (4, hook.running[-1], 2, hook._step_index, False)
+        hook.make_spec_decoding_stats(None, 0, 0, request_id=hook.running[0].request_id)
+        assert hook._wants_memo == kept  # nothing verified
+        hook.make_spec_decoding_stats(None, 4, 0, request_id=hook.running[0].request_id)
+        assert hook._wants_memo == hook._WANTS_STALE
+    finally:
+        channel.close()
