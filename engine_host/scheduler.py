@@ -625,8 +625,8 @@ class _SpecPilotHook:
         request whose drafts pay (a probe's result or a new request's prior), an accepted
         draft token, or a request that joined since brings them back to ``probe_every``.
         There the first request whose drafts pay answers, and the answer is kept for
-        ``GATE_COST_EVERY`` steps at the same K and batch until drafts are verified:
-        asking every request every step was most of the hook's work at batch 8."""
+        ``GATE_COST_EVERY`` steps at the same K and batch until drafts are verified, rather
+        than every request being asked at every step (docs/benchmarks.md)."""
         if not self._gate_on:
             return True
         running = self.running  # type: ignore[attr-defined]
