@@ -115,6 +115,8 @@ class _SpecPilotHook:
     # steps, while pricing them is most of the hook's per-step work at batch 1 under the
     # adaptive policy (python -m bench hook-cost)
     GATE_COST_EVERY = 8
+    # the async gate's kept answer when none is kept: (K, newest running request, batch
+    # size, step index, answer), see ``_any_request_wants_drafts``
     _WANTS_STALE: tuple[int, Any, int, int, bool] = (-1, None, 0, -(1 << 62), False)
     # finished requests leave the gate at the first full-path step GATE_FORGET_EVERY steps
     # after the last time they did (lean steps skip the gate, so never a fixed step index)
@@ -195,9 +197,7 @@ class _SpecPilotHook:
         self._steps_planned_out = 0  # steps in a row the gate ran at K = 0 (async probes)
         self._probe_interval = self._gate.probe_every  # steps at K = 0 before the next async probe
         self._batch_k_memo = (0, -(1 << 62))  # (_batch_k's K, step index it was computed at)
-        # (K, newest running request, batch size, step index, answer) of the async
-        # _any_request_wants_drafts
-        self._wants_memo = self._WANTS_STALE
+        self._wants_memo = self._WANTS_STALE  # the async _any_request_wants_drafts' kept answer
         self._lean_newest: Any = None  # the newest running request when the rest span began
         self._probe_newest: Any = None  # the newest running request at the last async probe count
         self._gate_forget_at = 0  # step index from which the gate forgets finished requests
@@ -546,10 +546,10 @@ class _SpecPilotHook:
         bound). The controller's per-position estimates are the traffic's, so after chat a
         new docs request would otherwise run at chat's K = 0, where nothing is learned, until
         the controller explores its way up; with several requests under async scheduling the
-        batch's own estimates do this (``_batch_k``). A request whose own depth is 0 is offered the controller's K,
-        and at least ``PROBE_DEPTH`` drafts, which ``_any_request_wants_drafts`` turns into a
-        probe after ``probe_every`` steps (backed off while probes find nothing) and K = 0
-        otherwise: a new request starts at its class's acceptance
+        batch's own estimates do this (``_batch_k``). A request whose own depth is 0 is
+        offered the controller's K, and at least ``PROBE_DEPTH`` drafts, which
+        ``_any_request_wants_drafts`` turns into a probe after ``probe_every`` steps (backed
+        off while probes find nothing) and K = 0 otherwise: a new request starts at its class's acceptance
         (``RequestDraftGate.prior_mean``), so a docs request after chat is found by its
         probes. Unchanged when the gate is off."""
         if not self._gate_on:
@@ -585,28 +585,25 @@ class _SpecPilotHook:
         if hi <= 0:
             return 0
         gate = self._gate
-        gains = []  # per request: (r, [x(0), x(1), ..., x(hi)])
+        gain = [0.0] * (hi + 1)  # gain[j]: sum over requests of r_i * a_i^j
+        rate = 0.0  # expected requests with a draft
         for req in self.running:  # type: ignore[attr-defined]
             rid = req.request_id
             a = gate.acceptance(rid)
-            x, p, xs = 0.0, 1.0, [0.0]
-            for _ in range(hi):
+            p = r = gate.draft_rate(rid)
+            rate += r
+            for j in range(1, hi + 1):
                 p *= a
-                x += p
-                xs.append(x)
-            gains.append((gate.draft_rate(rid), xs))
+                gain[j] += p
         b = float(batch_size)
-        tm = self.controller.step_time
-        t_plain = tm.predict(batch_size, 0)
-        t_floor = t_plain * (1.0 + tm.spec_floor_ratio())
+        # (every K > 0 at least what a speculative step costs: StepTimeModel.predict_curve)
+        times = self.controller.step_time.predict_curve(batch_size, [rate / b * j for j in range(hi + 1)])
         margin = float(getattr(self._config.speculation.adaptive, "margin", 0.0))
-        drafting = sum(r for r, _ in gains)  # expected requests with a draft
-        best, best_g = 0, b / t_plain * (1.0 + margin)
+        best, best_g = 0, b / times[0] * (1.0 + margin)
+        tokens = b  # b + sum_i r_i x_i(j)
         for j in range(1, hi + 1):
-            gain = sum(r * xs[j] for r, xs in gains)
-            if gain <= 0.0:
-                continue
-            g = (b + gain) / max(tm.predict_tokens(batch_size, b + drafting * j, j), t_floor)
+            tokens += gain[j]
+            g = tokens / times[j]
             if g > best_g:
                 best, best_g = j, g
         self._batch_k_memo = (best, self._step_index)
