@@ -444,7 +444,8 @@ class StepTimeModel:
         self.prior_steps = prior_steps
         self.spec_step_cost_ratio = spec_step_cost_ratio
         self.buckets: dict[int, list[float]] = {}  # bucket -> [correction, n]
-        # (bucket, K) -> [mean step time (s), n, last step, mean tokens x, mean P]
+        # (bucket, K) -> [mean step time (s), n, last step, mean tokens x, mean P,
+        #                 premium over a plain step of the same batch (ratio), its n]
         self.cells: dict[tuple[int, int], list[float]] = {}
         self.steps = 0
         self._s = [0.0] * 5  # n, sx, st, sxx, sxt
@@ -509,7 +510,9 @@ class StepTimeModel:
         if k is not None and (k_proposed is None or k_proposed == k):
             kc = self.cells.get((b, k))
             if kc is None or self.steps - kc[2] > self.fresh_steps:
-                kc = self.cells[(b, k)] = [step_time_s, 1.0, float(self.steps), x, p]
+                # a stale cell starts again from this step; its premium over K = 0 is kept
+                premium, n_premium = (kc[5], kc[6]) if kc is not None else (1.0, 0.0)
+                kc = self.cells[(b, k)] = [step_time_s, 1.0, float(self.steps), x, p, premium, n_premium]
             else:
                 a = max(self.alpha, 1.0 / (kc[1] + 1.0))
                 kc[0] += a * (step_time_s - kc[0])
@@ -517,6 +520,22 @@ class StepTimeModel:
                 kc[4] += a * (p - kc[4])
                 kc[1] += 1.0
                 kc[2] = float(self.steps)
+            c0 = self._plain_cell(b) if k > 0 else None
+            if c0 is not None:
+                # this step against a plain step of the same batch, measured now (correction())
+                t_plain = (t0 + t1 * batch_size) * c0[0] / max(t0 + t1 * c0[3] + td * c0[4], 1e-9)
+                sample = min(max(step_time_s / max(t_plain, 1e-9), self.PREMIUM_MIN), self.PREMIUM_MAX)
+                a = max(self.alpha, 1.0 / (kc[6] + 1.0))
+                kc[5] += a * (sample - kc[5])
+                kc[6] += 1.0
+
+    def _plain_cell(self, bucket: int) -> list[float] | None:
+        """K = 0's cell at this batch-size bucket when it holds at least ``cell_steps`` steps,
+        the last within ``fresh_steps`` steps (``T(B, 0)`` there is a measurement), else None."""
+        c0 = self.cells.get((bucket, 0))
+        if c0 is None or c0[1] < self.cell_steps or self.steps - c0[2] > self.fresh_steps:
+            return None
+        return c0
 
     def skip(self, steps: int) -> None:
         """``steps`` engine steps passed without being observed (the scheduler hook's lean
@@ -525,6 +544,11 @@ class StepTimeModel:
         fresh however few of the steps since were observed."""
         if steps > 0:
             self.steps += steps
+
+    #: Bounds of one step's premium sample (its time over a plain step's, :meth:`observe`):
+    #: a timing hiccup or a step that ran beside a prefill moves the mean by a bounded amount.
+    PREMIUM_MIN = 0.5
+    PREMIUM_MAX = 20.0
 
     #: Once ``FIT_EVERY_AFTER`` steps are in, the fit is solved again every ``FIT_EVERY``
     #: steps instead of every step: it runs in the engine core's thread between steps, and
@@ -602,16 +626,35 @@ class StepTimeModel:
         fit would price that depth by the fit's old error for ``fresh_steps`` steps. A cell of
         fewer than ``cell_steps`` steps is blended with the bucket's correction in proportion
         (the warm-up gives each depth two steps per batch size, often at other tokens per
-        step than the traffic's)."""
+        step than the traffic's).
+
+        Where a depth K > 0 ran at this batch size for at least ``cell_steps`` steps while
+        K = 0 was measured there too, its cell also keeps a *premium*: the mean of its steps'
+        time over a plain step's at the same batch size (``T(B, 0)`` from the K = 0 cell when
+        each step came in). While K = 0's cell is fresh, a cell not measured within
+        ``fresh_steps`` steps (or one still blending) falls back on that premium,
+        ``T(B, K) = T(B, 0) * premium`` at the cell's tokens, rather than on the bucket's
+        correction: the bucket's correction is learned mostly from steps at K = 0, and the
+        fitted line, pulled by other batch sizes, prices a speculative step at a small batch
+        well below its measured premium once the traffic has moved to larger batches
+        (docs/gpu.md, the step trace of host 23). A ratio between two depths at one batch
+        size holds while both drift with longer contexts."""
         b = batch_bucket(batch_size)
         cell = self.buckets.get(b)
         c_bucket = cell[0] if cell else 1.0
         if k is not None:
             kc = self.cells.get((b, k))
-            if kc is not None and self.steps - kc[2] <= self.fresh_steps:
+            if kc is not None:
                 t0, t1, td = coef if coef is not None else self.coefficients3()
-                w = min(1.0, kc[1] / self.cell_steps)
-                return w * kc[0] / max(t0 + t1 * kc[3] + td * kc[4], 1e-9) + (1.0 - w) * c_bucket
+                line = max(t0 + t1 * kc[3] + td * kc[4], 1e-9)
+                fallback = c_bucket
+                if k > 0 and kc[6] >= self.cell_steps and self._plain_cell(b) is not None:  # its premium
+                    t_plain = (t0 + t1 * batch_size) * self.correction(batch_size, 0, (t0, t1, td))
+                    fallback = t_plain * max(kc[5], 1.0) / line
+                if self.steps - kc[2] <= self.fresh_steps:
+                    w = min(1.0, kc[1] / self.cell_steps)
+                    return w * kc[0] / line + (1.0 - w) * fallback
+                return fallback
         return c_bucket
 
     def predict_tokens(self, batch_size: int, tokens: float, k: int | None = None) -> float:

@@ -716,10 +716,12 @@ class _SpecPilotHook:
             if (
                 n % self.LEAN_SAMPLE
                 and t < self._publish_due
-                and self._trace is None
                 and self.running  # type: ignore[attr-defined]
                 and not self._drafted  # drafts verified (a probe's, in flight when the rest began): observed
             ):
+                if self._trace is not None and step is not None:  # profiling: every step has its row
+                    n_dec = sum(1 for n in scheduler_output.num_scheduled_tokens.values() if n == 1)
+                    self._trace_row(step, t, scheduler_output, 0, 0, n_dec)
                 self._busy_s += step_time
                 self._lean_skipped += 1
                 self._lean_request_steps += len(scheduler_output.num_scheduled_tokens)
@@ -740,15 +742,7 @@ class _SpecPilotHook:
                 if n == 1 + (len(drafts) if drafts else 0):
                     n_dec += 1
         if self._trace is not None and step is not None:
-            self._trace.add(
-                step.t_scheduled,
-                t,
-                k_drafted,
-                k_proposed,
-                n_dec,
-                len(scheduler_output.num_scheduled_tokens),
-                int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
-            )
+            self._trace_row(step, t, scheduler_output, k_drafted, k_proposed, n_dec)
         running = len(self.running)  # type: ignore[attr-defined]
         if running > self._max_running_seen:
             self._max_running_seen = running
@@ -811,6 +805,21 @@ class _SpecPilotHook:
         self._overhead_cpu_s += time.thread_time() - c
         self._t_output_done = time.perf_counter()
         return outputs
+
+    def _trace_row(self, step: Any, t_output: float, out: Any, k_drafted: int, k_proposed: int, n_dec: int) -> None:
+        """One row of the step trace (``engine_host.step_trace``): the step as scheduled,
+        when its output came back (s), its K verified and proposed, and its requests that
+        only decoded (``n_dec``), of all it scheduled."""
+        assert self._trace is not None
+        self._trace.add(
+            step.t_scheduled,
+            t_output,
+            k_drafted,
+            k_proposed,
+            n_dec,
+            len(out.num_scheduled_tokens),
+            int(getattr(out, "total_num_scheduled_tokens", 0) or 0),
+        )
 
     def _observe_quiet(self) -> None:
         """Fold the kept quiet steps into the controller, oldest first, as the observations

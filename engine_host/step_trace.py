@@ -8,7 +8,8 @@ those intervals by the K each step verified and proposed.
 
 Enabled with ``$SPECPILOT_STEP_TRACE`` (a file path; the engine core appends ``.PID``). The
 hook buffers rows in memory and appends them to the file when it publishes its state (a few
-times a second), so tracing adds no file I/O to a step.
+times a second), so tracing adds no file I/O to a step. The hook's lean path at K = 0, which
+skips most outputs, stays on while tracing; each skipped output still gets its row.
 
 File format: CSV with a header, one row per step output:
 ``t_scheduled_s,t_output_s`` (``time.perf_counter()`` of the engine core, s),

@@ -352,10 +352,43 @@ def test_per_depth_correction_captures_costs_a_line_misses():
             m.observe(12, 12 * (1 + k), t(12, k), k)
     for k in (0, 2, 8):
         assert m.predict(12, k) == pytest.approx(t(12, k), rel=0.03), k
-    # a depth not run for a long time falls back to the batch bucket's correction
+    # a depth not run for a long time, with K = 0 not run either, falls back to the batch
+    # bucket's correction (its premium over K = 0 has nothing measured to stand on)
     for _ in range(500):
         m.observe(12, 36, t(12, 2), 2)
     assert m.correction(12, 8) == pytest.approx(m.correction(12), rel=1e-9)
+    # with K = 0 measured again at this batch size, the premium prices K = 8 as it was
+    for _ in range(20):
+        m.observe(12, 12, t(12, 0), 0)
+    assert m.predict(12, 8) == pytest.approx(t(12, 8), rel=0.05)
+
+
+def test_a_depth_priced_at_batch_1_keeps_its_premium_after_a_spell_at_larger_batches():
+    # GPU-like (docs/gpu.md, host 23's step trace): at batch 1 a step at K = 4 takes 21 % more
+    # than one at K = 0, almost all of it fixed (the proposer, the rejection sampler), while at
+    # batch 8 the same depth costs 37 %. After 600 steps at batch 8 the batch-1 cell of K = 4
+    # is stale; the line fitted across both batch sizes puts K = 4 at batch 1 about 10 % over
+    # K = 0, and the gate would draft where it does not pay. The premium keeps the 21 %.
+    m = StepTimeModel()
+    for i in range(300):
+        m.observe(1, 1, 2.1e-3, 0, 0)
+        if i % 3 == 0:
+            m.observe(1, 5, 2.55e-3, 4, 4)
+    assert m.predict(1, 4) / m.predict(1, 0) == pytest.approx(2.55 / 2.1, rel=0.02)
+    for i in range(600):
+        m.observe(8, 8, 2.3e-3, 0, 0)
+        if i % 3 == 0:
+            m.observe(8, 40, 3.15e-3, 4, 4)
+    for _ in range(20):  # batch 1 again: K = 0's cell is fresh, K = 4's is not
+        m.observe(1, 1, 2.1e-3, 0, 0)
+    assert m.steps - m.cells[(batch_bucket(1), 4)][2] > m.fresh_steps
+    assert m.predict(1, 4) / m.predict(1, 0) == pytest.approx(2.55 / 2.1, rel=0.03)
+    assert m.predict(8, 4) / m.predict(8, 0) == pytest.approx(3.15 / 2.3, rel=0.03)
+    # the premium is followed when the depth runs at batch 1 again and costs more now
+    for _ in range(60):
+        m.observe(1, 1, 2.1e-3, 0, 0)
+        m.observe(1, 5, 2.9e-3, 4, 4)
+    assert m.predict(1, 4) / m.predict(1, 0) == pytest.approx(2.9 / 2.1, rel=0.03)
 
 
 def test_no_acceptance_stays_off_even_when_a_deeper_k_was_timed_faster():

@@ -126,6 +126,32 @@ def test_the_lean_path_samples_outputs_for_the_step_time_model(hook_at_k0):
     assert sum(seen) == n // hook.LEAN_SAMPLE  # one output in LEAN_SAMPLE is observed
 
 
+def test_a_step_trace_keeps_the_lean_path_and_writes_a_row_for_every_step(tmp_path, monkeypatch):
+    # profiling with $SPECPILOT_STEP_TRACE must not change what it profiles: the hook still
+    # skips most outputs at K = 0, and the trace still has one row per step
+    trace = tmp_path / "steps.csv"
+    monkeypatch.setenv("SPECPILOT_STEP_TRACE", str(trace))
+    with _standin("fixed:0", 2, tmp_path) as hook:
+        assert hook._trace is not None
+        hook._publish_due = float("inf")  # no publish inside the loop
+        _run(hook, 1)
+        hook._observe_quiet()  # the first (full) step's observation
+        seen: list[int] = []
+        observe_quiet = hook.controller.observe_quiet
+        hook.controller.observe_quiet = lambda steps: (seen.append(len(steps)), observe_quiet(steps))
+        n = 10 * hook.LEAN_SAMPLE
+        _run(hook, n)
+        hook._observe_quiet()
+        assert sum(seen) == n // hook.LEAN_SAMPLE  # one output in LEAN_SAMPLE is observed
+        hook._publish(time.monotonic())  # flushes the trace
+        files = list(tmp_path.glob("steps.csv.*"))
+        assert len(files) == 1
+        rows = files[0].read_text().splitlines()[1:]
+        assert len(rows) == n + 1
+        # every row: K 0 verified and proposed, both requests decoding, of 2
+        assert {tuple(r.split(",")[2:6]) for r in rows} == {("0", "0", "2", "2")}
+
+
 def test_acceptance_estimates_fade_on_the_lean_path_as_they_do_step_by_step(tmp_path, monkeypatch):
     """The skipped steps' request-steps are folded in at once; the fade compounds, so the
     acceptance estimates end where step-by-step observation leaves them."""
