@@ -720,7 +720,7 @@ class _SpecPilotHook:
                 and not self._drafted  # drafts verified (a probe's, in flight when the rest began): observed
             ):
                 if self._trace is not None and step is not None:  # profiling: every step has its row
-                    n_dec = sum(1 for n in scheduler_output.num_scheduled_tokens.values() if n == 1)
+                    n_dec = sum(1 for m in scheduler_output.num_scheduled_tokens.values() if m == 1)
                     self._trace_row(step, t, scheduler_output, 0, 0, n_dec)
                 self._busy_s += step_time
                 self._lean_skipped += 1

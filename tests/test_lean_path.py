@@ -112,18 +112,24 @@ def test_at_fixed_k0_steps_take_the_lean_path_and_every_step_is_still_counted(ho
     assert ctl.k_current == 0
 
 
-def test_the_lean_path_samples_outputs_for_the_step_time_model(hook_at_k0):
-    hook, _ = hook_at_k0
+def _observed_on_lean_path(hook, n: int) -> int:
+    """Run one step, then ``n`` more with no publish in between; returns how many of the
+    ``n`` outputs reached the controller (``observe_quiet``)."""
     hook._publish_due = float("inf")  # no publish inside the loop
     _run(hook, 1)
     hook._observe_quiet()  # the first (full) step's observation
     seen: list[int] = []
     observe_quiet = hook.controller.observe_quiet
     hook.controller.observe_quiet = lambda steps: (seen.append(len(steps)), observe_quiet(steps))
-    n = 20 * hook.LEAN_SAMPLE
     _run(hook, n)
     hook._observe_quiet()
-    assert sum(seen) == n // hook.LEAN_SAMPLE  # one output in LEAN_SAMPLE is observed
+    return sum(seen)
+
+
+def test_the_lean_path_samples_outputs_for_the_step_time_model(hook_at_k0):
+    hook, _ = hook_at_k0
+    n = 20 * hook.LEAN_SAMPLE
+    assert _observed_on_lean_path(hook, n) == n // hook.LEAN_SAMPLE  # one output in LEAN_SAMPLE is observed
 
 
 def test_a_step_trace_keeps_the_lean_path_and_writes_a_row_for_every_step(tmp_path, monkeypatch):
@@ -133,16 +139,8 @@ def test_a_step_trace_keeps_the_lean_path_and_writes_a_row_for_every_step(tmp_pa
     monkeypatch.setenv("SPECPILOT_STEP_TRACE", str(trace))
     with _standin("fixed:0", 2, tmp_path) as hook:
         assert hook._trace is not None
-        hook._publish_due = float("inf")  # no publish inside the loop
-        _run(hook, 1)
-        hook._observe_quiet()  # the first (full) step's observation
-        seen: list[int] = []
-        observe_quiet = hook.controller.observe_quiet
-        hook.controller.observe_quiet = lambda steps: (seen.append(len(steps)), observe_quiet(steps))
         n = 10 * hook.LEAN_SAMPLE
-        _run(hook, n)
-        hook._observe_quiet()
-        assert sum(seen) == n // hook.LEAN_SAMPLE  # one output in LEAN_SAMPLE is observed
+        assert _observed_on_lean_path(hook, n) == n // hook.LEAN_SAMPLE  # one output in LEAN_SAMPLE is observed
         hook._publish(time.monotonic())  # flushes the trace
         files = list(tmp_path.glob("steps.csv.*"))
         assert len(files) == 1
