@@ -71,7 +71,10 @@ TOOLS: dict[str, tuple[str, str]] = {
     "draft-layers": ("draft_layers", "acceptance per draft position of truncated drafts of the default model"),
     "profile-step": ("profile_step", "where a decode step's time goes: n-gram engine at K = 0 against plain"),
     "host-overhead": ("host_overhead", "engines side by side on one GPU: engine host against bare vllm serve"),
-    "paired": ("paired", "running servers compared burst by burst on the same prompts, arms rotated each round"),
+    "paired": (
+        "paired",
+        "running servers compared burst by burst on the same prompts, arms in a balanced order each round",
+    ),
     "qwen-models": ("qwen_models", "fetch and check the opt-in Qwen2.5-Coder benchmark pair"),
     "planner-check": ("planner_check", "the planner's predicted mean latency against measured, rate by rate"),
     "spread": ("spread", "repeated matrix runs side by side: tokens/s per run, spread, target ratios per run"),

@@ -4,7 +4,8 @@ seconds apart, for hosts whose speed moves between cells.
 Where a host's speed moves from minute to minute (the offline GPU hosts of docs/gpu.md),
 cells of one engine taken after another's mix the engines' difference with the host's
 drift. This benchmark sends the *same* burst of prompts to every arm back to back (one
-request per client, ``c`` clients at once), rotates which arm goes first every round, and
+request per client, ``c`` clients at once), in an order that changes every round so that
+each arm goes first, and follows each other arm, equally often (:func:`arm_order`), and
 compares the arms round by round, so the drift falls on every arm alike; two arms on one
 server measure what the method resolves.
 
@@ -111,10 +112,29 @@ def parse_arm(text: str) -> Arm:
 
 
 def arm_order(arms: list[str], round_index: int) -> list[str]:
-    """The arms in the order they run in round ``round_index`` (0-based): rotated by one
-    each round, so that every arm goes first equally often."""
-    k = round_index % len(arms)
-    return arms[k:] + arms[:k]
+    """The arms in the order they run in round ``round_index`` (0-based): a Williams design
+    (E. J. Williams, "Experimental designs balanced for the estimation of residual effects of
+    treatments", Australian Journal of Scientific Research A 2, 1949). Over every ``n`` rounds
+    (``n`` arms, even) or ``2 n`` rounds (odd) each arm goes first equally often and runs
+    right after each other arm equally often. The arms share one device, so what an arm's
+    engine still does after its burst has ended (an aborted request's last steps, freeing
+    its KV cache) falls on the arm after it; a plain rotation would always hand that to the
+    same arm."""
+    n = len(arms)
+    if n <= 2:
+        k = round_index % max(n, 1)
+        return arms[k:] + arms[:k]
+    base, lo, hi = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    period = n if n % 2 == 0 else 2 * n
+    r = round_index % period
+    row = [arms[(b + r) % n] for b in base]
+    return row if r < n else row[::-1]
 
 
 def burst_figures(records: list[RequestRecord]) -> dict[str, Any]:
@@ -223,7 +243,7 @@ def render(res: dict[str, Any]) -> str:
     burst = "Bursts of `c` requests" if n == 1 else f"Bursts of `c` closed-loop clients, {n} requests each"
     lines = [
         f"Baseline: `{res['baseline']}`. {burst} (the same prompts for every arm), arms "
-        "rotated each round; x base = pooled tokens/s over the baseline's in the same rounds, with a 95 % "
+        "in a balanced order each round; x base = pooled tokens/s over the baseline's in the same rounds, with a 95 % "
         "bootstrap interval over rounds.",
         "",
         "| cell | arm | rounds | tok/s | x base | 95 % interval | per round: median [min, max] | rounds faster "
@@ -334,7 +354,7 @@ async def _burst(client: _Client, prompts: list[Prompt], max_tokens: int, client
 
 
 async def run(args: argparse.Namespace, arms: list[Arm]) -> dict[str, Any]:
-    """Warm-up rounds, then ``--rounds`` rounds of every cell, every arm in rotated order;
+    """Warm-up rounds, then ``--rounds`` rounds of every cell, every arm in a balanced order (:func:`arm_order`);
     ``paired.json`` rewritten after each round. Returns the result document."""
     clients = {a.name: _Client(a, args.request_timeout) for a in arms}
     names = [a.name for a in arms]
@@ -384,7 +404,7 @@ async def run(args: argparse.Namespace, arms: list[Arm]) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench paired",
-        description="Running servers compared burst by burst on the same prompts, arms rotated every round.",
+        description="Running servers compared burst by burst on the same prompts, arms in a balanced order every round.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("Example", 1)[1] if __doc__ else None,
     )

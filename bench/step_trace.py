@@ -16,7 +16,11 @@ their window on the same clock) it first prints one row per cell.
 
 Prints, per batch size (requests): steps, median, mean and 90th percentile ms per step by
 the K the step verified (``k_drafted``), by the K chosen in the step for the next drafts
-(``k_proposed``), and by the transition from the previous step's verified K.
+(``k_proposed``), and by the transition from the previous step's verified K. First, per
+range of batch sizes, every step of the trace: how many verified drafts (K > 0), and the
+median ms of a pure-decode step after another of the same batch (the rows above) against
+one right after a prefill or a change of batch (under async scheduling the new request's
+inputs are prepared then), each at K = 0 and K > 0.
 
 Example::
 
@@ -112,6 +116,66 @@ def busy_intervals(steps: Sequence[Step], max_gap_s: float = 0.05, since_s: floa
     return out
 
 
+BATCH_RANGES = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, 1 << 30))
+
+
+def _range_label(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else (f"{lo}+" if hi >= 1 << 30 else f"{lo}-{hi}")
+
+
+def range_table(traces: Sequence[Sequence[Step]], max_gap_s: float = 0.05, since_s: float = 0.0) -> list[str]:
+    """Markdown rows, one per range of batch sizes (``BATCH_RANGES``, requests) with steps:
+    every step of every trace (``traces``: one engine core's rows each, in order), those
+    that verified drafts (K > 0), and the median ms of a pure-decode step by what came
+    before it, at K = 0 and K > 0: another pure-decode step of the same batch (as
+    :func:`busy_intervals` counts), or a prefill or a change of batch. Intervals longer
+    than ``max_gap_s`` (s) are idle spells and left out; ``since_s`` as in
+    :func:`busy_intervals`."""
+    n = len(BATCH_RANGES)
+    steps = [0] * n
+    drafted = [0] * n
+    times: list[dict[tuple[bool, bool], list[float]]] = [defaultdict(list) for _ in range(n)]
+
+    def index(b: int) -> int:
+        return next(i for i, (lo, hi) in enumerate(BATCH_RANGES) if lo <= b <= hi)
+
+    for trace in traces:
+        if not trace:
+            continue
+        t0 = trace[0].t_output
+        for i, cur in enumerate(trace):
+            if cur.requests <= 0 or cur.t_output - t0 < since_s:
+                continue
+            j = index(cur.requests)
+            steps[j] += 1
+            drafted[j] += cur.k_drafted > 0
+            if i == 0 or cur.decode != cur.requests:
+                continue
+            prev = trace[i - 1]
+            dt = cur.t_output - prev.t_output
+            if 0.0 < dt <= max_gap_s:
+                after_pure = prev.decode == prev.requests == cur.requests
+                times[j][(after_pure, cur.k_drafted > 0)].append(dt * 1e3)
+
+    def med(v: list[float]) -> str:
+        return f"{statistics.median(v):.3f} ({len(v)})" if v else "-"
+
+    lines = [
+        "| requests | steps | K > 0 | after a pure-decode step: K = 0 / K > 0, median ms (steps) "
+        "| after a prefill or a change of batch: K = 0 / K > 0 |",
+        "|---|---:|---:|---|---|",
+    ]
+    for j, (lo, hi) in enumerate(BATCH_RANGES):
+        if not steps[j]:
+            continue
+        t = times[j]
+        lines.append(
+            f"| {_range_label(lo, hi)} | {steps[j]} | {drafted[j]} ({drafted[j] / steps[j]:.0%}) "
+            f"| {med(t[(True, False)])} / {med(t[(True, True)])} | {med(t[(False, False)])} / {med(t[(False, True)])} |"
+        )
+    return lines
+
+
 def _row(label: str, values: list[float]) -> str:
     ms = sorted(v * 1e3 for v in values)
     p90 = ms[min(len(ms) - 1, int(0.9 * len(ms)))]
@@ -202,15 +266,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-steps", type=int, default=20, help="groups with fewer steps are not printed")
     args = ap.parse_args(argv)
     intervals: list[Interval] = []
+    traces: list[list[Step]] = []
     for f in args.files:
         try:
             steps = read_trace(f)
         except (OSError, ValueError) as exc:
             ap.error(str(exc))
+        traces.append(steps)
         intervals += busy_intervals(steps, args.max_gap_ms / 1e3, args.since)
     if not intervals:
         print("no busy decode stretches in the trace")
         return 1
+    print("\n".join(range_table(traces, args.max_gap_ms / 1e3, args.since)))
+    print()
     if args.cells:
         cells = cell_windows(args.cells)
         if not cells:

@@ -31,11 +31,22 @@ def test_a_malformed_arm_is_refused_with_the_reason(bad):
         parse_arm(bad)
 
 
-def test_every_arm_goes_first_equally_often():
-    arms = ["a", "b", "c"]
-    firsts = [arm_order(arms, r)[0] for r in range(6)]
-    assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]
-    assert all(sorted(arm_order(arms, r)) == arms for r in range(6))
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_every_arm_goes_first_equally_often_and_follows_every_other_arm_equally_often(n):
+    """Over one period of the design (n rounds for an even number of arms, 2 n for odd),
+    each arm runs in each place equally often and right after each other arm equally
+    often: no arm always inherits the same arm's trailing work on the shared device."""
+    from collections import Counter
+
+    arms = [f"a{i}" for i in range(n)]
+    period = n if n % 2 == 0 else 2 * n
+    rows = [arm_order(arms, r) for r in range(period)]
+    assert all(sorted(row) == arms for row in rows)
+    for place in range(n):
+        assert Counter(row[place] for row in rows) == Counter({a: period // n for a in arms})
+    pairs = Counter((row[i], row[i + 1]) for row in rows for i in range(n - 1))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1  # every ordered pair, equally often
+    assert [arm_order(arms, r) for r in range(period, 2 * period)] == rows  # the design repeats
 
 
 def _b(tokens: int, wall: float) -> dict:

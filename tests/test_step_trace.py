@@ -79,6 +79,25 @@ def test_busy_intervals_keep_only_pure_decode_steps_of_one_batch(tmp_path: Path)
     assert any("0 -> 2" in line for line in bst.table(iv, "transition", min_steps=1))
 
 
+def test_the_range_table_counts_every_step_and_splits_steps_by_what_came_before(tmp_path: Path) -> None:
+    rows = [
+        # t_sched, t_out, k_drafted, k_proposed, decode, requests, tokens
+        (0.0, 0.010, 0, 0, 0, 1, 30),  # prefill (batch 1): counted as a step, not timed
+        (0.009, 0.015, 0, 4, 1, 1, 1),  # after a prefill: 5 ms at K = 0
+        (0.014, 0.017, 4, 4, 1, 1, 5),  # after a pure step: 2 ms at K = 4
+        (0.016, 0.019, 4, 0, 1, 1, 5),  # 2 ms at K = 4
+        (0.018, 0.020, 0, 0, 1, 1, 1),  # 1 ms at K = 0
+        (0.019, 0.030, 0, 0, 5, 6, 40),  # a new request's prefill joins (batch 6): not timed
+        (0.029, 0.037, 4, 4, 6, 6, 30),  # after a prefill, batch 6: 7 ms at K = 4
+        (0.036, 0.041, 4, 4, 6, 6, 30),  # after a pure step: 4 ms at K = 4
+    ]
+    _write(tmp_path / "s.csv", rows)
+    lines = bst.range_table([bst.read_trace(tmp_path / "s.csv")], max_gap_s=0.05)
+    assert lines[2] == "| 1 | 5 | 2 (40%) | 1.000 (1) / 2.000 (2) | 5.000 (1) / - |"
+    assert lines[3] == "| 5-8 | 3 | 2 (67%) | - / 4.000 (1) | - / 7.000 (1) |"
+    assert len(lines) == 4  # ranges without steps are left out
+
+
 def test_cells_split_the_trace_by_their_windows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "steps.csv.1"
     rows = []
