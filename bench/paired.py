@@ -21,6 +21,11 @@ almost nothing, and one that slows only that one loses it all (at 8 clients of m
 the sampled chat request sets the burst's end). With N > 1 a request that ends early frees its
 client for the next, as under a user's load, and the ramp-down is one request in N.
 
+After a burst the next arm waits ``--settle-ms`` and, after an engine host's burst, until
+that engine host shows no request running: the server aborts a request that the client ended
+at a stop string after the client has its answer, and its last steps belong to its own burst,
+not to the next arm's.
+
 Per burst: output tokens over the time from sending the burst to its last token (tokens/s;
 with ``c`` > 1 this includes the burst's ramp-down, the same for every arm since every arm
 gets the same prompts), the median TTFT (ms) and, for engine hosts, the engine steps by K
@@ -315,16 +320,40 @@ class _Client:
         state = await self.control.state() if self.is_host else {}
         return state, await self.control.counters()
 
+    async def settled_snapshot(self, pause_s: float, timeout_s: float = 1.0) -> tuple[dict[str, Any], dict[str, Any]]:
+        """:meth:`snapshot` once the server has let go of the burst: after ``pause_s`` (s)
+        and, on an engine host, once its published state shows no request running (up to
+        ``timeout_s``, s). A request that the client ended at a stop string is aborted by
+        the server after the client has its answer; the engine core publishes its state
+        once it has taken the abort, so a read right away could miss the burst's last steps,
+        and those steps would still run while the next arm's burst starts on the same
+        device."""
+        if pause_s > 0:
+            await asyncio.sleep(pause_s)
+        if self.is_host:
+            deadline = time.perf_counter() + timeout_s
+            while True:
+                state = await self.control.state()
+                batch = state.get("batch") or {}
+                if not (batch.get("running") or batch.get("waiting")) or time.perf_counter() >= deadline:
+                    break
+                await asyncio.sleep(0.01)
+            return state, await self.control.counters()
+        return {}, await self.control.counters()
+
     async def aclose(self) -> None:
         await self.http.aclose()
         await self.control.aclose()
 
 
-async def _burst(client: _Client, prompts: list[Prompt], max_tokens: int, clients: int | None = None) -> dict[str, Any]:
+async def _burst(
+    client: _Client, prompts: list[Prompt], max_tokens: int, clients: int | None = None, settle_s: float = 0.0
+) -> dict[str, Any]:
     """One burst on one arm: ``clients`` clients (default: one per prompt) each send their
     share of ``prompts`` (client i: prompts i, i + clients, ...) one after another, the next as
     soon as the previous one ends (a closed loop); returns :func:`burst_figures` and, from an
-    engine host, the steps by K and the hook's time over the burst.
+    engine host, the steps by K and the hook's time over the burst, read once the server has
+    let go of it (:meth:`_Client.settled_snapshot`, ``settle_s``).
 
     Raises:
         BenchError: a request failed.
@@ -341,7 +370,7 @@ async def _burst(client: _Client, prompts: list[Prompt], max_tokens: int, client
 
     await asyncio.gather(*(closed_loop(i) for i in range(n)))
     out = burst_figures(recs)
-    state1, count1 = await client.snapshot()
+    state1, count1 = await client.settled_snapshot(settle_s)
     if out["errors"]:
         first = next(r.error for r in recs if r.error)
         raise BenchError(f"arm {client.arm.name!r}: {out['errors']} of {len(recs)} requests failed: {first}")
@@ -388,7 +417,7 @@ async def run(args: argparse.Namespace, arms: list[Arm]) -> dict[str, Any]:
             for (w, c), label in zip(cells, res["cells"]):
                 prompts = [streams[(w, c)].next_prompt() for _ in range(c * args.per_client)]
                 for name in arm_order(names, r):
-                    b = await _burst(clients[name], prompts, args.max_tokens, c)
+                    b = await _burst(clients[name], prompts, args.max_tokens, c, args.settle_ms / 1e3)
                     if r >= args.warm_rounds:
                         res["bursts"].append({"round": r - args.warm_rounds, "cell": label, "arm": name, **b})
             took = time.monotonic() - t_round
@@ -435,6 +464,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt order and chat sampling seeds (default 0)")
     p.add_argument("--time-budget", type=float, default=0.0, help="stop before a round that would pass this many s")
     p.add_argument("--request-timeout", type=float, default=300.0, help="per request, s (default 300)")
+    p.add_argument(
+        "--settle-ms",
+        type=float,
+        default=20.0,
+        help="after each burst, wait this long (and, on an engine host, until no request runs) before "
+        "reading its counters and starting the next arm (default 20)",
+    )
     p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>-paired)")
     p.add_argument("--report", type=Path, help="print the table of an earlier paired.json (or .json.xz) and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -476,8 +512,11 @@ def main(argv: list[str] | None = None) -> int:
             or args.warm_rounds < 0
             or args.max_tokens < 1
             or args.per_client < 1
+            or args.settle_ms < 0
         ):
-            raise ValueError("--clients, --per-client, --rounds and --max-tokens must be >= 1, --warm-rounds >= 0")
+            raise ValueError(
+                "--clients, --per-client, --rounds and --max-tokens must be >= 1, --warm-rounds and --settle-ms >= 0"
+            )
         args.out = args.out or Path("bench/results") / f"{time.strftime('%Y%m%d-%H%M%S')}-paired"
         res = asyncio.run(run(args, arms))
     except (ValueError, BenchError) as exc:

@@ -131,8 +131,9 @@ def test_paired_run_on_the_engine_host_reads_steps_and_tokens(engine_host, resto
     for b in res["bursts"]:
         n = 2 if b["cell"].endswith("c2") else 1
         assert 1 <= b["tokens"] <= 8 * n and b["wall_s"] > 0 and b["errors"] == 0
-        if b["cell"].startswith("chat"):  # (code ends on stop strings: the engine runs on until the abort)
-            assert sum(b["steps_at_k"]) >= b["tokens"] // n - 1  # a step per token after the first
+        # a step per token after the first, code's too: its requests end at stop strings, the
+        # server aborts them after the client has its answer, and the burst is read after that
+        assert sum(b["steps_at_k"]) >= b["tokens"] // n - 1
         assert b["steps_at_k"][1:] == [0] * (len(b["steps_at_k"]) - 1)  # fixed:0 drafts nothing
     # arms alternate which goes first: round 0 k0 first, round 1 same first
     firsts = [next(b["arm"] for b in res["bursts"] if b["round"] == r) for r in (0, 1)]
@@ -193,9 +194,17 @@ def test_a_closed_loop_client_sends_its_next_request_when_the_previous_one_ends(
     async def snapshot():
         return {}, {"draft_tokens": 0, "accepted_tokens": 0}
 
+    async def settled_snapshot(pause_s):
+        return await snapshot()
+
     monkeypatch.setattr(paired, "stream_request", fake_stream)
     client = types.SimpleNamespace(
-        snapshot=snapshot, http=None, model="m", is_host=False, arm=types.SimpleNamespace(name="a")
+        snapshot=snapshot,
+        settled_snapshot=settled_snapshot,
+        http=None,
+        model="m",
+        is_host=False,
+        arm=types.SimpleNamespace(name="a"),
     )
     prompts = [types.SimpleNamespace(workload="chat", source="s") for _ in range(6)]
     out = asyncio.run(paired._burst(client, prompts, 8, 2))
@@ -205,3 +214,36 @@ def test_a_closed_loop_client_sends_its_next_request_when_the_previous_one_ends(
     order.clear()
     asyncio.run(paired._burst(client, prompts, 8))  # default: one client per prompt
     assert peak[0] == 6
+
+
+def test_a_burst_is_read_once_the_engine_host_shows_no_request_running():
+    """The server aborts a request the client ended at a stop string after the client has its
+    answer; the engine host's state is read again until it shows no request running (the
+    burst's last steps counted in its own burst), and at most for the timeout."""
+    import asyncio
+    import types
+
+    from bench.paired import Arm, _Client
+
+    client = _Client(Arm("a", "http://127.0.0.1:9"), timeout_s=1.0)
+    states = [{"batch": {"running": 1}, "step_index": 10}, {"batch": {"running": 1}, "step_index": 12}]
+    states.append({"batch": {"running": 0, "waiting": 0}, "step_index": 13})
+    reads = []
+
+    async def state():
+        reads.append(1)
+        return states[min(len(reads), len(states)) - 1]
+
+    async def counters():
+        return {"draft_tokens": 0.0, "accepted_tokens": 0.0}
+
+    client.control = types.SimpleNamespace(state=state, counters=counters)
+    client.is_host = True
+    got, _ = asyncio.run(client.settled_snapshot(0.0))
+    assert got["step_index"] == 13 and len(reads) == 3
+    states[2] = {"batch": {"running": 1}, "step_index": 14}  # never settles: given up after the timeout
+    reads.clear()
+    got, _ = asyncio.run(client.settled_snapshot(0.0, timeout_s=0.05))
+    assert got["batch"]["running"] == 1 and 2 <= len(reads) <= 10
+    client.is_host = False  # a bare vLLM server: its counters only
+    assert asyncio.run(client.settled_snapshot(0.0)) == ({}, {"draft_tokens": 0.0, "accepted_tokens": 0.0})
