@@ -122,9 +122,9 @@ def arm_order(arms: list[str], round_index: int) -> list[str]:
     treatments", Australian Journal of Scientific Research A 2, 1949). Over every ``n`` rounds
     (``n`` arms, even) or ``2 n`` rounds (odd) each arm goes first equally often and runs
     right after each other arm equally often. The arms share one device, so what an arm's
-    engine still does after its burst has ended (an aborted request's last steps, freeing
-    its KV cache) falls on the arm after it; a plain rotation would always hand that to the
-    same arm."""
+    engine still does after its burst has ended (an aborted request's last steps; on the CPU
+    build, vLLM's worker process spinning a core for a second after its last step) falls on
+    the arm after it; a plain rotation would always hand that to the same arm."""
     n = len(arms)
     if n <= 2:
         k = round_index % max(n, 1)
@@ -469,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=20.0,
         help="after each burst, wait this long (and, on an engine host, until no request runs) before "
-        "reading its counters and starting the next arm (default 20)",
+        "reading its counters and starting the next arm (default 20; on the CPU build 1100: vLLM's worker "
+        "spins a core for 1 s after its last step, docs/benchmarks.md)",
     )
     p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>-paired)")
     p.add_argument("--report", type=Path, help="print the table of an earlier paired.json (or .json.xz) and exit")
