@@ -247,3 +247,4 @@ def test_a_burst_is_read_once_the_engine_host_shows_no_request_running():
     assert got["batch"]["running"] == 1 and 2 <= len(reads) <= 10
     client.is_host = False  # a bare vLLM server: its counters only
     assert asyncio.run(client.settled_snapshot(0.0)) == ({}, {"draft_tokens": 0.0, "accepted_tokens": 0.0})
+    asyncio.run(client.http.aclose())
