@@ -12,7 +12,8 @@ Subcommands:
 and every other benchmark of the tree, each with its own options (:data:`TOOLS`;
 ``python -m bench <command> --help``; ``python -m bench.<module>`` still works):
     engine-host, collector, store, dashboard, warmup, draft-layers, profile-step,
-    host-overhead, paired, qwen-models, planner-check, spread, torch-profile, hook-cost, step-trace
+    host-overhead, paired, qwen-models, planner-check, spread, torch-profile, hook-cost, step-trace,
+    step-time-replay
 
 Results (JSON per cell, Plotly charts, summary tables) go to ``--out`` (default
 ``bench/results/<time>-<command>/``).
@@ -80,6 +81,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "spread": ("spread", "repeated matrix runs side by side: tokens/s per run, spread, target ratios per run"),
     "hook-cost": ("hook_cost", "the CPU time SpecPilot's scheduler hook adds to one step, without vLLM"),
     "step-trace": ("step_trace", "wall time of an engine step by its K, from $SPECPILOT_STEP_TRACE files"),
+    "step-time-replay": ("step_time_replay", "the step-time model's price of each K replayed over a step trace"),
     "torch-profile": ("torch_profile", "where a step's CPU and GPU time go, in one process, with PyTorch's profiler"),
 }
 

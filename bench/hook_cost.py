@@ -71,6 +71,7 @@ class _SchedulerStandIn:
         return types.SimpleNamespace(
             num_spec_tokens_to_schedule=k,
             num_scheduled_tokens={r.request_id: 1 + k for r in self.running},
+            total_num_scheduled_tokens=len(self.running) * (1 + k),
             scheduled_spec_decode_tokens=spec,
         )
 

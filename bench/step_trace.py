@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import lzma
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -66,12 +67,13 @@ class Interval:
 
 
 def read_trace(path: str | Path) -> list[Step]:
-    """The rows of one trace file, in file order.
+    """The rows of one trace file (``.xz``: compressed), in file order.
 
     Raises:
         ValueError: the file is not a step trace (missing columns).
     """
-    with open(path, newline="", encoding="utf-8") as f:
+    opener = lzma.open if str(path).endswith(".xz") else open
+    with opener(path, "rt", newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         need = {"t_scheduled_s", "t_output_s", "k_drafted", "k_proposed", "decode", "requests", "tokens"}
         if not reader.fieldnames or not need <= set(reader.fieldnames):

@@ -64,7 +64,9 @@ class StepObservation:
             worker after the previous step's output (``EngineCore.post_step``, synchronous
             scheduling at K > 0): outside ``step_time_s``, yet part of what drafting costs
             (1.2-1.4 ms of a 24 ms step at batch 1 on the CPU, docs/benchmarks.md).
-        pure_decode: True when no prefill shared the step (step time usable for T).
+        pure_decode: True when no prefill shared the step and, at one request, the request's
+            first decode steps are past (``engine_host.step_clock.DecodeStretch``): the
+            step time is usable for T.
         now: monotonic timestamp (s).
         k_proposed: depth K the drafter ran at in this step for the next one (tokens;
             None: same as ``k_drafted``); a draft model's passes follow it.

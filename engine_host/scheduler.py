@@ -34,7 +34,7 @@ from .channel import ACK_APPLIED, ACK_REFUSED, Channel, channel_from_env
 from .config import LiveConfig
 from .controller import SpeculationController, StepObservation
 from .request_gate import RequestDraftGate, draft_token_cost
-from .step_clock import StepClock
+from .step_clock import DecodeStretch, StepClock
 from .step_trace import step_trace_from_env
 
 logger = logging.getLogger("specpilot.scheduler")
@@ -205,6 +205,7 @@ class _SpecPilotHook:
         self._k_first_use_step: int | None = None
         self._t_sched = 0.0
         self._clock = StepClock()
+        self._stretch = DecodeStretch()
         self._trace = step_trace_from_env()  # $SPECPILOT_STEP_TRACE: one row per step (profiling)
         self._step_index = 0
         self._published_step = -1  # _step_index at the last state publish
@@ -722,6 +723,8 @@ class _SpecPilotHook:
                 if self._trace is not None and step is not None:  # profiling: every step has its row
                     n_dec = sum(1 for m in scheduler_output.num_scheduled_tokens.values() if m == 1)
                     self._trace_row(step, t, scheduler_output, 0, 0, n_dec)
+                n_req = len(scheduler_output.num_scheduled_tokens)
+                self._stretch.step(n_req, scheduler_output.total_num_scheduled_tokens == n_req)
                 self._busy_s += step_time
                 self._lean_skipped += 1
                 self._lean_request_steps += len(scheduler_output.num_scheduled_tokens)
@@ -743,6 +746,11 @@ class _SpecPilotHook:
                     n_dec += 1
         if self._trace is not None and step is not None:
             self._trace_row(step, t, scheduler_output, k_drafted, k_proposed, n_dec)
+        # a lone request's first decode steps do not teach the step-time model (their
+        # cost is not what its later steps cost: DecodeStretch); warm-up steps always do
+        pure = self._stretch.teaches(n_dec, n_dec == total and n_dec > 0) or (
+            self._warmup_k is not None and n_dec == total
+        )
         running = len(self.running)  # type: ignore[attr-defined]
         if running > self._max_running_seen:
             self._max_running_seen = running
@@ -752,7 +760,7 @@ class _SpecPilotHook:
                 # a quiet step (nothing verified, nothing fetched): kept, and folded in with
                 # the next few (see QUIET_STEPS)
                 quiet = self._quiet
-                quiet.append((n_dec, k_proposed, step_time, n_dec == total, now))
+                quiet.append((n_dec, k_proposed, step_time, pure, now))
                 if len(quiet) >= self.QUIET_STEPS:
                     self._observe_quiet()
             else:
@@ -768,7 +776,7 @@ class _SpecPilotHook:
                         accepted_hist=list(self._hist),
                         draft_hist=list(self._dhist),
                         step_time_s=step_time,
-                        pure_decode=(n_dec == total),
+                        pure_decode=pure,
                         now=now,
                         warmup=self._warmup_k is not None,
                         draft_fetch_s=self._draft_fetch_s,

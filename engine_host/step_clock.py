@@ -62,3 +62,45 @@ class StepClock:
         if step is None:
             return 0.0, None
         return max(0.0, t - max(step.t_scheduled, last)), step
+
+
+class DecodeStretch:
+    """How many pure-decode steps with the same number of requests came right before a step,
+    and whether the step's time should teach the step-time model.
+
+    A request's first decode steps cost more than its later ones: its inputs are prepared
+    and, with drafts, the proposer starts on it. At ``SETTLE_MAX_BATCH`` requests or fewer
+    the whole step is that request's, and a depth's price learned from those first steps
+    overstates what drafting costs for the rest of the request; there a pure-decode step
+    teaches the model only after ``SETTLE_STEPS`` pure-decode steps of the same batch. At
+    larger batches one request's start is a small part of a step and batches change often:
+    every pure-decode step teaches it. (Step traces by position after a change of batch:
+    docs/gpu.md.)
+    """
+
+    SETTLE_STEPS = 3
+    SETTLE_MAX_BATCH = 1
+
+    __slots__ = ("_batch", "_run")
+
+    def __init__(self) -> None:
+        self._batch = -1
+        self._run = 0
+
+    def step(self, requests: int, pure: bool) -> int:
+        """Fold in one step's output (``requests`` in the step; ``pure``: every one of
+        them only decoded) and return how many pure-decode steps with as many requests
+        came right before it: 0 after a prefill, a change of batch, or at the start."""
+        if pure and requests == self._batch:
+            self._run += 1
+        else:
+            self._run = 0
+        self._batch = requests if pure else -1
+        return self._run
+
+    def teaches(self, requests: int, pure: bool) -> bool:
+        """:meth:`step`, then whether this step's time may teach the step-time model: a
+        pure-decode step past its batch's first ``SETTLE_STEPS`` at ``SETTLE_MAX_BATCH``
+        requests or fewer, any pure-decode step at larger batches."""
+        run = self.step(requests, pure)
+        return pure and (requests > self.SETTLE_MAX_BATCH or run >= self.SETTLE_STEPS)

@@ -166,6 +166,7 @@ EXPECTED_SHAPE: dict[str, Any] = {
         "num_invalid_spec_tokens",
         "request_id",
     ],
+    "scheduler_output_fields": ["num_scheduled_tokens", "scheduled_spec_decode_tokens", "total_num_scheduled_tokens"],
     "async_scheduler_bases": ["Scheduler"],
     "async_placeholders_follow_step_k": True,
     "default_class_with_async": "AsyncScheduler",
@@ -219,7 +220,8 @@ def scheduler_shape(sources: dict[str, str]) -> dict:
         A dict with the keys of :data:`EXPECTED_SHAPE`: which of the hook's attributes
         ``Scheduler.__init__`` sets, whether ``schedule`` indexes ``self.dynamic_sd_lookup``
         (the live-K entry point), which of the overridden methods exist, the parameters of
-        ``make_spec_decoding_stats``, ``AsyncScheduler``'s bases, whether its draft
+        ``make_spec_decoding_stats``, which of the ``SchedulerOutput`` fields the hook reads
+        ``schedule`` sets by keyword, ``AsyncScheduler``'s bases, whether its draft
         placeholders follow each step's ``num_spec_tokens_to_schedule``, and the class
         ``SchedulerConfig.get_scheduler_cls`` returns for async scheduling when no class
         is named.
@@ -249,11 +251,18 @@ def scheduler_shape(sources: dict[str, str]) -> dict:
         for n in ast.walk(gsc):
             if isinstance(n, ast.ImportFrom) and n.module and n.module.endswith("async_scheduler"):
                 default_async = n.names[0].name
+    output_fields = {
+        kw.arg
+        for n in ast.walk(schedule)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "SchedulerOutput"
+        for kw in n.keywords
+    }
     return {
         "scheduler_init_sets": sorted(a for a in EXPECTED_SHAPE["scheduler_init_sets"] if a in assigned),
         "schedule_indexes_dynamic_sd_lookup": _indexes_self_attr(schedule, "dynamic_sd_lookup"),
         "scheduler_methods": sorted(m for m in EXPECTED_SHAPE["scheduler_methods"] if _method(s, m) is not None),
         "make_spec_decoding_stats_params": [p.arg for p in msds.args.args] if msds else [],
+        "scheduler_output_fields": sorted(f for f in EXPECTED_SHAPE["scheduler_output_fields"] if f in output_fields),
         "async_scheduler_bases": [ast.unparse(b) for b in a.bases],
         "async_placeholders_follow_step_k": follows,
         "default_class_with_async": default_async,

@@ -22,6 +22,7 @@ import pytest
 import engine_host.scheduler as scheduler_module
 from bench.hook_cost import standin_hook
 from engine_host.config import LiveConfig
+from engine_host.step_clock import DecodeStretch
 
 
 @pytest.fixture(autouse=True)
@@ -36,6 +37,15 @@ def _steady_clock(monkeypatch):
     monkeypatch.setattr(
         scheduler_module, "time", types.SimpleNamespace(perf_counter=now, thread_time=now, monotonic=now, time=now)
     )
+
+
+@pytest.fixture(autouse=True)
+def _every_step_teaches(monkeypatch):
+    """The stand-in runs one endless lone request: the rule that a lone request's first
+    decode steps do not teach the step-time model (``DecodeStretch``) would only drop the
+    stand-in's first steps, and these tests compare the lean and the full path, not that
+    rule (tested on its own below)."""
+    monkeypatch.setattr(DecodeStretch, "SETTLE_STEPS", 0)
 
 
 @contextlib.contextmanager
@@ -499,3 +509,25 @@ def test_an_accepted_draft_token_starts_the_async_probes_wait_again(tmp_path):
         assert hook._probe_interval == hook.PROBE_BACKOFF * every  # rejected: still backed off
         hook.make_spec_decoding_stats(None, 2, 1, request_id=rid)
         assert hook._probe_interval == every
+
+
+def test_a_lone_requests_first_decode_steps_do_not_teach_the_step_time_model(tmp_path, monkeypatch):
+    """After a prefill at one request, the hook hands the step-time model only the decode
+    steps past the first ``DecodeStretch.SETTLE_STEPS``; at two requests, every one."""
+    monkeypatch.setattr(DecodeStretch, "SETTLE_STEPS", 3)
+    monkeypatch.setenv("SPECPILOT_K0_LEAN", "0")
+    for batch, expected in ((1, 5 - 3), (2, 5)):
+        with _standin("fixed:0", batch, tmp_path / str(batch)) as hook:
+            _run(hook, 20)
+            hook._observe_quiet()
+            model = hook.controller.step_time
+            out = hook.schedule()  # a step that prefills one request
+            rid = hook.running[0].request_id
+            out.num_scheduled_tokens = {**out.num_scheduled_tokens, rid: 300}
+            out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+            hook.update_from_output(out, None)
+            hook._observe_quiet()
+            before = model.steps
+            _run(hook, 5)
+            hook._observe_quiet()
+            assert model.steps - before == expected

@@ -51,6 +51,17 @@ def test_shape_check_fails_when_vllm_drops_the_live_k_entry_point():
         check_shape(scheduler_shape(src))
 
 
+def test_shape_check_fails_when_the_scheduler_output_loses_a_field_the_hook_reads():
+    # the lean path tells a pure-decode step by total_num_scheduled_tokens (DecodeStretch)
+    src = sources_033()
+    src["v1/core/sched/scheduler.py"], n = re.subn(
+        r"\n\s*total_num_scheduled_tokens=total_num_scheduled_tokens,", "", src["v1/core/sched/scheduler.py"]
+    )
+    assert n == 1
+    with pytest.raises(VllmShapeError, match="scheduler_output_fields"):
+        check_shape(scheduler_shape(src))
+
+
 def test_shape_check_fails_when_the_async_default_class_changes():
     src = sources_033()
     src["config/scheduler.py"] = src["config/scheduler.py"].replace(
