@@ -727,7 +727,7 @@ class _SpecPilotHook:
                 self._stretch.step(n_req, scheduler_output.total_num_scheduled_tokens == n_req)
                 self._busy_s += step_time
                 self._lean_skipped += 1
-                self._lean_request_steps += len(scheduler_output.num_scheduled_tokens)
+                self._lean_request_steps += n_req
                 d = time.perf_counter() - t
                 self._overhead_s += d
                 self._overhead_cpu_s += d
