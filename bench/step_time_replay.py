@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine_host.controller import StepTimeModel, batch_bucket
-from engine_host.step_clock import DecodeStretch
+from engine_host.step_clock import DecodeStretch, StepClock
 
 from .step_trace import Step, busy_intervals, read_trace
 
@@ -76,7 +76,9 @@ class PremiumRow:
         return sum(abs(p - self.measured) <= tolerance for p in self.priced) / len(self.priced)
 
 
-def measured_premiums(steps: Sequence[Step], batches: Sequence[int], k_max: int, max_gap_s: float = 0.05) -> dict:
+def measured_premiums(
+    steps: Sequence[Step], batches: Sequence[int], k_max: int, max_gap_s: float = 0.05
+) -> dict[tuple[int, int], tuple[float, int, int]]:
     """``{(batch, K): (premium, steps at K, steps at K = 0)}`` for K = 1..``k_max`` at each
     batch with steps at both: the median output-to-output interval of a pure-decode step at
     K over one at K = 0, each after another pure-decode step of the same batch."""
@@ -84,7 +86,7 @@ def measured_premiums(steps: Sequence[Step], batches: Sequence[int], k_max: int,
     for iv in busy_intervals(steps, max_gap_s):
         if iv.requests in batches and iv.k_drafted == iv.k_proposed:
             by.setdefault((iv.requests, iv.k_drafted), []).append(iv.seconds)
-    out = {}
+    out: dict[tuple[int, int], tuple[float, int, int]] = {}
     for b in batches:
         base = by.get((b, 0))
         for k in range(1, k_max + 1):
@@ -94,7 +96,9 @@ def measured_premiums(steps: Sequence[Step], batches: Sequence[int], k_max: int,
     return out
 
 
-def replay(steps: Sequence[Step], batches: Sequence[int], k_max: int, **model_args: Any) -> dict:
+def replay(
+    steps: Sequence[Step], batches: Sequence[int], k_max: int, **model_args: Any
+) -> dict[tuple[int, int], list[float]]:
     """Replay ``steps`` through a fresh :class:`StepTimeModel` (``model_args``: its
     constructor arguments) and return ``{(batch, K): [priced premium per sampled step]}``
     for K = 1..``k_max`` at each of ``batches`` (see the module docstring).
@@ -105,11 +109,10 @@ def replay(steps: Sequence[Step], batches: Sequence[int], k_max: int, **model_ar
     model = StepTimeModel(**model_args)
     priced: dict[tuple[int, int], list[float]] = {(b, k): [] for b in batches for k in range(1, k_max + 1)}
     wanted = set(batches)
-    last_output = 0.0
-    stretch = DecodeStretch()
+    clock, stretch = StepClock(), DecodeStretch()
     for s in steps:
-        step_time = s.t_output - max(s.t_scheduled, last_output)
-        last_output = s.t_output
+        clock.scheduled(s.t_scheduled, s.k_drafted, s.k_proposed)
+        step_time, _ = clock.output(s.t_output)
         teaches = stretch.teaches(s.decode, s.requests > 0 and s.decode == s.requests)
         if not teaches or step_time <= 0:
             continue

@@ -77,10 +77,11 @@ def test_a_lone_requests_first_decode_steps_do_not_set_the_price_of_drafting():
 
 def test_only_steps_at_a_priced_batch_are_sampled_and_prefills_are_not_observed():
     steps = _trace(400, outliers=0.0)
-    # a prefill of 500 tokens between every decode step of batch 1 would wreck the cells if fed
-    mixed = [s for pair in zip(steps, [Step(s.t_output, s.t_output, 0, 0, 0, 1, 500) for s in steps]) for s in pair]
-    at_2 = rep.replay(mixed, [2], 4)
-    assert all(not v for v in at_2.values())  # no step at batch 2: nothing sampled
+    assert all(not v for v in rep.replay(steps, [2], 4).values())  # no step at batch 2: nothing sampled
+    # a prefill before every decode step of batch 1: neither the prefills nor the decode
+    # steps right after them teach the model, and a step that taught nothing is not sampled
+    mixed = [x for s in steps for x in (Step(s.t_scheduled, s.t_scheduled, 0, 0, 0, 1, 500), s)]
+    assert all(not v for v in rep.replay(mixed, [1], 4).values())
     priced = rep.replay(steps, [1], 4)[(1, 4)]
     # every pure-decode step at batch 1 past the first SETTLE_STEPS (DecodeStretch)
     assert len(priced) == 400 - DecodeStretch.SETTLE_STEPS
