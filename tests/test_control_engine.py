@@ -17,7 +17,7 @@ import pytest
 
 from control.alerts import events
 from control.apply import ConfigRefused, apply_change, reconcile, rollback
-from control.collector import Collector
+from control.collector import COLLECTOR_STALLED, Collector
 from control.samples import gaps, samples
 from control.store import Store, add_host, audit_events, get_host
 from control.versions import history
@@ -141,8 +141,9 @@ def test_collector_stores_real_samples_and_records_a_gap_while_unreachable(
         wait_for("the host_down alert to close", lambda: not events(store, host="local", open_only=True), 20)
         retry = apply_change(store, "local", {"speculation": {"k": 2}}, reason="retry")
         assert retry.ok
-        (gap,) = gaps(store, "local")
-        assert gap.ended_at - gap.started_at >= 2
+        # a starved machine may also record a stall gap while the load runs; the outage is the one
+        (gap,) = [g for g in gaps(store, "local") if g.reason != COLLECTOR_STALLED]
+        assert "unreachable" in gap.reason and gap.ended_at - gap.started_at >= 2
     finally:
         stop.set()
         collector.stop()
