@@ -1,7 +1,10 @@
 """The control plane against the real engine host (vLLM on CPU, SmolLM2-135M): apply and
 rollback change the live engine, concurrent applies land in order, the collector stores
-real samples and records a gap while the host is unreachable, and an engine restart is
-detected and the last applied version re-applied.
+real samples and records a gap while the host is unreachable, and ``control up`` restarts
+a crashed engine host with the last applied version and Ctrl-C stops its whole tree. kill -9
+of ``control up`` is covered link by link: its children die with it
+(``tests/test_reliability.py``), and an engine host's engine core and workers die with it
+(``tests/test_engine_lifecycle.py``).
 
 Run these under ``flock /tmp/specpilot-engine.lock`` on shared machines."""
 
@@ -150,71 +153,6 @@ def test_collector_stores_real_samples_and_records_a_gap_while_unreachable(
         relay.cut()
 
 
-def test_engine_restart_is_detected_and_the_last_version_reapplied(
-    store, default_model, tmp_path, artifacts_dir, monkeypatch
-):
-    from engine_host.process import EngineHostProcess
-
-    port, token = free_port(), "restart-test-token"
-    monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", token)
-    args = dict(
-        port=port,
-        model=default_model,
-        token=token,
-        env={"SPECPILOT_HOME": str(tmp_path / "home")},
-        extra_args=[
-            "--enforce-eager",
-            "--k-max",
-            "4",
-            "--max-num-seqs",
-            "4",
-            "--max-model-len",
-            "512",
-            "--speculation-mode",
-            "fixed",
-            "--k",
-            "0",
-            "--warmup",
-            "quick",
-        ],
-        log_path=artifacts_dir / "engine-host-restart.log",
-    )
-    first = EngineHostProcess(**args).start()
-    second = None
-    collector = None
-    try:
-        first.wait_ready(timeout_s=float(os.environ.get("SPECPILOT_TEST_READY_TIMEOUT", "400")))
-        add_host(store, "local", first.url)
-        collector = Collector(store, interval_s=1.0, hosts_refresh_s=0.5).start()
-        wait_for("first contact", lambda: history(store, "local"), 30)
-        assert apply_change(
-            store, "local", {"speculation": {"k": 3}, "batch": {"max_num_seqs": 2}}, reason="tuned for this workload"
-        ).ok
-
-        os.killpg(first.proc.pid, signal.SIGKILL)  # a crash, not a clean stop
-        first.proc.wait()
-        wait_for("a gap", lambda: gaps(store, "local"), 30)
-
-        second = EngineHostProcess(**args).start()
-        second.wait_ready(timeout_s=float(os.environ.get("SPECPILOT_TEST_READY_TIMEOUT", "400")))
-        top = wait_for(
-            "the re-apply",
-            lambda: [v for v in history(store, "local", limit=1) if v.source == "reapply" and v.status != "pending"],
-            60,
-        )[0]
-        assert top.status == "applied" and top.rollback_of == 2 and "restarted" in top.reason
-        state = httpx.get(second.url + "/control/state", headers=second.control_headers).json()
-        assert state["config"]["speculation"]["k"] == 3 and state["batch"]["max_num_seqs"] == 2
-        assert any(e.action == "engine.restart" for e in audit_events(store, host="local"))
-        wait_for("the gap to close", lambda: all(g.ended_at for g in gaps(store, "local")), 30)
-    finally:
-        if collector:
-            collector.stop()
-        for eh in (first, second):
-            if eh:
-                eh.stop()
-
-
 def _start_up(default_model, tmp_path, port: int, *engine_args: str, dashboard_port: int | None = None, **popen_kwargs):
     """``python -m control up`` (no dashboard unless ``dashboard_port``) in its own process
     group, output piped."""
@@ -280,32 +218,6 @@ def _engine_host_running(port: int) -> bool:
     return False
 
 
-def test_up_starts_engine_registers_it_collects_and_stops_cleanly_on_ctrl_c(default_model, tmp_path):
-    port = free_port()
-    db = f"sqlite:///{tmp_path / 'up.db'}"
-    proc = _start_up(default_model, tmp_path, port, "--warmup=quick", "--max-model-len=512")
-    try:
-        out = _read_until(proc, "Ctrl-C stops everything")
-        assert "engine host: " in out and "SpecPilot is up" in out, out
-        assert f"http://127.0.0.1:{port}/v1" in out
-        store = Store.open(db)
-        try:
-            wait_for("collected samples", lambda: samples(store, "local", 0, time.time() + 10), 60)
-            assert [v.source for v in history(store, "local")] == ["import"]
-        finally:
-            store.close()
-        token = (tmp_path / "home" / "control_token").read_text().strip()
-        assert token in out  # shown once, on first start
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=90) == 0
-        assert "SpecPilot: stopped" in proc.stdout.read()
-        assert not _engine_host_running(port)
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-    finally:
-        _kill_group(proc)
-
-
 def test_up_stops_on_ctrl_c_during_start_up_even_with_sigint_inherited_as_ignored(default_model, tmp_path):
     """A job started in the background by a non-interactive shell inherits SIGINT as
     ignored; Ctrl-C (SIGINT to the group) must still stop the engine host it started."""
@@ -339,11 +251,15 @@ def _children(pid: int) -> dict[int, str]:
     return out
 
 
-def test_up_supervises_the_engine_host_and_everything_dies_with_it(default_model, tmp_path, monkeypatch):
-    """kill -9 of the engine host under ``control up``: the dashboard and the collector keep
-    running, host-down opens within 5 s, the engine host restarts and gets the last applied
-    version back, the restart is audited; a registered price survives; kill -9 of
-    ``control up`` itself takes its children with it."""
+def test_up_supervises_the_engine_host_restarts_it_with_the_last_version_and_stops_on_ctrl_c(
+    default_model, tmp_path, monkeypatch
+):
+    """``control up`` with its dashboard: it prints where everything is and the token once,
+    registers the engine host and collects its samples. kill -9 of the engine host: the
+    dashboard and the collector keep running, host-down opens within 5 s and a gap is
+    recorded, the engine host restarts and gets the last applied version back (K and
+    max_num_seqs), the restart is audited, the gap closes, a registered price survives and
+    a supervised restart is not drift. Ctrl-C then stops the whole tree with exit 0."""
     from control.drift import open_drift
     from control.versions import version_in_force
 
@@ -355,12 +271,23 @@ def test_up_supervises_the_engine_host_and_everything_dies_with_it(default_model
         default_model, tmp_path, port, "--warmup=quick", "--max-model-len=512", "--k-max=4", dashboard_port=dport
     )
     try:
-        _read_until(proc, "Ctrl-C stops everything")
+        out = _read_until(proc, "Ctrl-C stops everything")
+        assert "engine host: " in out and "SpecPilot is up" in out, out
+        assert f"http://127.0.0.1:{port}/v1" in out
+        token = (tmp_path / "home" / "control_token").read_text().strip()
+        assert token in out  # shown once, on first start
         host = get_host(store, "local")
         assert (host.usd_per_hour, host.gpu_kind) == (2.5, "H100")  # a restart of control up kept the price
         wait_for("first contact", lambda: history(store, "local"), 60)
-        monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", (tmp_path / "home" / "control_token").read_text().strip())
-        applied = apply_change(store, "local", {"speculation": {"mode": "fixed", "k": 3}}, reason="tuned")
+        assert [v.source for v in history(store, "local")] == ["import"]
+        wait_for("collected samples", lambda: samples(store, "local", 0, time.time() + 10), 60)
+        monkeypatch.setenv("SPECPILOT_CONTROL_TOKEN", token)
+        applied = apply_change(
+            store,
+            "local",
+            {"speculation": {"mode": "fixed", "k": 3}, "batch": {"max_num_seqs": 2}},
+            reason="tuned for this workload",
+        )
         assert applied.ok
         wait_for("the dashboard", lambda: _get_ok(f"http://127.0.0.1:{dport}/_stcore/health"), 120)
         (engine_pid,) = [
@@ -368,7 +295,7 @@ def test_up_supervises_the_engine_host_and_everything_dies_with_it(default_model
         ]
         dashboard_pids = {p for p, cmd in _children(proc.pid).items() if "streamlit" in cmd or "dashboard" in cmd}
 
-        os.kill(engine_pid, signal.SIGKILL)
+        os.kill(engine_pid, signal.SIGKILL)  # a crash, not a clean stop
         t_kill = time.time()
         down = wait_for(
             "host-down",
@@ -379,6 +306,7 @@ def test_up_supervises_the_engine_host_and_everything_dies_with_it(default_model
         assert down[0]["started_at"] - t_kill < 5.0 and time.time() - t_kill < 6.0
         assert proc.poll() is None and _get_ok(f"http://127.0.0.1:{dport}/_stcore/health")
         assert dashboard_pids <= set(_children(proc.pid))  # the same dashboard, still up
+        assert gaps(store, "local")  # the outage is recorded
         wait_for(
             "the restart in the audit trail",
             lambda: [e for e in audit_events(store, host="local") if e.action == "engine_host.restart"],
@@ -389,17 +317,27 @@ def test_up_supervises_the_engine_host_and_everything_dies_with_it(default_model
             lambda: [v for v in history(store, "local", limit=1) if v.source == "reapply" and v.status == "applied"],
             400,
         )[0]
-        assert top.rollback_of == applied.version and top.config["speculation"]["k"] == 3
+        assert top.rollback_of == applied.version and "restarted" in top.reason
+        assert top.config["speculation"]["k"] == 3 and top.config["batch"]["max_num_seqs"] == 2
         assert version_in_force(store, "local").version == top.version
+        assert any(e.action == "engine.restart" for e in audit_events(store, host="local"))
+        state = httpx.get(
+            f"http://127.0.0.1:{port}/control/state", headers={"Authorization": f"Bearer {token}"}, timeout=30
+        ).json()
+        assert state["config"]["speculation"]["k"] == 3 and state["batch"]["max_num_seqs"] == 2
         wait_for("host-down to close", lambda: not events(store, host="local", open_only=True), 30)
+        wait_for("the gap to close", lambda: all(g.ended_at for g in gaps(store, "local")), 30)
         assert open_drift(store, "local") is None  # a supervised restart is not drift
 
         assert len(_children(proc.pid)) == 2
         tree = _tree(proc.pid)  # engine host, its engine core and workers, dashboard
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        wait_for("the whole tree to die with control up", lambda: not any(_alive(p) for p in tree), 60)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=90) == 0
+        assert "SpecPilot: stopped" in proc.stdout.read()
+        wait_for("the whole tree to stop with control up", lambda: not any(_alive(p) for p in tree), 60)
         assert not _engine_host_running(port)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
     finally:
         store.close()
         _kill_group(proc)

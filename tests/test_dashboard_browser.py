@@ -210,7 +210,7 @@ def test_wrong_password_is_refused(page, stack):
 def test_live_charts_fill_while_load_runs(page, stack, engine_host, artifacts_dir):
     login(page, stack, OPERATOR)
     go(page, "Live")
-    loader = threading.Thread(target=_load, args=(engine_host, 25.0), daemon=True)
+    loader = threading.Thread(target=_load, args=(engine_host, 12.0), daemon=True)
     loader.start()
     # The tiles start empty ("—") and fill from the collector's samples without a reload.
     tile = page.get_by_test_id("stMetric").filter(has_text="TTFT P99")

@@ -132,9 +132,9 @@ def test_every_panel_returns_data_and_both_sources_agree(engine_host, restore_co
         t0 = math.floor(time.time()) - 1
         for t in loaders:
             t.start()
-        time.sleep(8)
+        time.sleep(5)
         assert apply_change(store, "local", {"speculation": {"mode": "fixed", "k": 3}}, reason="dashboard test").ok
-        time.sleep(8)
+        time.sleep(5)
         stop.set()
         for t in loaders:
             t.join(timeout=120)

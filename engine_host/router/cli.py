@@ -135,7 +135,7 @@ def cpu_child_env(environ: dict[str, str] | None = None, ncpu: int | None = None
         environ: the environment to respect (default ``os.environ``).
         ncpu: cores on this machine (default ``os.cpu_count()``).
     """
-    from ..launcher import is_cpu_build
+    from ..launcher import is_cpu_build  # imports vLLM: not at module level
 
     have: Mapping[str, str] = os.environ if environ is None else environ
     if not is_cpu_build() or "VLLM_CPU_OMP_THREADS_BIND" in have:
@@ -208,14 +208,20 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        # one after the other: vLLM sizes its KV cache from the GPU memory that changes while
-        # it profiles, so an engine starting beside another one sees the other's KV cache
-        # appear and fails ("Available KV cache memory: -1.01 GiB", seen on an H100)
-        for name, c in children:
-            print(f"starting the {name} engine host: {c.url} (log {c.log_path})", flush=True)
-            c.start()
-            secs = c.wait_ready(timeout_s=args.ready_timeout)
-            print(f"  {name} engine host ready in {secs:.1f} s", flush=True)
+        # on a GPU one after the other: vLLM sizes its KV cache from the GPU memory that
+        # changes while it profiles, so an engine starting beside another one sees the other's
+        # KV cache appear and fails ("Available KV cache memory: -1.01 GiB", seen on an H100).
+        # The CPU build is given its KV cache size, so both start at once there.
+        from ..launcher import is_cpu_build
+
+        waves = [children] if is_cpu_build() else [[child] for child in children]
+        for wave in waves:
+            for name, c in wave:
+                print(f"starting the {name} engine host: {c.url} (log {c.log_path})", flush=True)
+                c.start()
+            for name, c in wave:
+                secs = c.wait_ready(timeout_s=args.ready_timeout)
+                print(f"  {name} engine host ready in {secs:.1f} s", flush=True)
         b = config["backends"]
         print(
             f"SpecPilot engine router on http://{args.host}:{args.port} ({args.front} front; "
