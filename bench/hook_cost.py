@@ -139,7 +139,8 @@ def standin_hook(mode: str, batch: int, folder: str, async_scheduling: bool = Fa
         else:
             os.environ[envs.CHANNEL] = old
     hook.running = [
-        types.SimpleNamespace(request_id=f"r{i}", spec_token_ids=[], num_output_tokens=8) for i in range(batch)
+        types.SimpleNamespace(request_id=f"r{i}", spec_token_ids=[], num_output_tokens=8, num_computed_tokens=200)
+        for i in range(batch)
     ]
     hook.requests = {r.request_id: r for r in hook.running}
     return hook, channel

@@ -52,11 +52,13 @@ class Step:
     decode: int
     requests: int
     tokens: int
+    context: int = 0  # tokens in the KV cache of the step's requests (0: not in the trace)
 
 
 @dataclass(frozen=True)
 class Interval:
-    """A busy decode step measured output to output: wall time (s), its batch and K."""
+    """A busy decode step measured output to output: wall time (s), its batch and K, and its
+    requests' KV-cache length (tokens; 0 where the trace does not record it)."""
 
     seconds: float
     requests: int
@@ -64,6 +66,7 @@ class Interval:
     k_proposed: int
     k_drafted_before: int
     t_output: float  # when the step's output came back (s, the engine core's clock)
+    context: int = 0
 
 
 def read_trace(path: str | Path) -> list[Step]:
@@ -87,6 +90,7 @@ def read_trace(path: str | Path) -> list[Step]:
                 int(r["decode"]),
                 int(r["requests"]),
                 int(r["tokens"]),
+                int(r.get("context") or 0),  # traces before the column: 0
             )
             for r in reader
         ]
@@ -114,7 +118,9 @@ def busy_intervals(steps: Sequence[Step], max_gap_s: float = 0.05, since_s: floa
             continue
         dt = cur.t_output - prev.t_output
         if 0.0 < dt <= max_gap_s:
-            out.append(Interval(dt, cur.requests, cur.k_drafted, cur.k_proposed, prev.k_drafted, cur.t_output))
+            out.append(
+                Interval(dt, cur.requests, cur.k_drafted, cur.k_proposed, prev.k_drafted, cur.t_output, cur.context)
+            )
     return out
 
 
@@ -178,26 +184,32 @@ def range_table(traces: Sequence[Sequence[Step]], max_gap_s: float = 0.05, since
     return lines
 
 
-def _row(label: str, values: list[float]) -> str:
+def _row(label: str, values: list[float], contexts: list[int]) -> str:
     ms = sorted(v * 1e3 for v in values)
     p90 = ms[min(len(ms) - 1, int(0.9 * len(ms)))]
-    return f"| {label} | {len(ms)} | {statistics.median(ms):.3f} | {statistics.fmean(ms):.3f} | {p90:.3f} |"
+    ctx = f"{statistics.median(contexts):.0f}" if any(contexts) else "-"
+    return f"| {label} | {len(ms)} | {statistics.median(ms):.3f} | {statistics.fmean(ms):.3f} | {p90:.3f} | {ctx} |"
 
 
 def table(intervals: Iterable[Interval], key: str, min_steps: int = 20) -> list[str]:
     """Markdown rows, per batch size and value of ``key`` (an :class:`Interval` field name
-    or ``transition``), of steps, median / mean / p90 ms per step."""
-    groups: dict[tuple[int, str], list[float]] = defaultdict(list)
+    or ``transition``), of steps, median / mean / p90 ms per step, and the median KV-cache
+    length per request (tokens; ``-`` for a trace without it): a group of longer contexts
+    costs more per step whatever its K."""
+    groups: dict[tuple[int, str], list[Interval]] = defaultdict(list)
     for iv in intervals:
         if key == "transition":
             label = f"{iv.k_drafted_before} -> {iv.k_drafted}"
         else:
             label = str(getattr(iv, key))
-        groups[(iv.requests, label)].append(iv.seconds)
-    lines = [f"| requests, {key} | steps | median ms | mean ms | p90 ms |", "|---|---:|---:|---:|---:|"]
-    for (b, label), values in sorted(groups.items()):
-        if len(values) >= min_steps:
-            lines.append(_row(f"{b}, {label}", values))
+        groups[(iv.requests, label)].append(iv)
+    lines = [
+        f"| requests, {key} | steps | median ms | mean ms | p90 ms | context tokens per request (median) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for (b, label), ivs in sorted(groups.items()):
+        if len(ivs) >= min_steps:
+            lines.append(_row(f"{b}, {label}", [iv.seconds for iv in ivs], [iv.context // max(b, 1) for iv in ivs]))
     return lines
 
 

@@ -816,9 +816,15 @@ class _SpecPilotHook:
 
     def _trace_row(self, step: Any, t_output: float, out: Any, k_drafted: int, k_proposed: int, n_dec: int) -> None:
         """One row of the step trace (``engine_host.step_trace``): the step as scheduled,
-        when its output came back (s), its K verified and proposed, and its requests that
-        only decoded (``n_dec``), of all it scheduled."""
+        when its output came back (s), its K verified and proposed, its requests that only
+        decoded (``n_dec``), of all it scheduled, and their KV-cache length (tokens)."""
         assert self._trace is not None
+        requests = self.requests  # type: ignore[attr-defined]
+        context = 0
+        for req_id in out.num_scheduled_tokens:
+            req = requests.get(req_id)
+            if req is not None:  # None: it finished in this step
+                context += req.num_computed_tokens
         self._trace.add(
             step.t_scheduled,
             t_output,
@@ -827,6 +833,7 @@ class _SpecPilotHook:
             n_dec,
             len(out.num_scheduled_tokens),
             int(getattr(out, "total_num_scheduled_tokens", 0) or 0),
+            context,
         )
 
     def _observe_quiet(self) -> None:

@@ -16,7 +16,10 @@ File format: CSV with a header, one row per step output:
 ``k_drafted`` (tokens: the K the drafts this step verified were proposed at; an n-gram
 proposer may have found fewer), ``k_proposed`` (tokens: the K chosen in this step for the next
 drafts), ``decode`` (requests in the step that only decoded),
-``requests`` (requests in the step), ``tokens`` (tokens scheduled in the step).
+``requests`` (requests in the step), ``tokens`` (tokens scheduled in the step), ``context``
+(tokens: the KV-cache length of the step's requests after it, summed; a request that finished
+in the step is left out; attention's share of a step follows it). Traces written before the
+``context`` column read as context 0.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections import deque
 
 from . import envs
 
-HEADER = "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens\n"
+HEADER = "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens,context\n"
 
 
 class StepTrace:
@@ -56,11 +59,15 @@ class StepTrace:
         decode: int,
         requests: int,
         tokens: int,
+        context: int = 0,
     ) -> None:
-        """Record one step's output (times in s of ``time.perf_counter()``; K in tokens)."""
+        """Record one step's output (times in s of ``time.perf_counter()``; K, tokens and
+        context in tokens)."""
         if len(self._rows) == self._rows.maxlen:
             self.dropped += 1
-        self._rows.append(f"{t_scheduled:.6f},{t_output:.6f},{k_drafted},{k_proposed},{decode},{requests},{tokens}\n")
+        self._rows.append(
+            f"{t_scheduled:.6f},{t_output:.6f},{k_drafted},{k_proposed},{decode},{requests},{tokens},{context}\n"
+        )
 
     def flush(self) -> None:
         """Append the buffered rows to the file. Raises ``OSError`` when it cannot be written

@@ -148,7 +148,13 @@ def scheduler_class(async_on: bool) -> str:
 # -- shape of vLLM's scheduler sources ----------------------------------------------------
 
 EXPECTED_SHAPE: dict[str, Any] = {
-    "scheduler_init_sets": ["dynamic_sd_lookup", "max_num_running_reqs", "max_num_scheduled_tokens", "num_spec_tokens"],
+    "scheduler_init_sets": [
+        "dynamic_sd_lookup",
+        "max_num_running_reqs",
+        "max_num_scheduled_tokens",
+        "num_spec_tokens",
+        "requests",
+    ],
     "schedule_indexes_dynamic_sd_lookup": True,
     "scheduler_methods": [
         "add_request",

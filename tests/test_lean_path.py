@@ -156,8 +156,9 @@ def test_a_step_trace_keeps_the_lean_path_and_writes_a_row_for_every_step(tmp_pa
         assert len(files) == 1
         rows = files[0].read_text().splitlines()[1:]
         assert len(rows) == n + 1
-        # every row: K 0 verified and proposed, both requests decoding, of 2
+        # every row: K 0 verified and proposed, both requests decoding, of 2, with their context
         assert {tuple(r.split(",")[2:6]) for r in rows} == {("0", "0", "2", "2")}
+        assert {r.split(",")[7] for r in rows} == {"400"}
 
 
 def test_acceptance_estimates_fade_on_the_lean_path_as_they_do_step_by_step(tmp_path, monkeypatch):

@@ -22,15 +22,15 @@ def _write(path: Path, rows: list[tuple]) -> None:
 def test_trace_is_written_on_flush_only_and_appends(tmp_path: Path) -> None:
     path = tmp_path / "steps.csv"
     t = StepTrace(str(path))
-    t.add(1.0, 1.002, 0, 2, 1, 1, 1)
+    t.add(1.0, 1.002, 0, 2, 1, 1, 1, 40)
     assert path.read_text() == HEADER  # buffered: no I/O in the step
     t.flush()
-    t.add(1.002, 1.005, 2, 2, 1, 1, 3)
+    t.add(1.002, 1.005, 2, 2, 1, 1, 3, 41)
     t.flush()
     t.flush()  # nothing buffered: nothing written
     lines = path.read_text().splitlines()
     assert lines[0] + "\n" == HEADER
-    assert lines[1:] == ["1.000000,1.002000,0,2,1,1,1", "1.002000,1.005000,2,2,1,1,3"]
+    assert lines[1:] == ["1.000000,1.002000,0,2,1,1,1,40", "1.002000,1.005000,2,2,1,1,3,41"]
     # a second writer (engine restarted with the same file) appends, no second header
     StepTrace(str(path)).flush()
     assert path.read_text().count("t_scheduled_s") == 1
@@ -77,6 +77,25 @@ def test_busy_intervals_keep_only_pure_decode_steps_of_one_batch(tmp_path: Path)
     lines = bst.table(iv, "k_drafted", min_steps=1)
     assert "| 1, 0 | 1 | 2.000 |" in lines[2] and "| 1, 2 | 2 | 3.000 |" in lines[3]
     assert any("0 -> 2" in line for line in bst.table(iv, "transition", min_steps=1))
+
+
+def test_the_table_gives_each_groups_context_per_request_and_reads_traces_without_it(tmp_path: Path) -> None:
+    # t_sched, t_out, k_drafted, k_proposed, decode, requests, tokens, context (2 requests)
+    rows = [(0.001 * i, 0.001 * (i + 1), 0, 0, 2, 2, 2, 200 + 2 * i) for i in range(6)]  # timed: 1..5
+    rows += [(0.006 + 0.002 * i, 0.007 + 0.002 * (i + 1), 4, 4, 2, 2, 10, 1000 + 10 * i) for i in range(5)]
+    _write(tmp_path / "s.csv", rows)
+    iv = bst.busy_intervals(bst.read_trace(tmp_path / "s.csv"))
+    lines = bst.table(iv, "k_drafted", min_steps=1)
+    assert lines[2].endswith("| 103 |") and lines[3].endswith("| 510 |")  # median context / 2 requests
+    # a trace written before the context column: read, the column shown as "-"
+    old = tmp_path / "old.csv"
+    old.write_text(
+        "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens\n"
+        + "".join(f"{0.001 * i:.6f},{0.001 * (i + 1):.6f},0,0,1,1,1\n" for i in range(4))
+    )
+    steps = bst.read_trace(old)
+    assert [s.context for s in steps] == [0] * 4
+    assert bst.table(bst.busy_intervals(steps), "k_drafted", min_steps=1)[2].endswith("| - |")
 
 
 def test_the_range_table_counts_every_step_and_splits_steps_by_what_came_before(tmp_path: Path) -> None:
