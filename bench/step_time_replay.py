@@ -16,10 +16,12 @@ when the adaptive controller prices B.
 
 The measured premium is taken from the same trace: the median wall time of a pure-decode
 step at K over one at K = 0, each right after another pure-decode step of the same batch
-(``bench step-trace``'s busy intervals).
+(``bench step-trace``'s busy intervals), and the same with mean times. Throughput follows the
+mean (the time of N steps is N times the mean step), and the model's cells are means too; the
+median shows what a typical step costs, without the slow tail.
 
 Prints, per batch size and K with at least ``--min-steps`` measured steps:
-* the measured premium;
+* the measured premium, of medians and of means;
 * the priced premium's 10th, 50th and 90th percentiles over the replay;
 * the share of samples within ``--tolerance`` of the measured premium.
 
@@ -50,8 +52,9 @@ from .step_trace import Step, busy_intervals, read_trace
 class PremiumRow:
     """One (batch, K) row of a replay: the measured premium and the priced ones.
 
-    ``measured``: median ms at K over median ms at K = 0 (ratio); ``priced``: the model's
-    ``T(B, K) / T(B, 0)`` at every sampled step (ratios, in replay order).
+    ``measured``: median ms at K over median ms at K = 0 (ratio); ``measured_mean``: the
+    same of means; ``priced``: the model's ``T(B, K) / T(B, 0)`` at every sampled step
+    (ratios, in replay order).
     """
 
     batch: int
@@ -60,6 +63,7 @@ class PremiumRow:
     steps_k: int
     steps_0: int
     priced: tuple[float, ...]
+    measured_mean: float = float("nan")
 
     def quantile(self, q: float) -> float:
         """The ``q`` (0..1) quantile of the priced premiums (nearest rank); NaN if none."""
@@ -78,21 +82,27 @@ class PremiumRow:
 
 def measured_premiums(
     steps: Sequence[Step], batches: Sequence[int], k_max: int, max_gap_s: float = 0.05
-) -> dict[tuple[int, int], tuple[float, int, int]]:
-    """``{(batch, K): (premium, steps at K, steps at K = 0)}`` for K = 1..``k_max`` at each
-    batch with steps at both: the median output-to-output interval of a pure-decode step at
-    K over one at K = 0, each after another pure-decode step of the same batch."""
+) -> dict[tuple[int, int], tuple[float, int, int, float]]:
+    """``{(batch, K): (premium, steps at K, steps at K = 0, premium of means)}`` for K =
+    1..``k_max`` at each batch with steps at both: the median output-to-output interval of a
+    pure-decode step at K over one at K = 0, each after another pure-decode step of the same
+    batch, and the mean interval at K over the mean at K = 0."""
     by: dict[tuple[int, int], list[float]] = {}
     for iv in busy_intervals(steps, max_gap_s):
         if iv.requests in batches and iv.k_drafted == iv.k_proposed:
             by.setdefault((iv.requests, iv.k_drafted), []).append(iv.seconds)
-    out: dict[tuple[int, int], tuple[float, int, int]] = {}
+    out: dict[tuple[int, int], tuple[float, int, int, float]] = {}
     for b in batches:
         base = by.get((b, 0))
         for k in range(1, k_max + 1):
             at_k = by.get((b, k))
             if base and at_k:
-                out[(b, k)] = (statistics.median(at_k) / statistics.median(base), len(at_k), len(base))
+                out[(b, k)] = (
+                    statistics.median(at_k) / statistics.median(base),
+                    len(at_k),
+                    len(base),
+                    statistics.fmean(at_k) / statistics.fmean(base),
+                )
     return out
 
 
@@ -149,8 +159,8 @@ def rows(
     measured = measured_premiums(steps, batches, k_max)
     priced = replay(steps, batches, k_max, **model_args)
     return [
-        PremiumRow(b, k, m, nk, n0, tuple(priced[(b, k)]))
-        for (b, k), (m, nk, n0) in sorted(measured.items())
+        PremiumRow(b, k, m, nk, n0, tuple(priced[(b, k)]), mm)
+        for (b, k), (m, nk, n0, mm) in sorted(measured.items())
         if nk >= min_steps and n0 >= min_steps
     ]
 
@@ -197,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             ap.error(str(exc))
         print(f"## {Path(f).name}: {len(steps)} steps\n")
-        header = "| batch, K | measured (steps at K / K = 0) | default: p10 / p50 / p90, within |"
+        header = "| batch, K | measured: medians, means (steps at K / K = 0) | default: p10 / p50 / p90, within |"
         sep = "|---|---|---|"
         if variant:
             header += f" {label}: p10 / p50 / p90, within |"
@@ -206,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         base = rows(steps, batches, args.k_max, args.min_steps)
         other = rows(steps, batches, args.k_max, args.min_steps, **variant) if variant else []
         for i, r in enumerate(base):
-            cells = [f"{r.batch}, {r.k}", f"{r.measured:.3f} ({r.steps_k} / {r.steps_0})", _summary(r, args.tolerance)]
+            cells = [
+                f"{r.batch}, {r.k}",
+                f"{r.measured:.3f}, {r.measured_mean:.3f} ({r.steps_k} / {r.steps_0})",
+                _summary(r, args.tolerance),
+            ]
             if variant:
                 cells.append(_summary(other[i], args.tolerance))
             print("| " + " | ".join(cells) + " |")

@@ -14,9 +14,10 @@ from engine_host.step_clock import DecodeStretch
 from engine_host.step_trace import StepTrace
 
 
-def _trace(n: int = 3000, premium: float = 1.2, outliers: float = 0.05, seed: int = 1) -> list[Step]:
+def _trace(n: int = 3000, premium: float = 1.2, outliers: float = 0.05, seed: int = 1, tail: float = 0.0) -> list[Step]:
     """Batch-1 pure-decode steps, alternating spells of 50 at K = 0 and at K = 4; a K = 4
-    step costs ``premium`` times a K = 0 step; a share ``outliers`` of steps takes 3x."""
+    step costs ``premium`` times a K = 0 step; a share ``outliers`` of steps takes 3x, and a
+    share ``tail`` of the K = 4 steps 5x."""
     rnd = random.Random(seed)
     steps, t = [], 0.0
     for i in range(n):
@@ -24,17 +25,22 @@ def _trace(n: int = 3000, premium: float = 1.2, outliers: float = 0.05, seed: in
         dt = 0.002 * (premium if k else 1.0) * rnd.uniform(0.95, 1.05)
         if rnd.random() < outliers:
             dt *= 3
+        if k and rnd.random() < tail:
+            dt *= 5
         steps.append(Step(t, t + dt, k, k, 1, 1, 1 + k))
         t += dt
     return steps
 
 
-def test_the_measured_premium_is_the_ratio_of_median_step_times():
+def test_the_measured_premium_is_the_ratio_of_median_step_times_and_of_means():
     measured = rep.measured_premiums(_trace(), [1], 4)
     assert set(measured) == {(1, 4)}  # only K = 4 ran beside K = 0
-    premium, n_k, n_0 = measured[(1, 4)]
-    assert premium == pytest.approx(1.2, abs=0.02)
+    premium, n_k, n_0, of_means = measured[(1, 4)]
+    assert premium == pytest.approx(1.2, abs=0.02) and of_means == pytest.approx(1.2, abs=0.04)
     assert n_k > 1000 and n_0 > 1000
+    # a slow tail only at K = 4 (one step in 10 at 5x): the medians do not see it, the means do
+    premium, _, _, of_means = rep.measured_premiums(_trace(tail=0.1), [1], 4)[(1, 4)]
+    assert premium == pytest.approx(1.2, abs=0.03) and of_means > 1.5
 
 
 def test_the_replay_prices_k_near_the_measured_premium_and_a_smaller_alpha_narrows_its_swings():
@@ -96,7 +102,10 @@ def test_the_command_prints_a_row_per_batch_and_k_and_refuses_bad_arguments(tmp_
     assert len(read_trace(path)) == 1200
     assert rep.main([str(path), "--batches", "1,8", "--set", "alpha=0.02"]) == 0
     out = capsys.readouterr().out
-    assert "| 1, 4 | 1.19" in out and "alpha=0.02" in out
+    row = next(line for line in out.splitlines() if line.startswith("| 1, 4 |"))
+    median, mean = (float(v) for v in row.split("|")[2].split("(")[0].split(","))
+    assert median == pytest.approx(1.2, abs=0.02) and mean == pytest.approx(1.2, abs=0.05)
+    assert "alpha=0.02" in out
     assert "| 8," not in out  # no steps at batch 8
     for bad in (["--set", "no_such_arg=1"], ["--set", "cell_clip"], ["--batches", "one"], ["--batches", "0"]):
         with pytest.raises(SystemExit):
