@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -88,10 +89,14 @@ def _base_url(args: Any) -> str:
 
 
 def _headers(args: Any, request_id: str) -> dict[str, str]:
+    """Headers of a warm-up or heartbeat request: its id, and the OpenAI API key the server
+    checks, as vLLM picks it (``--api-key``, else ``$VLLM_API_KEY``, which is how the
+    launcher hands the key over: never on a command line)."""
     headers = {"X-Request-Id": request_id}
     keys = getattr(args, "api_key", None)
     if isinstance(keys, list):
         keys = keys[0] if keys else None
+    keys = keys or os.environ.get("VLLM_API_KEY", "").strip()
     if keys:
         headers["Authorization"] = f"Bearer {keys}"
     return headers

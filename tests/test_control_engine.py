@@ -4,7 +4,7 @@ real samples and records a gap while the host is unreachable, and ``control up``
 a crashed engine host with the last applied version and Ctrl-C stops its whole tree. kill -9
 of ``control up`` is covered link by link: its children die with it
 (``tests/test_reliability.py``), and an engine host's engine core and workers die with it
-(``tests/test_engine_lifecycle.py``).
+(``tests/test_draft_engine.py``, its last test).
 
 Run these under ``flock /tmp/specpilot-engine.lock`` on shared machines."""
 

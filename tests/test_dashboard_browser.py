@@ -375,11 +375,32 @@ OVERFLOW_JS = """() => [...document.querySelectorAll('[data-testid="stMetric"] *
     .map(e => e.textContent)"""
 
 
-def test_live_tiles_never_cut_a_number_under_high_latency(browser, stack, artifacts_dir):
-    """A host whose stored samples say TTFT P99 24.9 s, ITL P99 19.9 s and 47,620
-    tokens/s: at 1280 px (and at 800 px) no tile's text overflows its box."""
+def test_history_lists_warm_up_and_heartbeat_runs(page, stack, artifacts_dir):
+    from control.views import history as history_views
+
+    # the engine host's start-up warm-up runs reach the store through the collector
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and history_views.heartbeat_runs(stack["store"], host=HOST).empty:
+        time.sleep(1.0)
+    assert not history_views.heartbeat_runs(stack["store"], host=HOST).empty, "no warm-up run reached the store"
+    login(page, stack, VIEWER)
+    go(page, "History")
+    expander = page.get_by_test_id("stExpander").filter(has_text="Warm-up and heartbeat runs")
+    expander.get_by_text("Warm-up and heartbeat runs (skips included)").click()
+    expander.get_by_test_id("stDataFrame").wait_for()
+    assert expander.get_by_text("No warm-up or heartbeat run in this span.").count() == 0
+    shot(page, artifacts_dir, "history-runs")
+
+
+@pytest.fixture(scope="module")
+def late_hosts(stack, engine_host):
+    """Two hosts registered after the dashboard started, at once, for the module's last tests
+    (the dashboard caches its host list for 10 s: one wait serves both): "slow", whose stored
+    samples say TTFT P99 24.9 s, ITL P99 19.9 s and 47,620 tokens/s, and "gpu-a", 16
+    one-minute points at K = 2 whose latency does not grow with the rate."""
     from control.samples import insert_samples
     from control.store import add_host, remove_host
+    from tests.test_planner import _store_with_bad_fit
 
     store = stack["store"]
     h = add_host(store, "slow", f"http://127.0.0.1:{_free_port()}", usd_per_hour=1.0, token_env=TOKEN_ENV, actor="test")
@@ -413,57 +434,41 @@ def test_live_tiles_never_cut_a_number_under_high_latency(browser, stack, artifa
             for t in range(now - 60, now)
         ],
     )
-    time.sleep(10.5)  # the dashboard's host list is cached for 10 s
-    try:
-        for width in (1280, 800):
-            ctx = browser.new_context(viewport={"width": width, "height": 1400})
-            try:
-                pg = ctx.new_page()
-                pg.set_default_timeout(30_000)
-                login(pg, stack, VIEWER)
-                pg.get_by_test_id("stSelectbox").filter(has_text="Host").first.click()
-                pg.get_by_role("option", name="slow").click()
-                tile = pg.get_by_test_id("stMetric").filter(has_text="TTFT P99")
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline and "24.9 s" not in tile.inner_text():
-                    time.sleep(0.5)
-                assert "24.9 s" in tile.inner_text(), tile.inner_text()
-                time.sleep(1.0)
-                cut = pg.evaluate(OVERFLOW_JS)
-                shot(pg, artifacts_dir, f"live-tiles-{width}")
-                assert cut == [], f"tiles cut at {width} px: {cut}"
-                assert "…" not in " ".join(pg.get_by_test_id("stMetric").all_inner_texts())
-            finally:
-                ctx.close()
-    finally:
-        remove_host(store, "slow", actor="test")
-
-
-def test_history_lists_warm_up_and_heartbeat_runs(page, stack, artifacts_dir):
-    from control.views import history as history_views
-
-    # the engine host's start-up warm-up runs reach the store through the collector
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and history_views.heartbeat_runs(stack["store"], host=HOST).empty:
-        time.sleep(1.0)
-    assert not history_views.heartbeat_runs(stack["store"], host=HOST).empty, "no warm-up run reached the store"
-    login(page, stack, VIEWER)
-    go(page, "History")
-    expander = page.get_by_test_id("stExpander").filter(has_text="Warm-up and heartbeat runs")
-    expander.get_by_text("Warm-up and heartbeat runs (skips included)").click()
-    expander.get_by_test_id("stDataFrame").wait_for()
-    assert expander.get_by_text("No warm-up or heartbeat run in this span.").count() == 0
-    shot(page, artifacts_dir, "history-runs")
-
-
-def test_planner_says_not_enough_data_on_a_bad_fit(browser, stack, engine_host, artifacts_dir):
-    """16 one-minute points at K = 2 whose latency does not grow with the rate (Kong's C2
-    would be 0): the page must say "not enough data", never draw that fit as an answer."""
-    from control.store import remove_host
-    from tests.test_planner import _store_with_bad_fit
-
     _store_with_bad_fit(stack["db"], engine_host.url, time.time())  # host "gpu-a"
     time.sleep(10.5)  # the dashboard's host list is cached for 10 s
+    yield
+    remove_host(store, "slow", actor="test")
+    remove_host(store, "gpu-a", actor="test")
+
+
+def test_live_tiles_never_cut_a_number_under_high_latency(browser, stack, late_hosts, artifacts_dir):
+    """A host whose stored samples say TTFT P99 24.9 s, ITL P99 19.9 s and 47,620
+    tokens/s: at 1280 px (and at 800 px) no tile's text overflows its box."""
+    for width in (1280, 800):
+        ctx = browser.new_context(viewport={"width": width, "height": 1400})
+        try:
+            pg = ctx.new_page()
+            pg.set_default_timeout(30_000)
+            login(pg, stack, VIEWER)
+            pg.get_by_test_id("stSelectbox").filter(has_text="Host").first.click()
+            pg.get_by_role("option", name="slow").click()
+            tile = pg.get_by_test_id("stMetric").filter(has_text="TTFT P99")
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and "24.9 s" not in tile.inner_text():
+                time.sleep(0.5)
+            assert "24.9 s" in tile.inner_text(), tile.inner_text()
+            time.sleep(1.0)
+            cut = pg.evaluate(OVERFLOW_JS)
+            shot(pg, artifacts_dir, f"live-tiles-{width}")
+            assert cut == [], f"tiles cut at {width} px: {cut}"
+            assert "…" not in " ".join(pg.get_by_test_id("stMetric").all_inner_texts())
+        finally:
+            ctx.close()
+
+
+def test_planner_says_not_enough_data_on_a_bad_fit(browser, stack, late_hosts, artifacts_dir):
+    """16 one-minute points at K = 2 whose latency does not grow with the rate (Kong's C2
+    would be 0): the page must say "not enough data", never draw that fit as an answer."""
     ctx = browser.new_context(viewport={"width": 1440, "height": 1800})
     try:
         pg = ctx.new_page()
@@ -478,4 +483,3 @@ def test_planner_says_not_enough_data_on_a_bad_fit(browser, stack, engine_host, 
         shot(pg, artifacts_dir, "planner-not-enough-data")
     finally:
         ctx.close()
-        remove_host(stack["store"], "gpu-a", actor="test")

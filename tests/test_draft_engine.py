@@ -1,12 +1,16 @@
 """Draft-model speculation on the real engine (CPU, eager): the default model drafted by its
-own first layers. One engine for the module."""
+own first layers. One engine host for the module, which also guards its OpenAI API with a key;
+the module's last test kills its API process with kill -9 (nothing of the engine host may
+outlive it), so it must stay last."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import httpx
+import psutil
 import pytest
 
 from tests.test_engine_host import metric_values
@@ -16,11 +20,14 @@ pytestmark = pytest.mark.engine
 MODEL = "SmolLM2-135M-Instruct"
 K_MAX = 4
 PROMPT = "red apple, green pear, yellow banana, purple plum, orange mango, " * 4
+API_KEY = "sk-draft-host-7f3a9c"
+KEY = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
 def draft_host(default_model, tmp_path_factory, artifacts_dir):
-    """Engine host with ``--speculative-method draft_model`` and the truncated draft, K_max=4."""
+    """Engine host with ``--speculative-method draft_model`` and the truncated draft, K_max=4,
+    its OpenAI API behind ``API_KEY`` (``$SPECPILOT_API_KEY``)."""
     from engine_host.model import prepare_truncated_draft
     from engine_host.process import EngineHostProcess
 
@@ -46,7 +53,7 @@ def draft_host(default_model, tmp_path_factory, artifacts_dir):
             "--draft-model",
             str(draft),
         ],
-        env={"SPECPILOT_HOME": str(tmp_path_factory.mktemp("draft-home"))},
+        env={"SPECPILOT_HOME": str(tmp_path_factory.mktemp("draft-home")), "SPECPILOT_API_KEY": API_KEY},
         log_path=artifacts_dir / "engine-host-draft.log",
     )
     eh.start()
@@ -65,7 +72,7 @@ def dcontrol(draft_host):
 
 def _complete(host, max_tokens: int = 24) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    assert httpx.post(host.url + "/v1/completions", json=body, timeout=300).status_code == 200
+    assert httpx.post(host.url + "/v1/completions", json=body, headers=KEY, timeout=300).status_code == 200
 
 
 def _counters(host) -> tuple[float, float]:
@@ -127,3 +134,30 @@ def test_adaptive_mode_runs_and_reports_its_k(draft_host, dcontrol):
     assert times["4"] > 1.3 * times["0"], st["controller"]
     assert metric_values(draft_host.url)["specpilot:speculation_k"] in range(K_MAX + 1)
     dcontrol.put("/control/config", json={"speculation": {"mode": "fixed", "k": 0}})
+
+
+def test_zz_kill_9_of_the_api_process_leaves_no_engine_core_or_worker(draft_host):
+    """Last in the module: the key guards the OpenAI API and no process of the engine host
+    shows it on its command line; kill -9 of the API process alone, and its engine core and
+    worker die with it."""
+    api = psutil.Process(draft_host.proc.pid)  # the launcher execs vLLM's server: same PID
+    children = api.children(recursive=True)
+    try:
+        names = " ".join(p.name() + " " + " ".join(p.cmdline()) for p in children)
+        assert "EngineCore" in names, names
+        models = draft_host.url + "/v1/models"
+        assert httpx.get(models, timeout=10).status_code == 401
+        assert httpx.get(models, headers=KEY, timeout=10).status_code == 200
+        for p in [api, *children]:
+            assert API_KEY not in " ".join(p.cmdline()), p.cmdline()
+
+        os.kill(api.pid, signal.SIGKILL)  # only the API process, not its group
+        draft_host.proc.wait(timeout=10)
+        gone, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        for p in children:  # never leave them behind, whatever the outcome
+            try:
+                p.kill()
+            except psutil.Error:
+                pass

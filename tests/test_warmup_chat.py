@@ -15,7 +15,13 @@ from engine_host import warmup
 
 def _client(status: int, seen: list[dict]) -> httpx.AsyncClient:
     def handler(request: httpx.Request) -> httpx.Response:
-        seen.append({"path": request.url.path, "body": json.loads(request.content)})
+        seen.append(
+            {
+                "path": request.url.path,
+                "body": json.loads(request.content),
+                "auth": request.headers.get("authorization"),
+            }
+        )
         if status != 200:
             return httpx.Response(status, json={"error": {"message": "no chat template"}})
         chunks = [
@@ -72,3 +78,20 @@ def test_the_first_token_is_the_first_chunk_with_text():
     assert warmup._has_text(token, chat=True)
     assert not warmup._has_text(usage, chat=True)
     assert warmup._has_text(json.dumps({"choices": [{"text": "Hi"}]}), chat=False)
+
+
+def test_warm_up_requests_carry_the_api_key_the_launcher_hands_over_by_environment(monkeypatch):
+    """The launcher gives vLLM the OpenAI API key as $VLLM_API_KEY, not --api-key: the warm-up
+    (and every heartbeat) must send it, or a keyed engine host never becomes ready (401)."""
+    seen: list[dict] = []
+
+    async def go(args) -> bool:
+        async with _client(200, seen) as client:
+            return await warmup.warm_chat_path(client, args, 4)
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert asyncio.run(go(ARGS)) is True and seen[-1]["auth"] is None  # an open API: no header
+    monkeypatch.setenv("VLLM_API_KEY", "sk-from-env")
+    assert asyncio.run(go(ARGS)) is True and seen[-1]["auth"] == "Bearer sk-from-env"
+    on_cli = types.SimpleNamespace(**{**vars(ARGS), "api_key": ["sk-from-cli"]})
+    assert asyncio.run(go(on_cli)) is True and seen[-1]["auth"] == "Bearer sk-from-cli"  # as vLLM: --api-key first
