@@ -152,11 +152,17 @@ def _parse_value(text: str) -> Any:
 
 
 def rows(
-    steps: Sequence[Step], batches: Sequence[int], k_max: int, min_steps: int = 20, **model_args: Any
+    steps: Sequence[Step],
+    batches: Sequence[int],
+    k_max: int,
+    min_steps: int = 20,
+    max_gap_s: float = 0.05,
+    **model_args: Any,
 ) -> list[PremiumRow]:
     """:class:`PremiumRow` per (batch, K) with at least ``min_steps`` measured steps at
-    both K and K = 0, from one replay with ``model_args``."""
-    measured = measured_premiums(steps, batches, k_max)
+    both K and K = 0, from one replay with ``model_args``; measured steps are intervals of
+    at most ``max_gap_s`` (s)."""
+    measured = measured_premiums(steps, batches, k_max, max_gap_s)
     priced = replay(steps, batches, k_max, **model_args)
     return [
         PremiumRow(b, k, m, nk, n0, tuple(priced[(b, k)]), mm)
@@ -176,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k-max", type=int, default=4, help="deepest K (tokens) to price")
     ap.add_argument("--min-steps", type=int, default=20, help="rows with fewer measured steps are left out")
     ap.add_argument("--tolerance", type=float, default=0.10, help="'within' counts priced premiums this close (ratio)")
+    ap.add_argument(
+        "--max-gap-ms",
+        type=float,
+        default=50.0,
+        help="measured steps: longer output-to-output intervals are idle spells (a CPU step takes 50-100 ms: 400)",
+    )
     ap.add_argument(
         "--set",
         action="append",
@@ -213,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             header += f" {label}: p10 / p50 / p90, within |"
             sep += "---|"
         print(header + "\n" + sep)
-        base = rows(steps, batches, args.k_max, args.min_steps)
-        other = rows(steps, batches, args.k_max, args.min_steps, **variant) if variant else []
+        gap = args.max_gap_ms / 1e3
+        base = rows(steps, batches, args.k_max, args.min_steps, gap)
+        other = rows(steps, batches, args.k_max, args.min_steps, gap, **variant) if variant else []
         for i, r in enumerate(base):
             cells = [
                 f"{r.batch}, {r.k}",

@@ -106,6 +106,9 @@ def test_the_command_prints_a_row_per_batch_and_k_and_refuses_bad_arguments(tmp_
     median, mean = (float(v) for v in row.split("|")[2].split("(")[0].split(","))
     assert median == pytest.approx(1.2, abs=0.02) and mean == pytest.approx(1.2, abs=0.05)
     assert "alpha=0.02" in out
+    # steps of 2-2.4 ms: with idle spells from 1 ms on, none is measured
+    assert rep.main([str(path), "--batches", "1", "--max-gap-ms", "1"]) == 0
+    assert "no batch of 1 has 20 measured steps" in capsys.readouterr().out
     assert "| 8," not in out  # no steps at batch 8
     for bad in (["--set", "no_such_arg=1"], ["--set", "cell_clip"], ["--batches", "one"], ["--batches", "0"]):
         with pytest.raises(SystemExit):
