@@ -23,7 +23,7 @@ median shows what a typical step costs, without the slow tail.
 Prints, per batch size and K with at least ``--min-steps`` measured steps:
 * the measured premium, of medians and of means;
 * the priced premium's 10th, 50th and 90th percentiles over the replay;
-* the share of samples within ``--tolerance`` of the measured premium.
+* the share of samples within ``--tolerance`` of the measured premium of means.
 
 With ``--set KEY=VALUE`` (repeatable: constructor arguments of ``StepTimeModel``) a second
 model with those arguments is replayed beside the default one, so that two settings can be
@@ -74,10 +74,11 @@ class PremiumRow:
 
     def within(self, tolerance: float) -> float:
         """Share (0..1) of the priced premiums within ``tolerance`` (ratio points) of the
-        measured one; NaN if none were sampled."""
+        measured premium of means (:attr:`measured_mean`: the model's cells are means, and
+        throughput follows the mean step); NaN if none were sampled."""
         if not self.priced:
             return float("nan")
-        return sum(abs(p - self.measured) <= tolerance for p in self.priced) / len(self.priced)
+        return sum(abs(p - self.measured_mean) <= tolerance for p in self.priced) / len(self.priced)
 
 
 def measured_premiums(

@@ -115,3 +115,11 @@ def test_the_command_prints_a_row_per_batch_and_k_and_refuses_bad_arguments(tmp_
             rep.main([str(path), *bad])
     with pytest.raises(SystemExit):
         rep.main([str(tmp_path / "missing.csv")])
+
+
+def test_within_counts_priced_premiums_near_the_premium_of_means_not_of_medians():
+    # the model's cells are means: a slow tail that lifts the mean step is part of the price
+    row = rep.PremiumRow(
+        batch=8, k=4, measured=1.04, steps_k=100, steps_0=300, priced=(1.20, 1.22, 1.05), measured_mean=1.21
+    )
+    assert row.within(0.05) == 2 / 3
