@@ -20,7 +20,10 @@ the K the step verified (``k_drafted``), by the K chosen in the step for the nex
 range of batch sizes, every step of the trace: how many verified drafts (K > 0), and the
 median ms of a pure-decode step after another of the same batch (the rows above) against
 one right after a prefill or a change of batch (under async scheduling the new request's
-inputs are prepared then), each at K = 0 and K > 0.
+inputs are prepared then), each at K = 0 and K > 0. Where the trace records each step's CUDA
+graph mode (the engine host runs vLLM with ``--cudagraph-metrics`` on a GPU while tracing), also
+by K verified and graph mode (``FULL``, ``PIECEWISE``, ``NONE``): a decode step that missed its
+FULL graph costs more at any K.
 
 Example::
 
@@ -53,6 +56,7 @@ class Step:
     requests: int
     tokens: int
     context: int = 0  # tokens in the KV cache of the step's requests (0: not in the trace)
+    graph: str = ""  # the step's CUDA graph mode: FULL, PIECEWISE, NONE ("": not in the trace)
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class Interval:
     k_drafted_before: int
     t_output: float  # when the step's output came back (s, the engine core's clock)
     context: int = 0
+    graph: str = ""
 
 
 def read_trace(path: str | Path) -> list[Step]:
@@ -91,6 +96,7 @@ def read_trace(path: str | Path) -> list[Step]:
                 int(r["requests"]),
                 int(r["tokens"]),
                 int(r.get("context") or 0),  # traces before the column: 0
+                r.get("graph") or "",  # traces before the column, or vLLM without --cudagraph-metrics
             )
             for r in reader
         ]
@@ -119,7 +125,16 @@ def busy_intervals(steps: Sequence[Step], max_gap_s: float = 0.05, since_s: floa
         dt = cur.t_output - prev.t_output
         if 0.0 < dt <= max_gap_s:
             out.append(
-                Interval(dt, cur.requests, cur.k_drafted, cur.k_proposed, prev.k_drafted, cur.t_output, cur.context)
+                Interval(
+                    dt,
+                    cur.requests,
+                    cur.k_drafted,
+                    cur.k_proposed,
+                    prev.k_drafted,
+                    cur.t_output,
+                    cur.context,
+                    cur.graph,
+                )
             )
     return out
 
@@ -192,19 +207,22 @@ def _row(label: str, values: list[float], contexts: list[int]) -> str:
 
 
 def table(intervals: Iterable[Interval], key: str, min_steps: int = 20) -> list[str]:
-    """Markdown rows, per batch size and value of ``key`` (an :class:`Interval` field name
-    or ``transition``), of steps, median / mean / p90 ms per step, and the median KV-cache
-    length per request (tokens; ``-`` for a trace without it): a group of longer contexts
+    """Markdown rows, per batch size and value of ``key`` (an :class:`Interval` field name,
+    ``transition``, or ``graph``: the K verified and the step's CUDA graph mode), of steps,
+    median / mean / p90 ms per step, and the median KV-cache length per request (tokens; ``-`` for a trace without it): a group of longer contexts
     costs more per step whatever its K."""
     groups: dict[tuple[int, str], list[Interval]] = defaultdict(list)
     for iv in intervals:
         if key == "transition":
             label = f"{iv.k_drafted_before} -> {iv.k_drafted}"
+        elif key == "graph":
+            label = f"{iv.k_drafted}, {iv.graph}"
         else:
             label = str(getattr(iv, key))
         groups[(iv.requests, label)].append(iv)
+    head = "k_drafted, graph" if key == "graph" else key
     lines = [
-        f"| requests, {key} | steps | median ms | mean ms | p90 ms | context tokens per request (median) |",
+        f"| requests, {head} | steps | median ms | mean ms | p90 ms | context tokens per request (median) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for (b, label), ivs in sorted(groups.items()):
@@ -299,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{args.cells}: no cell JSON with window_perf_s")
         print("\n".join(cell_table(intervals, cells, args.min_steps)))
         print()
-    for key in ("k_drafted", "k_proposed", "transition"):
+    keys = ["k_drafted", "k_proposed", "transition"]
+    if any(iv.graph for iv in intervals):  # vLLM ran with --cudagraph-metrics
+        keys.append("graph")
+    for key in keys:
         print("\n".join(table(intervals, key, args.min_steps)))
         print()
     return 0

@@ -271,12 +271,20 @@ def vllm_command(args: argparse.Namespace, model: str, extra: list[str], draft: 
         cmd.append("--async-scheduling")
     else:
         cmd.append("--no-async-scheduling")
+    if envs.step_trace() and not is_cpu_build() and not args.enforce_eager and not _names(extra, "cudagraph-metrics"):
+        # while tracing, each step's CUDA graph mode comes back with its output (step trace's graph)
+        cmd.append("--cudagraph-metrics")
     gmu = args.gpu_memory_utilization
     if gmu is None and is_cpu_build():
         gmu = 0.3
     if gmu is not None:
         cmd += ["--gpu-memory-utilization", str(gmu)]
     return cmd + extra
+
+
+def _names(extra: list[str], flag: str) -> bool:
+    """True when the extra vLLM arguments give ``--FLAG`` or ``--no-FLAG`` (alone or ``=VALUE``)."""
+    return any(a.split("=", 1)[0] in (f"--{flag}", f"--no-{flag}") for a in extra)
 
 
 def resolve_api_key(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> str | None:

@@ -35,7 +35,7 @@ from .config import LiveConfig
 from .controller import SpeculationController, StepObservation
 from .request_gate import RequestDraftGate, draft_token_cost
 from .step_clock import DecodeStretch, StepClock
-from .step_trace import step_trace_from_env
+from .step_trace import graph_mode, step_trace_from_env
 
 logger = logging.getLogger("specpilot.scheduler")
 
@@ -722,7 +722,7 @@ class _SpecPilotHook:
             ):
                 if self._trace is not None and step is not None:  # profiling: every step has its row
                     n_dec = sum(1 for m in scheduler_output.num_scheduled_tokens.values() if m == 1)
-                    self._trace_row(step, t, scheduler_output, 0, 0, n_dec)
+                    self._trace_row(step, t, scheduler_output, 0, 0, n_dec, model_runner_output)
                 n_req = len(scheduler_output.num_scheduled_tokens)
                 self._stretch.step(n_req, scheduler_output.total_num_scheduled_tokens == n_req)
                 self._busy_s += step_time
@@ -745,7 +745,7 @@ class _SpecPilotHook:
                 if n == 1 + (len(drafts) if drafts else 0):
                     n_dec += 1
         if self._trace is not None and step is not None:
-            self._trace_row(step, t, scheduler_output, k_drafted, k_proposed, n_dec)
+            self._trace_row(step, t, scheduler_output, k_drafted, k_proposed, n_dec, model_runner_output)
         # a lone request's first decode steps do not teach the step-time model (their
         # cost is not what its later steps cost: DecodeStretch); warm-up steps always do
         pure = self._stretch.teaches(n_dec, n_dec == total and n_dec > 0) or (
@@ -814,10 +814,14 @@ class _SpecPilotHook:
         self._t_output_done = time.perf_counter()
         return outputs
 
-    def _trace_row(self, step: Any, t_output: float, out: Any, k_drafted: int, k_proposed: int, n_dec: int) -> None:
+    def _trace_row(
+        self, step: Any, t_output: float, out: Any, k_drafted: int, k_proposed: int, n_dec: int, runner_out: Any = None
+    ) -> None:
         """One row of the step trace (``engine_host.step_trace``): the step as scheduled,
         when its output came back (s), its K verified and proposed, its requests that only
-        decoded (``n_dec``), of all it scheduled, and their KV-cache length (tokens)."""
+        decoded (``n_dec``), of all it scheduled, their KV-cache length (tokens), and the CUDA
+        graph mode the model runner reported for it (``runner_out.cudagraph_stats``, set when
+        vLLM runs with ``--cudagraph-metrics``)."""
         assert self._trace is not None
         requests = self.requests  # type: ignore[attr-defined]
         context = 0
@@ -834,6 +838,7 @@ class _SpecPilotHook:
             len(out.num_scheduled_tokens),
             int(getattr(out, "total_num_scheduled_tokens", 0) or 0),
             context,
+            graph_mode(getattr(runner_out, "cudagraph_stats", None)),
         )
 
     def _observe_quiet(self) -> None:

@@ -18,8 +18,11 @@ proposer may have found fewer), ``k_proposed`` (tokens: the K chosen in this ste
 drafts), ``decode`` (requests in the step that only decoded),
 ``requests`` (requests in the step), ``tokens`` (tokens scheduled in the step), ``context``
 (tokens: the KV-cache length of the step's requests after it, summed; a request that finished
-in the step is left out; attention's share of a step follows it). Traces written before the
-``context`` column read as context 0.
+in the step is left out; attention's share of a step follows it), ``graph`` (the CUDA graph
+mode vLLM's model runner ran the step in: ``FULL``, ``PIECEWISE`` or ``NONE``; empty unless vLLM
+runs with ``--cudagraph-metrics``, which the engine host adds on a GPU while tracing, and on
+the CPU build). Traces written before the ``context`` or ``graph`` column read as context 0 and
+no graph mode.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from collections import deque
 
 from . import envs
 
-HEADER = "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens,context\n"
+HEADER = "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens,context,graph\n"
 
 
 class StepTrace:
@@ -60,13 +63,14 @@ class StepTrace:
         requests: int,
         tokens: int,
         context: int = 0,
+        graph: str = "",
     ) -> None:
         """Record one step's output (times in s of ``time.perf_counter()``; K, tokens and
-        context in tokens)."""
+        context in tokens; ``graph``: the step's CUDA graph mode, "" when not known)."""
         if len(self._rows) == self._rows.maxlen:
             self.dropped += 1
         self._rows.append(
-            f"{t_scheduled:.6f},{t_output:.6f},{k_drafted},{k_proposed},{decode},{requests},{tokens},{context}\n"
+            f"{t_scheduled:.6f},{t_output:.6f},{k_drafted},{k_proposed},{decode},{requests},{tokens},{context},{graph}\n"
         )
 
     def flush(self) -> None:
@@ -77,6 +81,17 @@ class StepTrace:
         with open(self.path, "a", encoding="utf-8") as f:
             f.writelines(self._rows)
         self._rows.clear()
+
+
+def graph_mode(stats: object) -> str:
+    """The CUDA graph mode of one step from vLLM's ``CUDAGraphStat`` (``runtime_mode``:
+    ``str(CUDAGraphMode.FULL)``, the mode's name; a qualified ``CUDAGraphMode.FULL`` reads the
+    same): ``"FULL"``, ``"PIECEWISE"``, ``"NONE"``; ``""`` for None (vLLM runs without
+    ``--cudagraph-metrics``, or the CPU build)."""
+    mode = getattr(stats, "runtime_mode", None)
+    if mode is None:
+        return ""
+    return str(mode).rsplit(".", 1)[-1]
 
 
 def step_trace_from_env() -> StepTrace | None:

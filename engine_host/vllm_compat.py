@@ -176,6 +176,7 @@ EXPECTED_SHAPE: dict[str, Any] = {
     "async_scheduler_bases": ["Scheduler"],
     "async_placeholders_follow_step_k": True,
     "default_class_with_async": "AsyncScheduler",
+    "update_from_output_reads_cudagraph_stats": True,
 }
 """What :func:`scheduler_shape` returns for every release in :data:`CHECKED_VLLM_VERSIONS`."""
 
@@ -230,7 +231,8 @@ def scheduler_shape(sources: dict[str, str]) -> dict:
         ``schedule`` sets by keyword, ``AsyncScheduler``'s bases, whether its draft
         placeholders follow each step's ``num_spec_tokens_to_schedule``, and the class
         ``SchedulerConfig.get_scheduler_cls`` returns for async scheduling when no class
-        is named.
+        is named, and whether ``update_from_output`` reads ``model_runner_output.cudagraph_stats``
+        (the step's CUDA graph mode, which the step trace records).
     Raises:
         VllmShapeError: a file is missing or a class is not found.
     """
@@ -257,6 +259,14 @@ def scheduler_shape(sources: dict[str, str]) -> dict:
         for n in ast.walk(gsc):
             if isinstance(n, ast.ImportFrom) and n.module and n.module.endswith("async_scheduler"):
                 default_async = n.names[0].name
+    upd_out = _method(s, "update_from_output")
+    reads_cg = upd_out is not None and any(
+        isinstance(n, ast.Attribute)
+        and n.attr == "cudagraph_stats"
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "model_runner_output"
+        for n in ast.walk(upd_out)
+    )
     output_fields = {
         kw.arg
         for n in ast.walk(schedule)
@@ -272,6 +282,7 @@ def scheduler_shape(sources: dict[str, str]) -> dict:
         "async_scheduler_bases": [ast.unparse(b) for b in a.bases],
         "async_placeholders_follow_step_k": follows,
         "default_class_with_async": default_async,
+        "update_from_output_reads_cudagraph_stats": reads_cg,
     }
 
 

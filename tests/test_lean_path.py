@@ -59,7 +59,9 @@ def _standin(mode: str, batch: int, folder, **kwargs):
         channel.close()
 
 
-def _run(hook, n: int, accept=lambda i: 0, start: int = 0, async_order: bool = False) -> list[int]:
+def _run(
+    hook, n: int, accept=lambda i: 0, start: int = 0, async_order: bool = False, runner_out: object = None
+) -> list[int]:
     """n steps as in an engine: a step verifies the drafts proposed at the K the step
     before it was scheduled at, and ``accept(step)`` of each request's draft tokens are
     accepted; returns the K each step was scheduled at. With ``async_order`` as on vLLM's
@@ -80,7 +82,7 @@ def _run(hook, n: int, accept=lambda i: 0, start: int = 0, async_order: bool = F
         if verified:
             for req in hook.running:
                 hook.make_spec_decoding_stats(None, verified, min(accept(j), verified), request_id=req.request_id)
-        hook.update_from_output(out, None)
+        hook.update_from_output(out, runner_out)
     return ks
 
 
@@ -159,6 +161,24 @@ def test_a_step_trace_keeps_the_lean_path_and_writes_a_row_for_every_step(tmp_pa
         # every row: K 0 verified and proposed, both requests decoding, of 2, with their context
         assert {tuple(r.split(",")[2:6]) for r in rows} == {("0", "0", "2", "2")}
         assert {r.split(",")[7] for r in rows} == {"400"}
+
+
+@pytest.mark.parametrize("mode", ["fixed:0", "fixed:2"])  # the lean path's rows and the full path's
+def test_the_step_trace_records_the_cuda_graph_mode_vllm_reports_for_each_step(tmp_path, monkeypatch, mode):
+    from vllm.compilation.cuda_graph import CUDAGraphStat
+    from vllm.config.compilation import CUDAGraphMode
+
+    monkeypatch.setenv("SPECPILOT_STEP_TRACE", str(tmp_path / "steps.csv"))
+    stat = CUDAGraphStat(
+        num_unpadded_tokens=2, num_padded_tokens=2, num_paddings=0, runtime_mode=str(CUDAGraphMode.FULL)
+    )
+    with _standin(mode, 2, tmp_path) as hook:
+        _run(hook, 40, runner_out=types.SimpleNamespace(cudagraph_stats=stat))
+        _run(hook, 40, start=40)  # vLLM without --cudagraph-metrics (or the CPU build): no mode
+        hook._publish(time.monotonic())
+    rows = next(tmp_path.glob("steps.csv.*")).read_text().splitlines()
+    assert rows[0].endswith(",graph")
+    assert [r.split(",")[8] for r in rows[1:]] == ["FULL"] * 40 + [""] * 40
 
 
 def test_acceptance_estimates_fade_on_the_lean_path_as_they_do_step_by_step(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ def test_trace_is_written_on_flush_only_and_appends(tmp_path: Path) -> None:
     t.flush()  # nothing buffered: nothing written
     lines = path.read_text().splitlines()
     assert lines[0] + "\n" == HEADER
-    assert lines[1:] == ["1.000000,1.002000,0,2,1,1,1,40", "1.002000,1.005000,2,2,1,1,3,41"]
+    assert lines[1:] == ["1.000000,1.002000,0,2,1,1,1,40,", "1.002000,1.005000,2,2,1,1,3,41,"]
     # a second writer (engine restarted with the same file) appends, no second header
     StepTrace(str(path)).flush()
     assert path.read_text().count("t_scheduled_s") == 1
@@ -144,3 +144,37 @@ def test_not_a_trace_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         bst.main([str(bad)])
     assert exc.value.code == 2
+
+
+def test_the_graph_table_splits_a_batchs_steps_by_their_cuda_graph_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # batch 8 at K = 4: FULL steps of 4 ms, then PIECEWISE ones of 6 ms (a decode batch that
+    # missed its FULL graph)
+    rows = [(0.004 * i, 0.004 * (i + 1), 4, 4, 8, 8, 40, 1600, "FULL") for i in range(6)]
+    t = 0.024
+    rows += [(t + 0.006 * i, t + 0.006 * (i + 1), 4, 4, 8, 8, 40, 1700, "PIECEWISE") for i in range(5)]
+    _write(tmp_path / "s.csv", rows)
+    steps = bst.read_trace(tmp_path / "s.csv")
+    assert {s.graph for s in steps} == {"FULL", "PIECEWISE"}
+    lines = bst.table(bst.busy_intervals(steps), "graph", min_steps=1)
+    assert lines[0].startswith("| requests, k_drafted, graph |")
+    assert lines[2].startswith("| 8, 4, FULL | 5 | 4.000 |") and lines[3].startswith("| 8, 4, PIECEWISE | 5 | 6.000 |")
+    assert bst.main([str(tmp_path / "s.csv"), "--min-steps", "1"]) == 0
+    assert "| 8, 4, PIECEWISE | 5 | 6.000 |" in capsys.readouterr().out
+    # a trace without graph modes prints no graph table
+    _write(tmp_path / "plain.csv", [r[:8] for r in rows])
+    assert bst.main([str(tmp_path / "plain.csv"), "--min-steps", "1"]) == 0
+    assert "graph" not in capsys.readouterr().out
+
+
+def test_graph_mode_reads_vllms_cudagraph_stat() -> None:
+    from vllm.compilation.cuda_graph import CUDAGraphStat
+    from vllm.config.compilation import CUDAGraphMode
+
+    from engine_host.step_trace import graph_mode
+
+    for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
+        stat = CUDAGraphStat(num_unpadded_tokens=60, num_padded_tokens=64, num_paddings=4, runtime_mode=str(mode))
+        assert graph_mode(stat) == mode.name
+    assert graph_mode(None) == ""  # vLLM without --cudagraph-metrics, or the CPU build

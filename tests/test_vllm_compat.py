@@ -62,6 +62,17 @@ def test_shape_check_fails_when_the_scheduler_output_loses_a_field_the_hook_read
         check_shape(scheduler_shape(src))
 
 
+def test_shape_check_fails_when_update_from_output_stops_reading_the_cuda_graph_stats():
+    # the step trace's graph column is what the scheduler receives in model_runner_output
+    src = sources_033()
+    src["v1/core/sched/scheduler.py"], n = re.subn(
+        r"model_runner_output\.cudagraph_stats", "None", src["v1/core/sched/scheduler.py"]
+    )
+    assert n >= 1
+    with pytest.raises(VllmShapeError, match="update_from_output_reads_cudagraph_stats"):
+        check_shape(scheduler_shape(src))
+
+
 def test_shape_check_fails_when_the_async_default_class_changes():
     src = sources_033()
     src["config/scheduler.py"] = src["config/scheduler.py"].replace(
@@ -129,3 +140,19 @@ def test_launcher_on_the_cpu_build_is_unchanged():
     assert cmd[cmd.index("--scheduler-cls") + 1] == "engine_host.scheduler.SpecPilotScheduler"
     assert "--no-async-scheduling" in cmd
     assert "num_speculative_tokens_per_batch_size" not in json.loads(cmd[cmd.index("--speculative-config") + 1])
+
+
+def test_launcher_asks_vllm_for_each_steps_cuda_graph_mode_while_tracing_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(vllm_compat, "installed_vllm", lambda: ("vllm", "0.33.0"))
+    monkeypatch.setattr(launcher, "is_cpu_build", lambda: False)
+    monkeypatch.delenv("SPECPILOT_STEP_TRACE", raising=False)
+    args = _args(k_max=4, speculative_method="ngram_gpu")
+    assert "--cudagraph-metrics" not in launcher.vllm_command(args, "/m", [])  # not tracing
+    monkeypatch.setenv("SPECPILOT_STEP_TRACE", "/tmp/steps.csv")
+    assert "--cudagraph-metrics" in launcher.vllm_command(args, "/m", [])
+    # the operator's own choice stands
+    cmd = launcher.vllm_command(args, "/m", ["--no-cudagraph-metrics"])
+    assert cmd.count("--cudagraph-metrics") == 0 and cmd[-1] == "--no-cudagraph-metrics"
+    assert "--cudagraph-metrics" not in launcher.vllm_command(_args(k_max=4, enforce_eager=True), "/m", [])
+    monkeypatch.setattr(launcher, "is_cpu_build", lambda: True)  # no CUDA graphs on the CPU build
+    assert "--cudagraph-metrics" not in launcher.vllm_command(_args(k_max=8), "/m", [])
