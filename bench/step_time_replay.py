@@ -25,9 +25,11 @@ Prints, per batch size and K with at least ``--min-steps`` measured steps:
 * the priced premium's 10th, 50th and 90th percentiles over the replay;
 * the share of samples within ``--tolerance`` of the measured premium of means.
 
-With ``--set KEY=VALUE`` (repeatable: constructor arguments of ``StepTimeModel``) a second
-model with those arguments is replayed beside the default one, so that two settings can be
-compared on one recorded trace without a GPU.
+The model is built as the engine host's controller builds it (:data:`ENGINE_MODEL_ARGS`).
+With ``--set KEY=VALUE`` (repeatable: constructor arguments of ``StepTimeModel``, ``none`` for
+None) a second model with those arguments over the engine's is replayed beside it, so that two
+settings can be compared on one recorded trace without a GPU; ``--set premium_window_s=none
+--set premium_first=false`` is the model before 2026-11-28's seventh stop.
 
 Example::
 
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine_host.controller import StepTimeModel, batch_bucket
+from engine_host.controller import SpeculationController, StepTimeModel, batch_bucket
 from engine_host.step_clock import DecodeStretch, StepClock
 
 from .step_trace import Step, busy_intervals, read_trace
@@ -110,14 +112,14 @@ def measured_premiums(
 def replay(
     steps: Sequence[Step], batches: Sequence[int], k_max: int, **model_args: Any
 ) -> dict[tuple[int, int], list[float]]:
-    """Replay ``steps`` through a fresh :class:`StepTimeModel` (``model_args``: its
-    constructor arguments) and return ``{(batch, K): [priced premium per sampled step]}``
+    """Replay ``steps`` through a fresh :class:`StepTimeModel` as the engine host builds it
+    (:data:`ENGINE_MODEL_ARGS`; ``model_args``: constructor arguments over those) and return ``{(batch, K): [priced premium per sampled step]}``
     for K = 1..``k_max`` at each of ``batches`` (see the module docstring).
 
     Raises:
         TypeError: an unknown model argument.
     """
-    model = StepTimeModel(**model_args)
+    model = StepTimeModel(**{**ENGINE_MODEL_ARGS, **model_args})
     priced: dict[tuple[int, int], list[float]] = {(b, k): [] for b in batches for k in range(1, k_max + 1)}
     wanted = set(batches)
     clock, stretch = StepClock(), DecodeStretch()
@@ -127,7 +129,7 @@ def replay(
         teaches = stretch.teaches(s.decode, s.requests > 0 and s.decode == s.requests)
         if not teaches or step_time <= 0:
             continue
-        model.observe(s.requests, max(s.tokens, s.requests), step_time, s.k_drafted, s.k_proposed)
+        model.observe(s.requests, max(s.tokens, s.requests), step_time, s.k_drafted, s.k_proposed, s.t_output)
         if s.requests not in wanted:
             continue
         b = s.requests
@@ -140,10 +142,20 @@ def replay(
     return priced
 
 
+#: The arguments the engine host's controller builds its step-time model with
+#: (``engine_host.controller.SpeculationController``), beyond the class's defaults.
+ENGINE_MODEL_ARGS: dict[str, Any] = {
+    "premium_window_s": SpeculationController.PREMIUM_WINDOW_S,
+    "premium_first": True,
+}
+
+
 def _parse_value(text: str) -> Any:
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
+    if low == "none":
+        return None
     for cast in (int, float):
         try:
             return cast(text)
@@ -210,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--set {item!r}: expected KEY=VALUE")
         variant[key] = _parse_value(value)
     try:
-        StepTimeModel(**variant)
-    except TypeError as exc:
+        StepTimeModel(**{**ENGINE_MODEL_ARGS, **variant})
+    except (TypeError, ValueError) as exc:
         ap.error(f"--set: {exc}")
     label = ", ".join(f"{k}={v}" for k, v in variant.items())
     for f in args.files:
@@ -220,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             ap.error(str(exc))
         print(f"## {Path(f).name}: {len(steps)} steps\n")
-        header = "| batch, K | measured: medians, means (steps at K / K = 0) | default: p10 / p50 / p90, within |"
+        header = "| batch, K | measured: medians, means (steps at K / K = 0) | engine: p10 / p50 / p90, within |"
         sep = "|---|---|---|"
         if variant:
             header += f" {label}: p10 / p50 / p90, within |"

@@ -424,6 +424,18 @@ class StepTimeModel:
         prior_steps: weight of the prior on td, in steps.
         spec_step_cost_ratio: prior of td / T(1, 0) for n-gram drafts (the per-step cost at
             K > 0), fraction (>= 0); 0.05 from the fetch measured on the CPU.
+        premium_window_s: None (default): a step at K > 0 takes its premium sample against
+            K = 0's cell at its batch-size bucket, wherever and whenever that was measured.
+            Set (s): against plain steps of the same bucket measured within this long of it,
+            before or after (``now`` of :meth:`observe`; at least ``PREMIUM_WINDOW_STEPS``
+            plain steps' time), and a step with none near it waits for the next plain step
+            (dropped once out of the window). Steps that slow down together for a while for a
+            reason unrelated to K (a shared GPU, longer contexts, clocks) then do not lend
+            their slowness to the depth measured in that while (docs/gpu.md, host 26: K = 4
+            priced at 2.25x K = 0 at 33-64 requests, 1.46x measured between two engines).
+        premium_first: price a depth K > 0 at ``T(B, 0) * premium`` wherever its premium is
+            known and K = 0's cell is fresh, also while its own cell is fresh (default False:
+            only once that cell is stale or still blending).
     """
 
     def __init__(
@@ -436,7 +448,17 @@ class StepTimeModel:
         draft_cost_ratio: float = 0.25,
         prior_steps: float = 4.0,
         spec_step_cost_ratio: float = 0.05,
+        premium_window_s: float | None = None,
+        premium_first: bool = False,
     ):
+        if premium_window_s is not None and not premium_window_s > 0:
+            raise ValueError(f"premium_window_s must be > 0 s, got {premium_window_s}")
+        self.premium_window_s = premium_window_s
+        self.premium_first = premium_first
+        # premium_window_s: per bucket [recent plain step over the fitted line (ratio), when (s)],
+        # and the K > 0 steps still waiting for a plain step near them: (K, s, batch size, when s)
+        self._plain_near: dict[int, list[float]] = {}
+        self._premium_wait: dict[int, list[tuple[int, float, int, float]]] = {}
         self.alpha = alpha
         self.forget = forget
         self.fresh_steps = fresh_steps
@@ -477,12 +499,19 @@ class StepTimeModel:
         return self.draft_cost_ratio if self.draft_passes else self.spec_step_cost_ratio
 
     def observe(
-        self, batch_size: int, tokens: int, step_time_s: float, k: int | None = None, k_proposed: int | None = None
+        self,
+        batch_size: int,
+        tokens: int,
+        step_time_s: float,
+        k: int | None = None,
+        k_proposed: int | None = None,
+        now: float | None = None,
     ) -> None:
         """Fold in one pure-decode step of ``batch_size`` requests verifying ``tokens``
         (drafts proposed at depth ``k``; None: no per-depth correction). ``k_proposed``:
         the depth the drafter ran at in this step (default ``k``). ``step_time_s`` includes
-        the fetch of the step's drafts (:attr:`StepObservation.draft_fetch_s`)."""
+        the fetch of the step's drafts (:attr:`StepObservation.draft_fetch_s`). ``now``:
+        when the step ended (monotonic s), used with ``premium_window_s``."""
         if batch_size <= 0 or tokens <= 0 or step_time_s <= 0 or not math.isfinite(step_time_s):
             return
         self.steps += 1
@@ -522,6 +551,9 @@ class StepTimeModel:
                 kc[4] += a * (p - kc[4])
                 kc[1] += 1.0
                 kc[2] = float(self.steps)
+            if self.premium_window_s is not None and now is not None:
+                self._premium_near(b, k, batch_size, step_time_s, now, t0, t1)
+                return
             c0 = self._plain_cell(b) if k > 0 else None
             if c0 is not None:
                 # this step against a plain step of the same batch, measured now (correction())
@@ -530,6 +562,56 @@ class StepTimeModel:
                 a = max(self.alpha, 1.0 / (kc[6] + 1.0))
                 kc[5] += a * (sample - kc[5])
                 kc[6] += 1.0
+
+    #: With ``premium_window_s``: a plain step is near a step at K > 0 within at least this
+    #: many plain steps' time (a CPU step takes 50-100 ms; the hook observes one plain step
+    #: in ``LEAN_SAMPLE`` on its lean path).
+    PREMIUM_WINDOW_STEPS = 32
+    #: Weight of one plain step in the recent plain step time near a step at K > 0.
+    PLAIN_NEAR_ALPHA = 0.1
+    #: Steps at K > 0 kept per bucket while they wait for a plain step near them.
+    PREMIUM_WAIT_MAX = 256
+
+    def _premium_near(
+        self, b: int, k: int, batch_size: int, step_time_s: float, now: float, t0: float, t1: float
+    ) -> None:
+        """``premium_window_s``: a plain step (``k`` = 0) updates its bucket's recent plain
+        time (its ratio to the fitted line t0 + t1 * B, s) and gives the steps at K > 0
+        waiting near it their premium samples; a step at K > 0 takes its sample now when a
+        plain step of its bucket is near, else waits. A waiting step is priced against the
+        line as fitted when its sample is taken, as the plain steps' ratio is (at start-up
+        the fit moves a lot in a few steps)."""
+        base = max(t0 + t1 * batch_size, 1e-9)
+        ref = self._plain_near.get(b)
+        floor = self.premium_window_s or 0.0
+        if k == 0:
+            window = max(floor, self.PREMIUM_WINDOW_STEPS * step_time_s)
+            if ref is None or now - ref[1] > window:
+                ref = self._plain_near[b] = [step_time_s / base, now]
+            else:
+                ref[0] += self.PLAIN_NEAR_ALPHA * (step_time_s / base - ref[0])
+                ref[1] = now
+            waiting = self._premium_wait.pop(b, None)
+            for k_w, t_w, b_w, when in waiting or ():
+                if now - when <= window:
+                    self._premium_sample(b, k_w, t_w / (ref[0] * max(t0 + t1 * b_w, 1e-9)))
+            return
+        if ref is not None and now - ref[1] <= max(floor, self.PREMIUM_WINDOW_STEPS * ref[0] * base):
+            self._premium_sample(b, k, step_time_s / (ref[0] * base))
+            return
+        waiting = self._premium_wait.setdefault(b, [])
+        waiting.append((k, step_time_s, batch_size, now))
+        if len(waiting) > self.PREMIUM_WAIT_MAX:
+            del waiting[0]
+
+    def _premium_sample(self, b: int, k: int, sample: float) -> None:
+        kc = self.cells.get((b, k))
+        if kc is None:
+            return
+        sample = min(max(sample, self.PREMIUM_MIN), self.PREMIUM_MAX)
+        a = max(self.alpha, 1.0 / (kc[6] + 1.0))
+        kc[5] += a * (sample - kc[5])
+        kc[6] += 1.0
 
     def _plain_cell(self, bucket: int) -> list[float] | None:
         """K = 0's cell at this batch-size bucket when it holds at least ``cell_steps`` steps,
@@ -653,6 +735,8 @@ class StepTimeModel:
                 if k > 0 and kc[6] >= self.cell_steps and self._plain_cell(b) is not None:  # its premium
                     t_plain = (t0 + t1 * batch_size) * self.correction(batch_size, 0, (t0, t1, td))
                     fallback = t_plain * max(kc[5], 1.0) / line
+                    if self.premium_first:
+                        return fallback
                 if self.steps - kc[2] <= self.fresh_steps:
                     w = min(1.0, kc[1] / self.cell_steps)
                     return w * kc[0] / line + (1.0 - w) * fallback
@@ -1039,6 +1123,10 @@ class SpeculationController:
         draft_cost_ratio: prior of one draft pass over one target step, fraction.
     """
 
+    #: A step at K > 0 takes its premium sample against plain steps measured within this long
+    #: (s; at least 32 plain steps' time: :class:`StepTimeModel`, ``premium_window_s``).
+    PREMIUM_WINDOW_S = 0.5
+
     def __init__(
         self,
         k_engine: int,
@@ -1049,7 +1137,14 @@ class SpeculationController:
         self.k_engine = k_engine
         spec = spec or SpeculationConfig(mode="fixed", k=k_engine)
         self.acceptance = AcceptanceEstimator(max(k_engine, 1), alpha=spec.adaptive.ema_alpha)
-        self.step_time = StepTimeModel(draft_passes=draft_passes, draft_cost_ratio=draft_cost_ratio)
+        # a depth's premium against plain steps near it in time, and priced by it wherever it
+        # is known (StepTimeModel: premium_window_s, premium_first; docs/gpu.md, host 26)
+        self.step_time = StepTimeModel(
+            draft_passes=draft_passes,
+            draft_cost_ratio=draft_cost_ratio,
+            premium_window_s=self.PREMIUM_WINDOW_S,
+            premium_first=True,
+        )
         self.steps_at_k = [0] * (k_engine + 1)
         self.k_current = 0
         self.total_steps = 0
@@ -1159,6 +1254,7 @@ class SpeculationController:
                 obs.step_time_s + max(obs.draft_fetch_s, 0.0),
                 obs.k_drafted,
                 obs.k_proposed,
+                obs.now,
             )
         if obs.warmup:
             return
@@ -1184,7 +1280,7 @@ class SpeculationController:
         for batch_size, k_proposed, step_time_s, pure, now in steps:
             self.total_steps += 1
             if pure:
-                tm_observe(batch_size, batch_size, step_time_s, 0, k_proposed)
+                tm_observe(batch_size, batch_size, step_time_s, 0, k_proposed, now)
             acc_observe(0, batch_size, zeros, zeros)
             if learns:
                 policy.observe(

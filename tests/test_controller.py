@@ -720,3 +720,33 @@ def test_quiet_steps_folded_together_equal_one_observation_each(mode):
         return snap
 
     assert fed(True) == fed(False)
+
+
+def test_a_premium_window_must_be_positive():
+    with pytest.raises(ValueError, match="premium_window_s"):
+        StepTimeModel(premium_window_s=0.0)
+
+
+def test_the_controller_prices_a_depth_against_plain_steps_near_it_in_time():
+    # a burst where every step is slow (1.5x) drafts first, then runs at K = 0: its K = 4
+    # steps cost 1.45x the burst's plain steps, which is the depth's price, not 2.2x the
+    # plain steps of the fast bursts before it
+    ctl = SpeculationController(4, SpeculationConfig(mode="off"))
+    now = 0.0
+
+    def step(k: int, t: float) -> None:
+        nonlocal now
+        now += t
+        ctl.observe(StepObservation(8, k, 8 * k, 0, [0] * 4, t, True, now, draft_hist=[8] * k + [0] * (4 - k)))
+
+    for _ in range(3):
+        for _ in range(300):
+            step(0, 0.003)
+        now += 2.0  # idle
+    for _ in range(30):
+        step(4, 0.003 * 1.5 * 1.45)
+    for _ in range(60):
+        step(0, 0.003 * 1.5)
+    tm = ctl.step_time
+    assert tm.cells[(3, 4)][5] == pytest.approx(1.45, abs=0.05)  # the premium of K = 4 at 8-15 requests
+    assert tm.predict(8, 4, 4.0) / tm.predict(8, 0, 0.0) == pytest.approx(1.45, abs=0.1)

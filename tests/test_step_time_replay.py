@@ -123,3 +123,49 @@ def test_within_counts_priced_premiums_near_the_premium_of_means_not_of_medians(
         batch=8, k=4, measured=1.04, steps_k=100, steps_0=300, priced=(1.20, 1.22, 1.05), measured_mean=1.21
     )
     assert row.within(0.05) == 2 / 3
+
+
+def _bursts() -> list[Step]:
+    """Batch-8 bursts with idle gaps: fast bursts at K = 0 (3 ms a step), and one slow burst
+    (every step 1.5x: a shared GPU) that drafts at K = 4 for its first 30 steps (1.45x the
+    slow burst's plain step) before running at K = 0, as host 26's burst 72 did."""
+    steps, t = [], 0.0
+
+    def burst(n0: int, k_first: int, slow: float) -> None:
+        nonlocal t
+        for i in range(k_first + n0):
+            k = 4 if i < k_first else 0
+            dt = 0.003 * slow * (1.45 if k else 1.0)
+            steps.append(Step(t, t + dt, k, k, 8, 8, 8 * (1 + k)))
+            t += dt
+        t += 1.0  # idle
+
+    for _ in range(5):
+        burst(200, 0, 1.0)
+    burst(60, 30, 1.5)
+    for _ in range(2):
+        burst(200, 0, 1.0)
+    return steps
+
+
+def test_a_depth_measured_in_a_slow_burst_is_priced_against_that_bursts_plain_steps():
+    # the engine's model (premium_window_s): K = 4 against the plain steps after it in the
+    # same burst; the model before it: against the K = 0 cell learned in the fast bursts
+    engine = rep.replay(_bursts(), [8], 4)[(8, 4)]
+    before = rep.replay(_bursts(), [8], 4, premium_window_s=None, premium_first=False)[(8, 4)]
+    assert engine and before
+    assert engine[-1] == pytest.approx(1.45, abs=0.05)
+    assert before[-1] > 1.9  # 1.45 x 1.5: the burst's slowness lent to the depth
+
+
+def test_set_none_gives_the_model_before_the_near_premium(tmp_path: Path, capsys):
+    path = tmp_path / "steps.csv.1"
+    trace = StepTrace(str(path))
+    for s in _bursts():
+        trace.add(s.t_scheduled, s.t_output, s.k_drafted, s.k_proposed, s.decode, s.requests, s.tokens)
+    trace.flush()
+    args = [str(path), "--batches", "8", "--min-steps", "5", "--set", "premium_window_s=none"]
+    assert rep.main([*args, "--set", "premium_first=false"]) == 0
+    assert "premium_window_s=None, premium_first=False" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a window of 0 s is refused with the reason
+        rep.main([str(path), "--set", "premium_window_s=0"])
