@@ -431,8 +431,7 @@ class StepTimeModel:
             plain steps' time), and a step with none near it waits for the next plain step
             (dropped once out of the window). Steps that slow down together for a while for a
             reason unrelated to K (a shared GPU, longer contexts, clocks) then do not lend
-            their slowness to the depth measured in that while (docs/gpu.md, host 26: K = 4
-            priced at 2.25x K = 0 at 33-64 requests, 1.46x measured between two engines).
+            their slowness to the depth measured in that while (docs/gpu.md, host 26).
         premium_first: price a depth K > 0 at ``T(B, 0) * premium`` wherever its premium is
             known and K = 0's cell is fresh, also while its own cell is fresh (default False:
             only once that cell is stale or still blending).
@@ -715,9 +714,10 @@ class StepTimeModel:
         Where a depth K > 0 ran at this batch size for at least ``cell_steps`` steps while
         K = 0 was measured there too, its cell also keeps a *premium*: the mean of its steps'
         time over a plain step's at the same batch size (``T(B, 0)`` from the K = 0 cell when
-        each step came in). While K = 0's cell is fresh, a cell not measured within
-        ``fresh_steps`` steps (or one still blending) falls back on that premium,
-        ``T(B, K) = T(B, 0) * premium`` at the cell's tokens, rather than on the bucket's
+        each step came in, or with ``premium_window_s`` from plain steps near it in time).
+        While K = 0's cell is fresh, a cell not measured within ``fresh_steps`` steps (or one
+        still blending; any cell with ``premium_first``) is priced by that premium,
+        ``T(B, K) = T(B, 0) * premium`` at the cell's tokens, rather than by the bucket's
         correction: the bucket's correction is learned mostly from steps at K = 0, and the
         fitted line, pulled by other batch sizes, prices a speculative step at a small batch
         well below its measured premium once the traffic has moved to larger batches
