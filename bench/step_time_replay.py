@@ -113,8 +113,9 @@ def replay(
     steps: Sequence[Step], batches: Sequence[int], k_max: int, **model_args: Any
 ) -> dict[tuple[int, int], list[float]]:
     """Replay ``steps`` through a fresh :class:`StepTimeModel` as the engine host builds it
-    (:data:`ENGINE_MODEL_ARGS`; ``model_args``: constructor arguments over those) and return ``{(batch, K): [priced premium per sampled step]}``
-    for K = 1..``k_max`` at each of ``batches`` (see the module docstring).
+    (:data:`ENGINE_MODEL_ARGS`; ``model_args``: constructor arguments over those) and return
+    ``{(batch, K): [priced premium per sampled step]}`` for K = 1..``k_max`` at each of
+    ``batches`` (see the module docstring).
 
     Raises:
         TypeError: an unknown model argument.

@@ -209,8 +209,8 @@ def _row(label: str, values: list[float], contexts: list[int]) -> str:
 def table(intervals: Iterable[Interval], key: str, min_steps: int = 20) -> list[str]:
     """Markdown rows, per batch size and value of ``key`` (an :class:`Interval` field name,
     ``transition``, or ``graph``: the K verified and the step's CUDA graph mode), of steps,
-    median / mean / p90 ms per step, and the median KV-cache length per request (tokens; ``-`` for a trace without it): a group of longer contexts
-    costs more per step whatever its K."""
+    median / mean / p90 ms per step, and the median KV-cache length per request (tokens; ``-``
+    for a trace without it): a group of longer contexts costs more per step whatever its K."""
     groups: dict[tuple[int, str], list[Interval]] = defaultdict(list)
     for iv in intervals:
         if key == "transition":
