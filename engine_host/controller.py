@@ -434,7 +434,12 @@ class StepTimeModel:
             their slowness to the depth measured in that while (docs/gpu.md, host 26).
         premium_first: price a depth K > 0 at ``T(B, 0) * premium`` wherever its premium is
             known and K = 0's cell is fresh, also while its own cell is fresh (default False:
-            only once that cell is stale or still blending).
+            only once that cell is stale or still blending). The engine host's controller
+            sets both (:class:`SpeculationController`); the defaults keep the model before
+            them, for ``bench step-time-replay`` comparisons.
+
+    Raises:
+        ValueError: ``premium_window_s`` set and not > 0.
     """
 
     def __init__(
