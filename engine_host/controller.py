@@ -854,6 +854,10 @@ class Policy:
         """``steps`` steps were scheduled at K = 0 without :meth:`k_for_batch` (within
         :meth:`rest_steps`); default: nothing to count."""
 
+    def drained(self) -> None:
+        """The engine ran out of requests; the next ones may be of another kind
+        (default: nothing to do)."""
+
     def describe(self) -> dict[str, Any]:
         """Policy-specific state for ``/control/state``."""
         return {}
@@ -988,7 +992,9 @@ class AdaptivePolicy(Policy):
     beat K = 0 by ``margin``. Now and then it spends a short burst at a neighbouring K
     (K*+1 and K*-1 in turn; K=1 when off) so that acceptance and step-time estimates stay
     fresh after a workload change; the interval starts at ``explore_every`` steps and
-    doubles (up to 8x) while the decision holds, and resets when it moves.
+    doubles (up to 8x) while the decision holds, and resets when it moves. After the engine
+    drains, the next burst of several requests is explored within ``explore_every`` steps
+    (:meth:`drained`).
     """
 
     name = "adaptive"
@@ -1001,6 +1007,11 @@ class AdaptivePolicy(Policy):
     DECIDE_EVERY = 8
     # while the choice is K = 0 and the scheduler hook rests on its lean path (rest_steps)
     REST_DECIDE_EVERY = 16
+    # after the engine drained, the first step with at least this many requests (decode)
+    # brings the next exploration to at most explore_every steps away (drained()); a lone
+    # request is left to the per-request gate's probes, where an exploration at K = 1 would
+    # take 17 steps (BURST_REQUEST_STEPS at batch 1)
+    DRAIN_EXPLORE_MIN_BATCH = 4
 
     def __init__(self, spec: SpeculationConfig, k_engine: int, ctl: "SpeculationController"):
         super().__init__(spec, k_engine, ctl)
@@ -1016,6 +1027,7 @@ class AdaptivePolicy(Policy):
         self.last_batch = 1
         self._decided_at = -self.DECIDE_EVERY  # self.steps of the last goodput comparison
         self._decided_batch = 0
+        self._after_drain = False  # drained() since the last step with several requests
 
     def goodput(self, batch_size: int) -> dict[int, float]:
         """Predicted goodput (tokens/s) per K in bounds at this batch size."""
@@ -1058,6 +1070,9 @@ class AdaptivePolicy(Policy):
             self.interval = self.p.explore_every  # the decision moved: look around more
         self.current = best
         self.steps += 1
+        if self._after_drain and batch_size >= self.DRAIN_EXPLORE_MIN_BATCH:
+            self._after_drain = False
+            self.next_explore = min(self.next_explore, self.steps + self.p.explore_every)
         if self.p.explore_every and self.k_hi > self.k_lo and self.steps >= self.next_explore:
             self.explore_k = self._pick_exploration()
             # long enough to measure about BURST_REQUEST_STEPS request-steps; the first
@@ -1087,6 +1102,17 @@ class AdaptivePolicy(Policy):
 
     def skip(self, steps: int) -> None:
         self.steps += steps
+
+    def drained(self) -> None:
+        """The engine drained: at the first later step with ``DRAIN_EXPLORE_MIN_BATCH``
+        requests or more, the next exploration comes within ``explore_every`` steps,
+        whatever its backed-off interval. Requests that arrive together after an idle
+        spell are often of one new kind (a batch job, a client's burst), and while K holds
+        at 0 nothing tells the policy that their drafts would be accepted: a backed-off
+        interval (``MAX_BACKOFF`` times ``explore_every``) can be longer than the whole
+        burst. The interval itself is kept, so a burst whose drafts do not pay costs one
+        short exploration."""
+        self._after_drain = True
 
     def _pick_exploration(self) -> int:
         """The deeper neighbour (K+1) and the shallower one (K-1) in turn; from K=0 only
@@ -1183,6 +1209,10 @@ class SpeculationController:
         if type(policy) is FixedPolicy:
             return max(0, min(int(policy.spec.k), self.k_engine))
         return None
+
+    def drained(self) -> None:
+        """The scheduler hook saw the engine run out of requests (:meth:`Policy.drained`)."""
+        self.policy.drained()
 
     def rest_steps(self) -> int:
         """Steps (>= 0) the scheduler hook may schedule at K = 0 without asking

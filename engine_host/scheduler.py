@@ -458,6 +458,7 @@ class _SpecPilotHook:
             if self._published_step != self._step_index:
                 # drained without a last output (requests aborted: a client's stop string or
                 # disconnect): the state read while idle counts every step that ran
+                self.controller.drained()
                 self._publish(time.monotonic())
             self._overhead_s += time.perf_counter() - t
             self._overhead_cpu_s += time.thread_time() - c
@@ -791,6 +792,8 @@ class _SpecPilotHook:
                 hist[i] = 0
                 dh[i] = 0
         self._busy_s += step_time
+        if running == 0:  # (a drained engine's output always takes this path, lean or not)
+            self.controller.drained()
         if now - self._last_publish >= PUBLISH_INTERVAL_S or running == 0:
             self._publish(now)
         if self._lean:

@@ -10,6 +10,7 @@ import pytest
 from engine_host.config import SpeculationConfig
 from engine_host.controller import (
     AcceptanceEstimator,
+    AdaptivePolicy,
     SpeculationController,
     StepObservation,
     StepTimeModel,
@@ -750,3 +751,60 @@ def test_the_controller_prices_a_depth_against_plain_steps_near_it_in_time():
     tm = ctl.step_time
     assert tm.cells[(3, 4)][5] == pytest.approx(1.45, abs=0.05)  # the premium of K = 4 at 8-15 requests
     assert tm.predict(8, 4, 4.0) / tm.predict(8, 0, 0.0) == pytest.approx(1.45, abs=0.1)
+
+
+def _held_at_k0_after_an_exploration(b: int = 48) -> SpeculationController:
+    """An adaptive controller whose goodput comparison always answers K = 0 (drafts that do
+    not pay), run until its exploration interval has backed off to its longest and an
+    exploration has just ended."""
+    ctl = SpeculationController(4, SpeculationConfig(mode="adaptive"))
+    policy = ctl.policy
+    assert isinstance(policy, AdaptivePolicy)
+    policy._best = lambda batch_size: 0  # type: ignore[method-assign]
+    for _ in range(3000):
+        ctl.k_for_batch(b)
+    assert policy.interval == policy.p.explore_every * policy.MAX_BACKOFF
+    while ctl.k_for_batch(b) == 0:
+        pass
+    while ctl.k_for_batch(b) > 0:
+        pass
+    return ctl
+
+
+def _steps_to_next_exploration(ctl: SpeculationController, batch_size: int, limit: int = 200) -> int | None:
+    for i in range(limit):
+        if ctl.k_for_batch(batch_size) > 0:
+            return i
+    return None
+
+
+def test_after_a_drain_a_burst_of_several_requests_is_explored_within_explore_every():
+    # host 27 (docs/gpu.md): bursts of 64 clients of one kind each, the engine drained between
+    # them; held at K = 0 the interval had backed off to 320 steps, longer than a burst, so a
+    # burst of requests that quote was served without drafts unless an exploration fell in it
+    ctl = _held_at_k0_after_an_exploration()
+    assert _steps_to_next_exploration(ctl, 48) is None  # without a drain: not within 200 steps
+
+    ctl = _held_at_k0_after_an_exploration()
+    ctl.drained()
+    n = _steps_to_next_exploration(ctl, 48)
+    assert n is not None and n <= ctl.policy.p.explore_every + 1  # type: ignore[attr-defined]
+    assert ctl.policy.interval == 320  # type: ignore[attr-defined]  # the backed-off interval is kept
+
+
+def test_after_a_drain_a_lone_request_is_left_to_the_gate():
+    # at one request an exploration takes 17 steps at K = 1: a drain between lone requests
+    # does not bring one forward; the first step with several requests does
+    ctl = _held_at_k0_after_an_exploration()
+    ctl.drained()
+    assert _steps_to_next_exploration(ctl, 1, limit=150) is None
+    n = _steps_to_next_exploration(ctl, 8, limit=150)
+    assert n is not None and n <= ctl.policy.p.explore_every + 1  # type: ignore[attr-defined]
+
+
+def test_policies_without_explorations_ignore_a_drain():
+    for mode in ("off", "fixed"):
+        ctl = SpeculationController(4, SpeculationConfig(mode=mode, k=2))
+        before = [ctl.k_for_batch(8) for _ in range(5)]
+        ctl.drained()
+        assert [ctl.k_for_batch(8) for _ in range(5)] == before

@@ -552,3 +552,21 @@ def test_a_lone_requests_first_decode_steps_do_not_teach_the_step_time_model(tmp
             _run(hook, 5)
             hook._observe_quiet()
             assert model.steps - before == expected
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_hook_tells_the_controller_when_the_engine_drains(tmp_path, async_scheduling):
+    # the adaptive policy brings its next exploration forward for the next burst
+    # (AdaptivePolicy.drained); resting on the lean path at K = 0 or not, a drained engine's
+    # output reaches the controller
+    with _standin("adaptive", 8, tmp_path, async_scheduling=async_scheduling) as hook:
+        calls: list[int] = []
+        hook.controller.drained = lambda: calls.append(hook._step_index)
+        _run(hook, 300)
+        assert calls == []
+        running, hook.running = hook.running, []
+        _run(hook, 2, start=300)
+        assert len(calls) == 2
+        hook.running = running
+        _run(hook, 20, start=302)
+        assert len(calls) == 2
