@@ -831,6 +831,9 @@ class Policy:
     """A speculation-depth policy. Subclasses decide K; the controller clamps it."""
 
     name = "policy"
+    #: True when the last :meth:`k_for_batch` answered an exploration's K (a depth tried to
+    #: measure it, not the one the policy chose)
+    exploring_step = False
 
     def __init__(self, spec: SpeculationConfig, k_engine: int, ctl: "SpeculationController"):
         self.spec = spec
@@ -1060,7 +1063,9 @@ class AdaptivePolicy(Policy):
         self.last_batch = batch_size
         if self.explore_left > 0 and self.explore_k is not None:
             self.explore_left -= 1
+            self.exploring_step = True
             return self.explore_k
+        self.exploring_step = False
         if batch_size == self._decided_batch and self.steps - self._decided_at < self.DECIDE_EVERY:
             best = self.current
         else:
@@ -1213,6 +1218,11 @@ class SpeculationController:
     def drained(self) -> None:
         """The scheduler hook saw the engine run out of requests (:meth:`Policy.drained`)."""
         self.policy.drained()
+
+    def exploring(self) -> bool:
+        """Whether the K of the last :meth:`k_for_batch` was an exploration's
+        (:attr:`Policy.exploring_step`)."""
+        return self.policy.exploring_step
 
     def rest_steps(self) -> int:
         """Steps (>= 0) the scheduler hook may schedule at K = 0 without asking

@@ -110,6 +110,13 @@ class _SpecPilotHook:
     # nothing (sampled chat), a probe step at K > 0 is paid about every 4 * 16 steps instead
     # of 16; an accepted draft token starts the wait from ``probe_every`` again
     PROBE_BACKOFF = 4
+    # under async scheduling the adaptive policy's exploration at a batch of at least this many
+    # requests runs whatever the gate says (``_decide_k``): there every request drafts at the
+    # step's K, so an exploration is a probe of the whole batch, and the gate, whose estimates
+    # only its verified drafts refresh, would otherwise answer K = 0 to it whenever the batch's
+    # estimates are stale from the traffic before (docs/gpu.md, host 27). A lone request keeps
+    # its own probes (``_per_request_k``), where an exploration would take 17 steps
+    EXPLORE_PAST_GATE_MIN_BATCH = 4
     # the gate's step-time inputs (``_gate_costs``) are recomputed every GATE_COST_EVERY steps
     # at one (batch size, K): they come from the step-time model, which moves over tens of
     # steps, while pricing them is most of the hook's per-step work at batch 1 under the
@@ -399,10 +406,12 @@ class _SpecPilotHook:
         else:
             k = k_policy = self.controller.k_for_batch(batch_size)
             if self._gate_on:
+                explored = False
                 if batch_size > 1 and not self.GATE_DRAFTS:  # (docs/benchmarks.md: not kept on the sync path)
                     k = max(k, self._batch_k(batch_size))
+                    explored = batch_size >= self.EXPLORE_PAST_GATE_MIN_BATCH and self.controller.exploring()
                 k = self._per_request_k(k)
-                if k > 0 and not self._any_request_wants_drafts(k):
+                if k > 0 and not explored and not self._any_request_wants_drafts(k):
                     k = 0
                 if k != k_policy:  # count the step, and report K, as scheduled
                     self.controller.record_scheduled(k_policy, k)

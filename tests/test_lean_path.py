@@ -570,3 +570,24 @@ def test_the_hook_tells_the_controller_when_the_engine_drains(tmp_path, async_sc
         hook.running = running
         _run(hook, 20, start=302)
         assert len(calls) == 2
+
+
+def test_under_async_scheduling_a_burst_that_quotes_is_drafted_after_bursts_that_do_not(tmp_path):
+    # host 27 (docs/gpu.md): bursts of one kind each, the engine drained between them. Held at
+    # K = 0 by bursts whose drafts were rejected, the adaptive engine host served most bursts
+    # that quote without drafts: its explorations came every 320 steps, longer than a burst,
+    # and the per-request gate, whose estimates were the rejected bursts', answered K = 0 to
+    # them. After a drain the next burst is explored within explore_every steps, and under
+    # async scheduling an exploration at several requests runs past the gate.
+    with _standin("adaptive", 16, tmp_path, async_scheduling=True) as hook:
+        running = hook.running
+        drafted = []
+        for burst in range(9):
+            quotes = burst % 3 == 2  # two bursts whose drafts are all rejected, then one that quotes
+            ks = _run(hook, 250, accept=lambda i, n=2 if quotes else 0: n, start=burst * 1000, async_order=True)
+            hook.running = []  # drained
+            _run(hook, 1, start=burst * 1000 + 500)
+            hook.running = running
+            if quotes:
+                drafted.append(sum(k > 0 for k in ks))
+        assert all(n >= 150 for n in drafted), drafted
