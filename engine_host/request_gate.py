@@ -279,6 +279,18 @@ class RequestDraftGate:
             return True
         return False
 
+    def explored(self, req_id: str) -> None:
+        """Request ``req_id``'s draft of this step is verified whatever its estimate: the
+        adaptive policy explores a depth for the whole batch (``engine_host.scheduler``,
+        ``EXPLORE_PAST_GATE_MIN_BATCH``). Counts as a verified draft and as the request's
+        probe."""
+        self.last_total += 1
+        self.last_verified += 1
+        s = self._reqs.get(req_id)
+        if s is not None:
+            s.steps_gated = 0
+            s.probe_pending = False
+
     def plan(self, req_id: str, k: int, draft_token_cost: float, step_cost: float = 0.0, probe: bool = True) -> bool:
         """Whether request ``req_id`` should get a k-token draft in the next step at all:
         True when drafting pays for it, or (``probe`` True) it is due for a probe.

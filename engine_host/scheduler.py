@@ -110,12 +110,14 @@ class _SpecPilotHook:
     # nothing (sampled chat), a probe step at K > 0 is paid about every 4 * 16 steps instead
     # of 16; an accepted draft token starts the wait from ``probe_every`` again
     PROBE_BACKOFF = 4
-    # under async scheduling the adaptive policy's exploration at a batch of at least this many
-    # requests runs whatever the gate says (``_decide_k``): there every request drafts at the
-    # step's K, so an exploration is a probe of the whole batch, and the gate, whose estimates
-    # only its verified drafts refresh, would otherwise answer K = 0 to it whenever the batch's
-    # estimates are stale from the traffic before (docs/gpu.md, host 27). A lone request keeps
-    # its own probes (``_per_request_k``), where an exploration would take 17 steps
+    # the adaptive policy's exploration at a batch of at least this many requests runs whatever
+    # the per-request gate says (``_decide_k``), and on the synchronous path its drafts are
+    # verified for every request (``_gate_drafts``): an exploration is then a probe of the
+    # whole batch. The gate, whose estimates only its verified drafts refresh, would otherwise
+    # answer K = 0 to it whenever the batch's estimates are stale from the traffic before, and
+    # neither the policy nor the gate would learn that the requests now quote (docs/gpu.md,
+    # host 27; python -m bench policy-bursts). A lone request keeps its own probes
+    # (``_per_request_k``), where an exploration would take 17 steps
     EXPLORE_PAST_GATE_MIN_BATCH = 4
     # the gate's step-time inputs (``_gate_costs``) are recomputed every GATE_COST_EVERY steps
     # at one (batch size, K): they come from the step-time model, which moves over tens of
@@ -200,6 +202,8 @@ class _SpecPilotHook:
         self._caps_steady = False  # True while _apply_caps has nothing to change
         self._max_running_seen = 0
         self._k_decided = 0  # K chosen for the step being scheduled
+        self._k_explored = False  # ... an exploration's, run past the gate (EXPLORE_PAST_GATE_MIN_BATCH)
+        self._drafts_explored = False  # the drafts verified in the step being scheduled are an exploration's
         self._gate_cost_memo: dict[tuple[int, int], tuple[float, float, int]] = {}
         self._steps_planned_out = 0  # steps in a row the gate ran at K = 0 (async probes)
         self._probe_interval = self._gate.probe_every  # steps at K = 0 before the next async probe
@@ -400,19 +404,20 @@ class _SpecPilotHook:
     def _decide_k(self, batch_size: int) -> int:
         t = time.perf_counter()
         c = time.thread_time()
+        self._k_explored = False
         if self._warmup_k is not None:  # start-up warm-up covering each depth
             k = self._warmup_k
             self._warmup_steps[k] += 1
         else:
             k = k_policy = self.controller.k_for_batch(batch_size)
             if self._gate_on:
-                explored = False
+                explored = batch_size >= self.EXPLORE_PAST_GATE_MIN_BATCH and self.controller.exploring()
                 if batch_size > 1 and not self.GATE_DRAFTS:  # (docs/benchmarks.md: not kept on the sync path)
                     k = max(k, self._batch_k(batch_size))
-                    explored = batch_size >= self.EXPLORE_PAST_GATE_MIN_BATCH and self.controller.exploring()
                 k = self._per_request_k(k)
                 if k > 0 and not explored and not self._any_request_wants_drafts(k):
                     k = 0
+                self._k_explored = explored and k > 0
                 if k != k_policy:  # count the step, and report K, as scheduled
                     self.controller.record_scheduled(k_policy, k)
         self._k_decided = k
@@ -505,6 +510,7 @@ class _SpecPilotHook:
         if not self._caps_steady:
             self._apply_caps()
         self._k_drafted = self._k_decided
+        self._drafts_explored = self._k_explored
         # with the gate off only its forgetting of finished requests is due (GATE_FORGET_EVERY)
         if self._k_engine > 0 and (self._gate_on or self._step_index >= self._gate_forget_at):
             self._gate_drafts()
@@ -689,12 +695,16 @@ class _SpecPilotHook:
         if b == 0 or k <= 0:
             return
         cost = self._gate_costs(b, k)[0]
+        explored = self._drafts_explored  # an exploration's drafts: every request's is verified
         for req in running:
             drafts = req.spec_token_ids
             if getattr(req, "num_output_tokens", 0) > 0:  # past its prefill: it could have drafted
                 gate.observe_offer(req.request_id, bool(drafts))
-            if drafts and not gate.allows(req.request_id, len(drafts), cost):
-                req.spec_token_ids = []
+            if drafts:
+                if explored:
+                    gate.explored(req.request_id)
+                elif not gate.allows(req.request_id, len(drafts), cost):
+                    req.spec_token_ids = []
 
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens, *args, **kwargs):  # type: ignore[override]
         if num_draft_tokens:

@@ -572,22 +572,46 @@ def test_the_hook_tells_the_controller_when_the_engine_drains(tmp_path, async_sc
         assert len(calls) == 2
 
 
-def test_under_async_scheduling_a_burst_that_quotes_is_drafted_after_bursts_that_do_not(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_burst_that_quotes_is_drafted_after_bursts_that_do_not(tmp_path, async_scheduling):
     # host 27 (docs/gpu.md): bursts of one kind each, the engine drained between them. Held at
     # K = 0 by bursts whose drafts were rejected, the adaptive engine host served most bursts
     # that quote without drafts: its explorations came every 320 steps, longer than a burst,
     # and the per-request gate, whose estimates were the rejected bursts', answered K = 0 to
-    # them. After a drain the next burst is explored within explore_every steps, and under
-    # async scheduling an exploration at several requests runs past the gate.
-    with _standin("adaptive", 16, tmp_path, async_scheduling=True) as hook:
+    # them. After a drain the next burst is explored within explore_every steps, and an
+    # exploration at several requests runs past the gate (python -m bench policy-bursts).
+    with _standin("adaptive", 16, tmp_path, async_scheduling=async_scheduling) as hook:
         running = hook.running
         drafted = []
         for burst in range(9):
             quotes = burst % 3 == 2  # two bursts whose drafts are all rejected, then one that quotes
-            ks = _run(hook, 250, accept=lambda i, n=2 if quotes else 0: n, start=burst * 1000, async_order=True)
+            n_accepted = 2 if quotes else 0
+            ks = _run(hook, 250, accept=lambda i, n=n_accepted: n, start=burst * 1000, async_order=async_scheduling)
             hook.running = []  # drained
             _run(hook, 1, start=burst * 1000 + 500)
             hook.running = running
             if quotes:
                 drafted.append(sum(k > 0 for k in ks))
         assert all(n >= 150 for n in drafted), drafted
+
+
+def test_an_exploration_past_the_gate_verifies_every_requests_draft(tmp_path):
+    # synchronous scheduling: the gate drops the drafts of requests whose estimates do not pay,
+    # but not an exploration's, which measures the whole batch
+    with _standin("adaptive", 8, tmp_path) as hook:
+        _run(hook, 600)  # drafts rejected: the policy holds K at 0
+        for req in hook.running:  # and each request's drafts were rejected: none pays
+            for _ in range(20):
+                hook._gate.observe(req.request_id, 4, 0)
+        hook._gate_costs = lambda b, k: (0.3, 0.05)  # a verified draft token costs 0.3 of a request-step
+        policy = hook.controller.policy
+        policy.next_explore = policy.steps + 2  # an exploration now
+        verified = []
+        for i in range(8):
+            for req in hook.running:
+                req.spec_token_ids = [-1] * hook._k_decided  # the proposer's drafts of the last step
+            _run(hook, 1, start=600 + i)
+            verified.append((hook._drafts_explored, sum(1 for r in hook.running if r.spec_token_ids)))
+        explored = [n for was, n in verified if was]
+        assert explored and all(n == 8 for n in explored), verified
+        assert all(n == 0 for was, n in verified if not was)  # the gate's own decisions: dropped

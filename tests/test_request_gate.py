@@ -179,6 +179,7 @@ def _hook(
         k_for_batch=lambda b: controller_k,
         policy=types.SimpleNamespace(k_hi=8),
         record_scheduled=lambda k_policy, k: None,
+        exploring=lambda: False,
     )
     h._k_engine = 8
     h._gate = RequestDraftGate(probe_every=probe_every, pool_decay=pool_decay)

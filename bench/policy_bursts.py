@@ -1,0 +1,149 @@
+"""``python -m bench policy-bursts``: which steps the adaptive policy drafts in, burst by burst,
+on the scheduler hook without vLLM.
+
+Bursts of ``--batch`` decode requests of two kinds follow each other in ``--pattern`` order,
+the engine drained between bursts: in a burst of kind ``r`` every draft is rejected, in a burst
+of kind ``q`` (requests that quote their prompt) ``--accepted`` tokens of each draft are
+accepted. The hook (``engine_host.scheduler``) runs on the stand-in scheduler of
+``python -m bench hook-cost`` in ``adaptive`` mode with its config's defaults, as under vLLM's
+``AsyncScheduler`` unless ``--sync``: a step verifies the drafts proposed at the K of the step
+before it. Prints, per kind, the steps at K > 0 of each burst after ``--settle`` bursts.
+
+The hook's clocks advance 0.1 ms per reading (a step that runs more of the hook's code takes
+longer, the same in every run), so the figures are the same on every machine; they say what
+the policy decides, not what a step costs on an engine. On a GPU host the same pattern is
+measured by ``python -m bench paired`` with bursts of one workload each (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import statistics
+import sys
+import tempfile
+import types
+from typing import Any, Iterator
+
+KINDS = {"r": "drafts rejected", "q": "drafts accepted (quotes)"}
+
+
+@contextlib.contextmanager
+def _tick_clock() -> Iterator[None]:
+    """The scheduler hook's clocks (wall, thread CPU, monotonic) as one counter that advances
+    0.1 ms per reading, restored afterwards."""
+    import engine_host.scheduler as scheduler_module
+
+    ticks = itertools.count()
+
+    def now() -> float:
+        return 1000.0 + next(ticks) * 1e-4
+
+    saved = scheduler_module.time
+    scheduler_module.time = types.SimpleNamespace(perf_counter=now, thread_time=now, monotonic=now, time=now)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        scheduler_module.time = saved
+
+
+def _burst(hook: Any, steps: int, accepted: int, async_order: bool) -> int:
+    """``steps`` steps of the hook's running requests, each draft with ``accepted`` tokens
+    accepted, then one step with none running (drained); returns the steps scheduled at K > 0."""
+    drafted = 0
+    prev_k = 0
+    pending: tuple[Any, int] | None = None
+    for _ in range(steps):
+        hook.has_requests()
+        out = hook.schedule()
+        k = out.num_spec_tokens_to_schedule
+        drafted += k > 0
+        step: tuple[Any, int] | None = (out, prev_k)
+        prev_k = k
+        if async_order:  # step i + 1 is scheduled before step i's output is handed back
+            step, pending = pending, step
+            if step is None:
+                continue
+        assert step is not None
+        out_i, verified = step
+        if verified:
+            for req in hook.running:
+                hook.make_spec_decoding_stats(None, verified, min(accepted, verified), request_id=req.request_id)
+        hook.update_from_output(out_i, None)
+    running, hook.running = hook.running, []
+    hook.has_requests()
+    hook.update_from_output(hook.schedule(), None)
+    hook.running = running
+    return drafted
+
+
+def run(
+    batch: int, steps: int, pattern: str, repeat: int, accepted: int, async_scheduling: bool
+) -> dict[str, list[int]]:
+    """Steps at K > 0 of each burst, per kind (``r``, ``q``), over ``repeat`` repetitions of
+    ``pattern``.
+
+    Raises:
+        ValueError: a kind outside ``r``/``q`` in ``pattern``, or a size below 1.
+    """
+    if not pattern or set(pattern) - set(KINDS):
+        raise ValueError(f"--pattern takes the letters r and q only, got {pattern!r}")
+    if batch < 1 or steps < 1 or repeat < 1 or accepted < 0:
+        raise ValueError("--batch, --steps and --repeat need values >= 1, --accepted >= 0")
+    from bench.hook_cost import standin_hook
+
+    out: dict[str, list[int]] = {k: [] for k in KINDS}
+    with tempfile.TemporaryDirectory() as folder, _tick_clock():
+        hook, channel = standin_hook("adaptive", batch, folder, async_scheduling=async_scheduling)
+        try:
+            for kind in pattern * repeat:
+                out[kind].append(_burst(hook, steps, accepted if kind == "q" else 0, async_scheduling))
+        finally:
+            channel.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line; see the module docstring."""
+    ap = argparse.ArgumentParser(
+        prog="python -m bench policy-bursts", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--batch", type=int, default=48, help="decode requests per burst (default: 48)")
+    ap.add_argument("--steps", type=int, default=290, help="steps per burst (default: 290, host 27's at 64 clients)")
+    ap.add_argument(
+        "--pattern",
+        default="qrr",
+        help="burst kinds in order, repeated: q = drafts accepted (quotes), r = rejected (default: qrr, "
+        "as docs, code, shift on host 27)",
+    )
+    ap.add_argument("--repeat", type=int, default=11, help="repetitions of the pattern (default: 11)")
+    ap.add_argument("--settle", type=int, default=3, help="bursts left out of the figures at the start (default: 3)")
+    ap.add_argument("--accepted", type=int, default=2, help="tokens accepted of each draft in a q burst (default: 2)")
+    ap.add_argument("--sync", action="store_true", help="synchronous scheduling (the CPU build) instead of async")
+    args = ap.parse_args(argv)
+    try:
+        res = run(args.batch, args.steps, args.pattern, args.repeat, args.accepted, not args.sync)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    kinds = args.pattern * args.repeat
+    print(
+        f"adaptive, {args.batch} requests, {args.steps} steps per burst, {'sync' if args.sync else 'async'} "
+        f"scheduling; steps at K > 0 per burst after the first {args.settle} bursts:\n"
+    )
+    print("| bursts | kind | mean | min | max | each |")
+    print("|---:|---|---:|---:|---:|---|")
+    for kind, label in KINDS.items():
+        # the kind's bursts after the settle: their positions in the whole sequence
+        positions = [i for i, c in enumerate(kinds) if c == kind]
+        seen = [n for n, i in zip(res[kind], positions) if i >= args.settle]
+        if not seen:
+            continue
+        each = ", ".join(str(n) for n in seen)
+        print(f"| {len(seen)} | {label} | {statistics.mean(seen):.1f} | {min(seen)} | {max(seen)} | {each} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
