@@ -7,7 +7,8 @@ of kind ``q`` (requests that quote their prompt) ``--accepted`` tokens of each d
 accepted. The hook (``engine_host.scheduler``) runs on the stand-in scheduler of
 ``python -m bench hook-cost`` in ``adaptive`` mode with its config's defaults, as under vLLM's
 ``AsyncScheduler`` unless ``--sync``: a step verifies the drafts proposed at the K of the step
-before it. Prints, per kind, the steps at K > 0 of each burst after ``--settle`` bursts.
+before it. Each burst's requests are new. Prints, per kind, the steps at K > 0 of each burst
+after ``--settle`` bursts.
 
 The hook's clocks advance 0.1 ms per reading (a step that runs more of the hook's code takes
 longer, the same in every run), so the figures are the same on every machine; they say what
@@ -97,7 +98,16 @@ def run(
     with tempfile.TemporaryDirectory() as folder, _tick_clock():
         hook, channel = standin_hook("adaptive", batch, folder, async_scheduling=async_scheduling)
         try:
-            for kind in pattern * repeat:
+            for n, kind in enumerate(pattern * repeat):
+                # each burst's requests are new, as on an engine: a request's own estimate starts
+                # at the pooled acceptance of the requests before it (engine_host.request_gate)
+                hook.running = [
+                    types.SimpleNamespace(
+                        request_id=f"b{n}-r{i}", spec_token_ids=[], num_output_tokens=8, num_computed_tokens=200
+                    )
+                    for i in range(batch)
+                ]
+                hook.requests = {r.request_id: r for r in hook.running}
                 out[kind].append(_burst(hook, steps, accepted if kind == "q" else 0, async_scheduling))
         finally:
             channel.close()
