@@ -562,10 +562,7 @@ class StepTimeModel:
             if c0 is not None:
                 # this step against a plain step of the same batch, measured now (correction())
                 t_plain = (t0 + t1 * batch_size) * c0[0] / max(t0 + t1 * c0[3] + td * c0[4], 1e-9)
-                sample = min(max(step_time_s / max(t_plain, 1e-9), self.PREMIUM_MIN), self.PREMIUM_MAX)
-                a = max(self.alpha, 1.0 / (kc[6] + 1.0))
-                kc[5] += a * (sample - kc[5])
-                kc[6] += 1.0
+                self._premium_sample(b, k, step_time_s / max(t_plain, 1e-9))
 
     #: With ``premium_window_s``: a plain step is near a step at K > 0 within at least this
     #: many plain steps' time (a CPU step takes 50-100 ms; the hook observes one plain step
@@ -609,6 +606,8 @@ class StepTimeModel:
             del waiting[0]
 
     def _premium_sample(self, b: int, k: int, sample: float) -> None:
+        """Fold one premium sample (ratio, clamped to ``PREMIUM_MIN..PREMIUM_MAX``) into the
+        (bucket ``b``, depth ``k``) cell."""
         kc = self.cells.get((b, k))
         if kc is None:
             return

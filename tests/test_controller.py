@@ -789,7 +789,9 @@ def test_after_a_drain_a_burst_of_several_requests_is_explored_within_explore_ev
     ctl.drained()
     n = _steps_to_next_exploration(ctl, 48)
     assert n is not None and n <= ctl.policy.p.explore_every + 1  # type: ignore[attr-defined]
-    assert ctl.policy.interval == 320  # type: ignore[attr-defined]  # the backed-off interval is kept
+    policy = ctl.policy
+    assert isinstance(policy, AdaptivePolicy)
+    assert policy.interval == policy.p.explore_every * policy.MAX_BACKOFF  # the backed-off interval is kept
 
 
 def test_after_a_drain_a_lone_request_is_left_to_the_gate():
