@@ -29,7 +29,8 @@ The model is built as the engine host's controller builds it (:data:`ENGINE_MODE
 With ``--set KEY=VALUE`` (repeatable: constructor arguments of ``StepTimeModel``, ``none`` for
 None) a second model with those arguments over the engine's is replayed beside it, so that two
 settings can be compared on one recorded trace without a GPU; ``--set premium_window_s=none
---set premium_first=false`` is the model before 2026-11-28's seventh stop.
+--set premium_first=false`` is the model before 2026-11-28's seventh stop, and ``--set
+premium_borrow=false`` the one before 2026-11-29's second.
 
 Example::
 
@@ -148,6 +149,7 @@ def replay(
 ENGINE_MODEL_ARGS: dict[str, Any] = {
     "premium_window_s": SpeculationController.PREMIUM_WINDOW_S,
     "premium_first": True,
+    "premium_borrow": True,
 }
 
 

@@ -437,6 +437,12 @@ class StepTimeModel:
             only once that cell is stale or still blending). The engine host's controller
             sets both (:class:`SpeculationController`); the defaults keep the model before
             them, for ``bench step-time-replay`` comparisons.
+        premium_borrow: a depth K > 0 with no premium of its own at a batch-size bucket (never
+            run there beside plain steps) is priced by the premium of the same depth at the
+            next bucket down or up, ``T(B, K) = T(B, 0) * premium``, instead of by the
+            bucket's correction, which is learned mostly from plain steps (default False; the
+            engine host's controller sets it). With ``--max-num-seqs 64``, 64 requests are a
+            bucket of their own that an adaptive engine rarely drafts in (docs/gpu.md, host 27).
 
     Raises:
         ValueError: ``premium_window_s`` set and not > 0.
@@ -454,11 +460,13 @@ class StepTimeModel:
         spec_step_cost_ratio: float = 0.05,
         premium_window_s: float | None = None,
         premium_first: bool = False,
+        premium_borrow: bool = False,
     ):
         if premium_window_s is not None and not premium_window_s > 0:
             raise ValueError(f"premium_window_s must be > 0 s, got {premium_window_s}")
         self.premium_window_s = premium_window_s
         self.premium_first = premium_first
+        self.premium_borrow = premium_borrow
         # premium_window_s: per bucket [recent plain step over the fitted line (ratio), when (s)],
         # and the K > 0 steps still waiting for a plain step near them: (K, s, batch size, when s)
         self._plain_near: dict[int, list[float]] = {}
@@ -473,7 +481,8 @@ class StepTimeModel:
         self.spec_step_cost_ratio = spec_step_cost_ratio
         self.buckets: dict[int, list[float]] = {}  # bucket -> [correction, n]
         # (bucket, K) -> [mean step time (s), n, last step, mean tokens x, mean P,
-        #                 premium over a plain step of the same batch (ratio), its n]
+        #                 premium over a plain step of the same batch (ratio), its n,
+        #                 mean batch size (requests)]
         self.cells: dict[tuple[int, int], list[float]] = {}
         self.steps = 0
         self._s = [0.0] * 5  # n, sx, st, sxx, sxt
@@ -547,12 +556,22 @@ class StepTimeModel:
             if kc is None or self.steps - kc[2] > self.fresh_steps:
                 # a stale cell starts again from this step; its premium over K = 0 is kept
                 premium, n_premium = (kc[5], kc[6]) if kc is not None else (1.0, 0.0)
-                kc = self.cells[(b, k)] = [step_time_s, 1.0, float(self.steps), x, p, premium, n_premium]
+                kc = self.cells[(b, k)] = [
+                    step_time_s,
+                    1.0,
+                    float(self.steps),
+                    x,
+                    p,
+                    premium,
+                    n_premium,
+                    float(batch_size),
+                ]
             else:
                 a = max(self.alpha, 1.0 / (kc[1] + 1.0))
                 kc[0] += a * (step_time_s - kc[0])
                 kc[3] += a * (x - kc[3])
                 kc[4] += a * (p - kc[4])
+                kc[7] += a * (batch_size - kc[7])
                 kc[1] += 1.0
                 kc[2] = float(self.steps)
             if self.premium_window_s is not None and now is not None:
@@ -732,10 +751,15 @@ class StepTimeModel:
         c_bucket = cell[0] if cell else 1.0
         if k is not None:
             kc = self.cells.get((b, k))
+            borrowed = None
+            if self.premium_borrow and k > 0 and (kc is None or kc[6] < self.cell_steps):
+                borrowed = self._borrowed(b, batch_size, k, coef if coef is not None else self.coefficients3())
+                if kc is None and borrowed is not None:
+                    return borrowed
             if kc is not None:
                 t0, t1, td = coef if coef is not None else self.coefficients3()
                 line = max(t0 + t1 * kc[3] + td * kc[4], 1e-9)
-                fallback = c_bucket
+                fallback = c_bucket if borrowed is None else borrowed
                 if k > 0 and kc[6] >= self.cell_steps and self._plain_cell(b) is not None:  # its premium
                     t_plain = (t0 + t1 * batch_size) * self.correction(batch_size, 0, (t0, t1, td))
                     fallback = t_plain * max(kc[5], 1.0) / line
@@ -746,6 +770,26 @@ class StepTimeModel:
                     return w * kc[0] / line + (1.0 - w) * fallback
                 return fallback
         return c_bucket
+
+    def _borrowed(self, b: int, batch_size: int, k: int, coef: tuple[float, float, float]) -> float | None:
+        """``premium_borrow``: the correction that prices depth ``k`` at ``batch_size``
+        (bucket ``b``) by the premium of ``k`` at bucket ``b - 1`` or ``b + 1`` (the one with
+        more premium samples), at that cell's draft tokens per request; None when neither has
+        ``cell_steps`` premium samples or K = 0 at ``b`` is not fresh."""
+        if self._plain_cell(b) is None:
+            return None
+        best = None
+        for nb in (b - 1, b + 1):
+            nc = self.cells.get((nb, k))
+            if nc is not None and nc[6] >= self.cell_steps and (best is None or nc[6] > best[6]):
+                best = nc
+        if best is None:
+            return None
+        t0, t1, td = coef
+        x = batch_size * best[3] / max(best[7], 1.0)
+        line = max(t0 + t1 * x + td * best[4], 1e-9)
+        t_plain = (t0 + t1 * batch_size) * self.correction(batch_size, 0, coef)
+        return t_plain * max(best[5], 1.0) / line
 
     def predict_tokens(self, batch_size: int, tokens: float, k: int | None = None) -> float:
         """Predicted step time (s) for ``batch_size`` requests verifying ``tokens`` at depth ``k``
@@ -1179,6 +1223,7 @@ class SpeculationController:
             draft_cost_ratio=draft_cost_ratio,
             premium_window_s=self.PREMIUM_WINDOW_S,
             premium_first=True,
+            premium_borrow=True,
         )
         self.steps_at_k = [0] * (k_engine + 1)
         self.k_current = 0

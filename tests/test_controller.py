@@ -810,3 +810,50 @@ def test_policies_without_explorations_ignore_a_drain():
         before = [ctl.k_for_batch(8) for _ in range(5)]
         ctl.drained()
         assert [ctl.k_for_batch(8) for _ in range(5)] == before
+
+
+def _bursts_without_depth_at_64(model: StepTimeModel) -> StepTimeModel:
+    """Plain steps at 1, 48 and 64 requests; K = 4 beside them at 1 request (2x a plain
+    step) and at 48 (1.3x), never at 64 (host 27's adaptive engine, docs/gpu.md)."""
+    now = 0.0
+    for _ in range(600):
+        for b, t_plain, t_k4 in ((1, 0.004, 0.008), (48, 0.010, 0.013)):
+            for _ in range(8):
+                now += t_plain
+                model.observe(b, b, t_plain, 0, 0, now)
+            for _ in range(8):
+                now += t_k4
+                model.observe(b, 2 * b, t_k4, 4, 4, now)
+        for _ in range(8):
+            now += 0.011
+            model.observe(64, 64, 0.011, 0, 0, now)
+    return model
+
+
+def test_a_depth_never_run_at_a_bucket_borrows_the_premium_of_the_bucket_next_to_it():
+    """K = 4 never ran at 64 requests: with ``premium_borrow`` it is priced there at its
+    premium at 32-63 requests, not by a line pulled up by its premium at 1 request."""
+
+    def premiums(borrow: bool) -> tuple[float, float]:
+        m = _bursts_without_depth_at_64(StepTimeModel(premium_window_s=0.5, premium_first=True, premium_borrow=borrow))
+        return tuple(m.predict(b, 4, 1.0) / m.predict(b, 0, 0.0) for b in (64, 48))  # type: ignore[return-value]
+
+    at64, at48 = premiums(True)
+    assert at48 == pytest.approx(1.3, abs=0.02)
+    assert at64 == pytest.approx(at48, rel=1e-6)  # borrowed from 32-63, not from 1 (2.0x)
+    before, _ = premiums(False)
+    assert before > 1.45  # the line's price without it (1.57)
+
+
+def test_a_borrowed_premium_gives_way_to_the_bucket_own():
+    """Once K = 4 runs at 64 requests beside plain steps (1.1x there), its own premium
+    prices it, not the one borrowed from 32-63 requests (1.3x)."""
+    m = _bursts_without_depth_at_64(StepTimeModel(premium_window_s=0.5, premium_first=True, premium_borrow=True))
+    now = 1e4
+    for _ in range(40):
+        for k, t in ((0, 0.011), (4, 0.0121)):
+            for _ in range(4):
+                now += t
+                m.observe(64, 128 if k else 64, t, k, k, now)
+    assert m.predict(64, 4, 1.0) / m.predict(64, 0, 0.0) == pytest.approx(1.1, abs=0.03)
+    assert SpeculationController(4, SpeculationConfig(mode="adaptive")).step_time.premium_borrow
