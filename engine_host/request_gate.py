@@ -55,12 +55,13 @@ Pure Python, no vLLM import; the scheduler hook (``engine_host.scheduler``) call
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 ACCEPTANCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8)  # lower edges of the histogram's bins
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestStats:
     drafted: float = 0.0  # draft tokens verified (decayed count)
     accepted: float = 0.0  # of those, accepted (decayed count)
@@ -131,30 +132,47 @@ class RequestDraftGate:
     # -- measurements ----------------------------------------------------------
     def observe(self, req_id: str, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """Fold in one verification of request ``req_id`` (tokens drafted, tokens accepted)."""
-        if num_draft_tokens <= 0:
-            return
-        s = self._reqs.get(req_id)
-        if s is None:
-            s = self._reqs[req_id] = _RequestStats()
-        n = max(0, min(num_accepted_tokens, num_draft_tokens))
-        s.drafted = s.drafted * self.decay + num_draft_tokens
-        s.accepted = s.accepted * self.decay + n
-        rejected = 1.0 if n < num_draft_tokens else 0.0
-        s.rejections = s.rejections * self.decay + rejected
-        if self.pool_decay > 0.0:
-            # one factor per token judged (each accepted token and the rejection, if any): a
-            # verification of 8 accepted tokens weighs as the 8 judgments it is, and it fades
-            # as fast as 8 rejections would, so after copy traffic a run of rejected chat
-            # drafts brings the prior down within about 1 / (1 - pool_decay) of them
-            f = self.pool_decay ** (n + rejected)
-            pools = self._pools
-            cls = self._class.get(req_id)
-            for key in (None, cls) if cls is not None else (None,):
-                pool = pools.get(key)
-                if pool is None:
-                    pool = pools[key] = [0.0, 0.0]
-                pool[0] = pool[0] * f + n
-                pool[1] = pool[1] * f + rejected
+        self.observe_many(((req_id, num_draft_tokens, num_accepted_tokens),))
+
+    def observe_many(self, verifications: Iterable[tuple[str | None, int, int]]) -> None:
+        """Fold in verifications in order, each ``(request id, tokens drafted, tokens
+        accepted)`` as :meth:`observe` takes one; an id of None or a verification with no
+        draft tokens is skipped. The scheduler hook hands over a step's verifications in one
+        call: it runs once per request with drafts at every step at K > 0."""
+        reqs = self._reqs
+        decay = self.decay
+        pool_decay = self.pool_decay
+        pools = self._pools
+        classes = self._class
+        every = pools[None]
+        for req_id, drafted, accepted in verifications:
+            if drafted <= 0 or req_id is None:
+                continue
+            s = reqs.get(req_id)
+            if s is None:
+                s = reqs[req_id] = _RequestStats()
+            n = accepted if accepted < drafted else drafted
+            if n < 0:
+                n = 0
+            rejected = 1.0 if n < drafted else 0.0
+            s.drafted = s.drafted * decay + drafted
+            s.accepted = s.accepted * decay + n
+            s.rejections = s.rejections * decay + rejected
+            if pool_decay > 0.0:
+                # one factor per token judged (each accepted token and the rejection, if any): a
+                # verification of 8 accepted tokens weighs as the 8 judgments it is, and it fades
+                # as fast as 8 rejections would, so after copy traffic a run of rejected chat
+                # drafts brings the prior down within about 1 / (1 - pool_decay) of them
+                f = pool_decay ** (n + rejected)
+                every[0] = every[0] * f + n
+                every[1] = every[1] * f + rejected
+                cls = classes.get(req_id)
+                if cls is not None:
+                    pool = pools.get(cls)
+                    if pool is None:
+                        pool = pools[cls] = [0.0, 0.0]
+                    pool[0] = pool[0] * f + n
+                    pool[1] = pool[1] * f + rejected
 
     def set_class(self, req_id: str, cls: str) -> None:
         """Name the class of request ``req_id`` (e.g. ``"sampled"``): its prior's mean is

@@ -225,6 +225,7 @@ class _SpecPilotHook:
         self._dhist = [0] * max(self._k_engine, 1)
         self._drafted = 0
         self._accepted = 0
+        self._verified: list[tuple[str | None, int, int]] = []  # (request id, drafted, accepted) this step
         self._quiet: list[tuple[int, int | None, float, bool, float]] = []  # kept quiet steps (QUIET_STEPS)
         self._overhead_s = 0.0  # wall time inside the hook's spans (s)
         self._overhead_cpu_s = 0.0  # this thread's CPU time inside the same spans (s)
@@ -707,24 +708,44 @@ class _SpecPilotHook:
                     req.spec_token_ids = []
 
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens, *args, **kwargs):  # type: ignore[override]
+        # once per request with drafts, inside vLLM's update_from_output: the verification is
+        # kept and folded in with the step's others (_fold_verified) when that returns
         if num_draft_tokens:
             self._wants_memo = self._WANTS_STALE  # drafts verified: whether drafts pay is asked again
-            req_id = kwargs.get("request_id")
-            if req_id is not None:
-                self._gate.observe(req_id, num_draft_tokens, num_accepted_tokens)
             if num_accepted_tokens:  # drafts accepted: the async probes' wait starts again from probe_every
                 self._probe_interval = self._gate.probe_every
-            self._drafted += num_draft_tokens
-            self._accepted += num_accepted_tokens
-            hist = self._hist
-            for i in range(min(num_accepted_tokens, len(hist))):
-                hist[i] += 1
-            dh = self._dhist
-            for i in range(min(num_draft_tokens, len(dh))):
-                dh[i] += 1
+            self._verified.append((kwargs.get("request_id"), num_draft_tokens, num_accepted_tokens))
         return super().make_spec_decoding_stats(  # type: ignore[misc]
             spec_decoding_stats, num_draft_tokens, num_accepted_tokens, *args, **kwargs
         )
+
+    def _fold_verified(self) -> None:
+        """Fold the verifications kept by :meth:`make_spec_decoding_stats` since the last
+        call into the per-request gate (:meth:`RequestDraftGate.observe_many`), the step's
+        draft and accepted tokens and the per-position histograms (``_hist[i]``:
+        verifications with more than ``i`` tokens accepted; ``_dhist[i]``: with more than
+        ``i`` drafted)."""
+        verified = self._verified
+        self._verified = []
+        self._gate.observe_many(verified)
+        hist, dh = self._hist, self._dhist
+        top = len(hist)
+        n_acc = [0] * (top + 1)  # verifications by tokens accepted (top: top or more)
+        n_draft = [0] * (top + 1)
+        drafted = accepted = 0
+        for _, d, a in verified:
+            drafted += d
+            accepted += a
+            n_acc[a if a < top else top] += 1
+            n_draft[d if d < top else top] += 1
+        above_a = above_d = 0
+        for i in range(top, 0, -1):
+            above_a += n_acc[i]
+            above_d += n_draft[i]
+            hist[i - 1] += above_a
+            dh[i - 1] += above_d
+        self._drafted += drafted
+        self._accepted += accepted
 
     def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
@@ -738,7 +759,7 @@ class _SpecPilotHook:
                 n % self.LEAN_SAMPLE
                 and t < self._publish_due
                 and self.running  # type: ignore[attr-defined]
-                and not self._drafted  # drafts verified (a probe's, in flight when the rest began): observed
+                and not self._verified  # drafts verified (a probe's, in flight when the rest began): observed
             ):
                 if self._trace is not None and step is not None:  # profiling: every step has its row
                     n_dec = sum(1 for m in scheduler_output.num_scheduled_tokens.values() if m == 1)
@@ -753,6 +774,8 @@ class _SpecPilotHook:
                 self._overhead_cpu_s += d
                 return outputs
         c = time.thread_time()
+        if self._verified:
+            self._fold_verified()
         k_drafted = step.k_drafted if step is not None else self._k_drafted
         k_proposed = step.k_proposed if step is not None else self._k_decided
         n_dec = 0

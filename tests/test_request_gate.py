@@ -599,3 +599,36 @@ def test_under_async_scheduling_whether_drafts_pay_is_kept_a_few_steps_and_asked
         assert hook._wants_memo == hook._WANTS_STALE
     finally:
         channel.close()
+
+
+def test_a_steps_verifications_folded_together_equal_one_observation_each(tmp_path):
+    """The hook keeps each verification vLLM reports (``make_spec_decoding_stats``, once per
+    request with drafts) and folds a step's together after vLLM's ``update_from_output``: the
+    gate's estimates, the pooled priors, the step's token counts and the per-position
+    histograms come out as one observation per verification gives them."""
+    from bench.hook_cost import standin_hook
+
+    judged = [("a", 4, 0), ("b", 4, 4), ("a", 3, 2), ("c", 2, 1), (None, 4, 1), ("b", 0, 0), ("d", 8, 8)]
+    one_by_one = RequestDraftGate()
+    one_by_one.set_class("b", "greedy")
+    for rid, d, a in judged:
+        if rid is not None:
+            one_by_one.observe(rid, d, a)
+    hook, channel = standin_hook("fixed:4", 2, str(tmp_path), async_scheduling=True)
+    try:
+        hook._gate.set_class("b", "greedy")
+        for rid, d, a in judged:
+            hook.make_spec_decoding_stats(None, d, a, request_id=rid)
+        assert hook._drafted == 0  # kept until vLLM's update_from_output has returned
+        hook._fold_verified()
+        assert (hook._drafted, hook._accepted) == (25, 16)
+        top = len(hook._hist)  # K_max = 4: a verification of 8 counts at every position
+        assert hook._hist == [sum(1 for _, d, a in judged if d and a > i) for i in range(top)] == [5, 3, 2, 2]
+        assert hook._dhist == [sum(1 for _, d, a in judged if d > i) for i in range(top)] == [6, 6, 5, 4]
+        for rid in "abcd":
+            assert hook._gate.acceptance(rid) == pytest.approx(one_by_one.acceptance(rid))
+        for cls in (None, "greedy"):
+            assert hook._gate.prior_mean(cls) == pytest.approx(one_by_one.prior_mean(cls))
+        assert hook._verified == []
+    finally:
+        channel.close()
