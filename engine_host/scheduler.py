@@ -202,7 +202,7 @@ class _SpecPilotHook:
         self._caps_steady = False  # True while _apply_caps has nothing to change
         self._max_running_seen = 0
         self._k_decided = 0  # K chosen for the step being scheduled
-        self._k_explored = False  # ... an exploration's, run past the gate (EXPLORE_PAST_GATE_MIN_BATCH)
+        self._k_explored = False  # _k_decided is an exploration's K, run past the gate (EXPLORE_PAST_GATE_MIN_BATCH)
         self._drafts_explored = False  # the drafts verified in the step being scheduled are an exploration's
         self._gate_cost_memo: dict[tuple[int, int], tuple[float, float, int]] = {}
         self._steps_planned_out = 0  # steps in a row the gate ran at K = 0 (async probes)
