@@ -632,3 +632,49 @@ def test_a_steps_verifications_folded_together_equal_one_observation_each(tmp_pa
         assert hook._verified == []
     finally:
         channel.close()
+
+
+def _finish(gate: RequestDraftGate, rid: str, cls: str, accepted: int, steps: int, k: int = 4) -> None:
+    gate.set_class(rid, cls)
+    for _ in range(steps):
+        gate.observe(rid, k, accepted)
+    gate.forget(req_id=rid)
+
+
+def test_the_prior_weighs_less_where_the_requests_of_a_class_split():
+    """Greedy code requests that reject every draft between greedy docs requests that quote:
+    the class's finished requests split, so its prior's strength falls below the configured
+    one and a new request's first rejected draft takes it further from the pooled mean than
+    it would at the configured strength; a class whose requests accept alike keeps it."""
+    g, fixed = RequestDraftGate(), RequestDraftGate(spread_requests=0)
+    for i in range(12):
+        for gate in (g, fixed):
+            _finish(gate, f"code-{i}", "greedy", 0, steps=5)
+            _finish(gate, f"docs-{i}", "greedy", 4, steps=40, k=5)  # 0.8 per token
+            _finish(gate, f"chat-{i}", "sampled", 0, steps=20)
+    assert g.prior_strength("greedy") < 1.2 < fixed.prior_strength("greedy") == 2.0
+    assert g.prior_strength("sampled") == 2.0  # every chat request alike
+    assert g.prior_mean("greedy") == pytest.approx(fixed.prior_mean("greedy"))  # the mean is the pooled one
+    for gate in (g, fixed):
+        gate.set_class("new-code", "greedy")
+        gate.observe("new-code", 4, 0)
+    assert g.acceptance("new-code") < 0.4 < 0.5 < fixed.acceptance("new-code")
+    # where a K = 4 step costs half a plain step, its drafts stop paying after one rejection
+    assert not g.plan("new-code", 4, 0.07, 0.5, probe=False)
+    assert fixed.plan("new-code", 4, 0.07, 0.5, probe=False)
+    s = g.summary()
+    assert s["prior_strength_by_class"]["greedy"] == pytest.approx(g.prior_strength("greedy"), abs=1e-3)
+    assert s["prior_strength"] == pytest.approx(g.prior_strength(), abs=1e-3)
+
+
+def test_the_prior_strength_recovers_when_a_class_accepts_alike_again():
+    g = RequestDraftGate(spread_requests=8)
+    for i in range(10):
+        _finish(g, f"code-{i}", "greedy", 0, steps=5)
+        _finish(g, f"docs-{i}", "greedy", 4, steps=40, k=5)
+    low = g.prior_strength("greedy")
+    for i in range(40):
+        _finish(g, f"docs-more-{i}", "greedy", 4, steps=40, k=5)
+    assert low < 1.0 and g.prior_strength("greedy") == 2.0
+    with pytest.raises(ValueError):
+        RequestDraftGate(spread_requests=-1)
