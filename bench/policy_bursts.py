@@ -31,16 +31,15 @@ KINDS = {"r": "drafts rejected", "q": "drafts accepted (quotes)"}
 
 
 @contextlib.contextmanager
-def _tick_clock(offset: list[float]) -> Iterator[None]:
+def _tick_clock() -> Iterator[None]:
     """The scheduler hook's clocks (wall, thread CPU, monotonic) as one counter that advances
-    0.1 ms per reading, plus ``offset[0]`` seconds (a step's own time, ``--step-ms``),
-    restored afterwards."""
+    0.1 ms per reading, restored afterwards."""
     import engine_host.scheduler as scheduler_module
 
     ticks = itertools.count()
 
     def now() -> float:
-        return 1000.0 + next(ticks) * 1e-4 + offset[0]
+        return 1000.0 + next(ticks) * 1e-4
 
     saved = scheduler_module.time
     scheduler_module.time = types.SimpleNamespace(perf_counter=now, thread_time=now, monotonic=now, time=now)  # type: ignore[assignment]
@@ -50,18 +49,9 @@ def _tick_clock(offset: list[float]) -> Iterator[None]:
         scheduler_module.time = saved
 
 
-def _burst(
-    hook: Any,
-    steps: int,
-    accepted: int,
-    async_order: bool,
-    step_s: tuple[float, float] | None = None,
-    offset: list[float] | None = None,
-) -> int:
+def _burst(hook: Any, steps: int, accepted: int, async_order: bool) -> int:
     """``steps`` steps of the hook's running requests, each draft with ``accepted`` tokens
-    accepted, then one step with none running (drained); returns the steps scheduled at K > 0.
-    With ``step_s`` = (s at K = 0, s at K > 0), each step's output is handed back that much
-    later on the hook's clocks (``offset``)."""
+    accepted, then one step with none running (drained); returns the steps scheduled at K > 0."""
     drafted = 0
     prev_k = 0
     pending: tuple[Any, int] | None = None
@@ -81,8 +71,6 @@ def _burst(
         if verified:
             for req in hook.running:
                 hook.make_spec_decoding_stats(None, verified, min(accepted, verified), request_id=req.request_id)
-        if step_s is not None and offset is not None:
-            offset[0] += step_s[1] if out_i.num_spec_tokens_to_schedule > 0 else step_s[0]
         hook.update_from_output(out_i, None)
     running, hook.running = hook.running, []
     hook.has_requests()
@@ -92,24 +80,14 @@ def _burst(
 
 
 def run(
-    batch: int,
-    steps: int,
-    pattern: str,
-    repeat: int,
-    accepted: int,
-    async_scheduling: bool,
-    step_ms: tuple[float, float] | None = None,
+    batch: int, steps: int, pattern: str, repeat: int, accepted: int, async_scheduling: bool
 ) -> dict[str, list[int]]:
     """Steps at K > 0 of each burst, per kind (``r``, ``q``), over ``repeat`` repetitions of
-    ``pattern``. ``step_ms``: (ms of a step at K = 0, ms of one at K > 0) added to the hook's
-    clocks per step, so that the step-time model sees what a K > 0 step costs; None: nothing.
+    ``pattern``.
 
     Raises:
-        ValueError: a kind outside ``r``/``q`` in ``pattern``, a size below 1, or a step time
-            not above 0.
+        ValueError: a kind outside ``r``/``q`` in ``pattern``, or a size below 1.
     """
-    if step_ms is not None and min(step_ms) <= 0:
-        raise ValueError("--step-ms takes two times above 0 ms")
     if not pattern or set(pattern) - set(KINDS):
         raise ValueError(f"--pattern takes the letters r and q only, got {pattern!r}")
     if batch < 1 or steps < 1 or repeat < 1 or accepted < 0:
@@ -117,9 +95,7 @@ def run(
     from bench.hook_cost import standin_hook
 
     out: dict[str, list[int]] = {k: [] for k in KINDS}
-    offset = [0.0]
-    step_s = (step_ms[0] / 1e3, step_ms[1] / 1e3) if step_ms is not None else None
-    with tempfile.TemporaryDirectory() as folder, _tick_clock(offset):
+    with tempfile.TemporaryDirectory() as folder, _tick_clock():
         hook, channel = standin_hook("adaptive", batch, folder, async_scheduling=async_scheduling)
         try:
             for n, kind in enumerate(pattern * repeat):
@@ -132,7 +108,7 @@ def run(
                     for i in range(batch)
                 ]
                 hook.requests = {r.request_id: r for r in hook.running}
-                out[kind].append(_burst(hook, steps, accepted if kind == "q" else 0, async_scheduling, step_s, offset))
+                out[kind].append(_burst(hook, steps, accepted if kind == "q" else 0, async_scheduling))
         finally:
             channel.close()
     return out
@@ -155,29 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=int, default=3, help="bursts left out of the figures at the start (default: 3)")
     ap.add_argument("--accepted", type=int, default=2, help="tokens accepted of each draft in a q burst (default: 2)")
     ap.add_argument("--sync", action="store_true", help="synchronous scheduling (the CPU build) instead of async")
-    ap.add_argument(
-        "--step-ms",
-        metavar="T0,TK",
-        help="a step's own time in ms at K = 0 and at K > 0, e.g. 2.58,3.30 (an offline H200 host at 1 request: "
-        "docs/gpu.md); default: none, the hook's clocks advance only with its own code",
-    )
     args = ap.parse_args(argv)
     try:
-        step_ms = None
-        if args.step_ms:
-            parts = args.step_ms.split(",")
-            if len(parts) != 2:
-                raise ValueError(f"--step-ms takes two times T0,TK in ms, got {args.step_ms!r}")
-            step_ms = (float(parts[0]), float(parts[1]))
-        res = run(args.batch, args.steps, args.pattern, args.repeat, args.accepted, not args.sync, step_ms)
+        res = run(args.batch, args.steps, args.pattern, args.repeat, args.accepted, not args.sync)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     kinds = args.pattern * args.repeat
     print(
         f"adaptive, {args.batch} requests, {args.steps} steps per burst, {'sync' if args.sync else 'async'} "
-        f"scheduling{f', steps of {step_ms[0]} / {step_ms[1]} ms at K = 0 / K > 0' if step_ms else ''}; "
-        f"steps at K > 0 per burst after the first {args.settle} bursts:\n"
+        f"scheduling; steps at K > 0 per burst after the first {args.settle} bursts:\n"
     )
     print("| bursts | kind | mean | min | max | each |")
     print("|---:|---|---:|---:|---:|---|")

@@ -33,21 +33,6 @@ the scheduler hook: ``greedy`` or ``sampled`` from its temperature), the pool is
 class's own: a sampled chat request after greedy requests that quote starts at what
 sampled requests were accepted at, not at the quoting requests' rate, and a greedy one
 after chat is not held at chat's. Requests without a class share one pool.
-
-The prior's *strength* follows how far the requests of a class differ. Each class keeps the
-distribution of per-request acceptance over its finished requests, on a grid of
-``SPREAD_GRID`` points, estimated by Newton's predictive recursion (M. A. Newton, "On a
-nonparametric recursive estimator of the mixing distribution", Sankhya A 64, 2002): a finished
-request's posterior over the grid, given its own verifications, is mixed into the class's
-distribution with weight ``max(1 / (n + 2), 1 / spread_requests)`` for its ``n``-th finished
-request. The strength is then the Beta distribution's with that mean and variance (method of
-moments, ``S = m (1 - m) / var - 1``), at most ``prior_accepted + prior_rejected`` and at
-least ``MIN_PRIOR_STRENGTH``. Where the requests of a class all accept alike (chat only, docs
-only) it stays at the configured strength; where they split (greedy code requests that
-reject every draft between greedy docs requests that quote) it falls, so a new request's own
-first rejections weigh more than the pooled mean that the quoting requests set: with the
-strength at 0.5 one rejected draft takes a request from a prior mean of 0.75 to 0.25, with
-the configured 2 to 0.5.
 Accepted / drafted would be the mean accepted *fraction*, ``x_i(k) / k``, not ``a_i``;
 used as ``a`` it underestimates x_i(k) (at a = 0.8, k = 8 it gives 0.7 tokens instead
 of 3.3) and drops drafts that pay. A request whose drafts were dropped is drafted again
@@ -70,16 +55,10 @@ Pure Python, no vLLM import; the scheduler hook (``engine_host.scheduler``) call
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 ACCEPTANCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8)  # lower edges of the histogram's bins
-# per-token acceptance at which the distribution over a class's requests is kept (module doc)
-SPREAD_GRID = tuple((i + 0.5) / 10.0 for i in range(10))
-_LOG_A = tuple(math.log(a) for a in SPREAD_GRID)
-_LOG_R = tuple(math.log(1.0 - a) for a in SPREAD_GRID)
-MIN_PRIOR_STRENGTH = 0.5  # the least strength of a new request's prior (pseudo-tokens)
 
 
 @dataclass(slots=True)
@@ -113,9 +92,6 @@ class RequestDraftGate:
             and its rejection, if any; memory about ``1 / (1 - pool_decay)`` judged tokens);
             0 keeps the prior's mean fixed at ``prior_accepted / (prior_accepted +
             prior_rejected)``.
-        spread_requests: finished requests (about) over which the distribution of
-            per-request acceptance that sets the prior's strength is kept (module doc;
-            >= 0); 0 keeps the strength at ``prior_accepted + prior_rejected``.
     Raises:
         ValueError: a parameter out of range.
     """
@@ -128,7 +104,6 @@ class RequestDraftGate:
         margin: float = 0.0,
         probe_every: int = 16,
         pool_decay: float = 0.98,
-        spread_requests: int = 32,
     ):
         if prior_accepted < 0 or prior_rejected < 0 or prior_accepted + prior_rejected <= 0:
             raise ValueError("the prior's pseudo-counts must be >= 0 and not both 0")
@@ -140,23 +115,12 @@ class RequestDraftGate:
             raise ValueError("probe_every must be >= 1 step")
         if not 0.0 <= pool_decay <= 1.0:
             raise ValueError("pool_decay must be in [0, 1]")
-        if spread_requests < 0:
-            raise ValueError("spread_requests must be >= 0")
         self.prior_accepted = prior_accepted
         self.prior_rejected = prior_rejected
         self.decay = decay
         self.margin = margin
         self.probe_every = probe_every
         self.pool_decay = pool_decay
-        self.spread_requests = spread_requests
-        strength = prior_accepted + prior_rejected
-        # the distribution of per-request acceptance over SPREAD_GRID, per class (None: every
-        # request's), starting at the configured Beta prior's shape; and the strength it sets
-        beta = [a ** (prior_accepted - 1.0) * (1.0 - a) ** (prior_rejected - 1.0) for a in SPREAD_GRID]
-        self._spread0 = [w / sum(beta) for w in beta]
-        self._spread: dict[str | None, list[float]] = {None: list(self._spread0)}
-        self._spread_n: dict[str | None, int] = {None: 0}  # finished requests folded in
-        self._strength: dict[str | None, float] = {None: strength}
         # [accepted, rejections] over recent verifications (decayed counts), per request
         # class; None: every request's (``summary``'s prior) and that of requests with no class
         self._pools: dict[str | None, list[float]] = {None: [0.0, 0.0]}
@@ -248,57 +212,20 @@ class RequestDraftGate:
         the probability that the next draft token is accepted given the ones before it
         were (``accepted / (accepted + rejections)`` with the Beta prior; module doc)."""
         s = self._reqs.get(req_id)
-        cls = self._class.get(req_id)
-        m = self.prior_mean(cls)
+        m = self.prior_mean(self._class.get(req_id))
         if s is None:
             return m
-        strength = self._strength.get(cls) or self.prior_accepted + self.prior_rejected
+        strength = self.prior_accepted + self.prior_rejected
         return (s.accepted + strength * m) / (s.accepted + s.rejections + strength)
-
-    def prior_strength(self, cls: str | None = None) -> float:
-        """Strength (pseudo-tokens, ``MIN_PRIOR_STRENGTH`` .. ``prior_accepted +
-        prior_rejected``) of a new request's prior in class ``cls`` (None: of requests
-        without a class): set by how far the class's finished requests differ (module doc)."""
-        return self._strength.get(cls) or self.prior_accepted + self.prior_rejected
-
-    def _fold_finished(self, req_id: str, s: _RequestStats) -> None:
-        """Fold a finished request's verifications into its class's distribution of
-        per-request acceptance and the class's prior strength (module doc)."""
-        n, r = s.accepted, s.rejections
-        if self.spread_requests <= 0 or self.pool_decay <= 0.0 or n + r <= 0.0:
-            return
-        logs = [n * la + r * lr for la, lr in zip(_LOG_A, _LOG_R)]
-        top = max(logs)
-        like = [math.exp(x - top) for x in logs]
-        cap = self.prior_accepted + self.prior_rejected
-        cls = self._class.get(req_id)
-        for key in (None, cls) if cls is not None else (None,):
-            g = self._spread.get(key)
-            if g is None:
-                g = self._spread[key] = list(self._spread0)
-            post = [w * x for w, x in zip(g, like)]
-            z = sum(post)
-            if z <= 0.0:
-                continue
-            count = self._spread_n.get(key, 0)
-            self._spread_n[key] = count + 1
-            w = max(1.0 / (count + 2), 1.0 / self.spread_requests)
-            g[:] = [(1.0 - w) * gi + w * pi / z for gi, pi in zip(g, post)]
-            m = sum(gi * a for gi, a in zip(g, SPREAD_GRID))
-            var = sum(gi * a * a for gi, a in zip(g, SPREAD_GRID)) - m * m
-            strength = m * (1.0 - m) / var - 1.0 if var > 1e-12 else cap
-            self._strength[key] = min(cap, max(MIN_PRIOR_STRENGTH, strength))
 
     def forget(self, live_ids: set[str] | None = None, req_id: str | None = None) -> None:
         """Drop one finished request, or every request not in ``live_ids``."""
         if req_id is not None:
-            s = self._reqs.pop(req_id, None)
-            if s is not None:
-                self._fold_finished(req_id, s)
+            self._reqs.pop(req_id, None)
             self._class.pop(req_id, None)
         if live_ids is not None:
             for rid in [r for r in self._reqs if r not in live_ids]:
-                self._fold_finished(rid, self._reqs.pop(rid))
+                del self._reqs[rid]
             for rid in [r for r in self._class if r not in live_ids]:
                 del self._class[rid]
 
@@ -431,9 +358,7 @@ class RequestDraftGate:
         of per-request acceptance over the requests with verified drafts (counts per bin
         of ``ACCEPTANCE_BUCKETS``), ``prior_acceptance``: where a new request's
         estimate starts (:meth:`prior_mean`, fraction 0..1), and
-        ``prior_acceptance_by_class``: the same per request class seen so far, and
-        ``prior_strength`` / ``prior_strength_by_class``: the prior's strength
-        (:meth:`prior_strength`, pseudo-tokens)."""
+        ``prior_acceptance_by_class``: the same per request class seen so far."""
         hist = [0] * len(ACCEPTANCE_BUCKETS)
         for rid, s in self._reqs.items():
             if s.drafted <= 0:
@@ -449,10 +374,6 @@ class RequestDraftGate:
             "prior_acceptance": round(self.prior_mean(), 4),
             "prior_acceptance_by_class": {
                 cls: round(self.prior_mean(cls), 4) for cls in sorted(k for k in self._pools if k is not None)
-            },
-            "prior_strength": round(self.prior_strength(), 3),
-            "prior_strength_by_class": {
-                cls: round(self.prior_strength(cls), 3) for cls in sorted(k for k in self._strength if k is not None)
             },
         }
 
