@@ -23,7 +23,9 @@ one right after a prefill or a change of batch (under async scheduling the new r
 inputs are prepared then), each at K = 0 and K > 0. Where the trace records each step's CUDA
 graph mode (the engine host runs vLLM with ``--cudagraph-metrics`` on a GPU while tracing), also
 by K verified and graph mode (``FULL``, ``PIECEWISE``, ``NONE``): a decode step that missed its
-FULL graph costs more at any K.
+FULL graph costs more at any K. With ``--lone N``, also each request that ran alone and drafted
+(``lone_table``): how many of its steps drafted, what they had accepted, and where the trace
+records it the per-request gate's estimate.
 
 Example::
 
@@ -57,6 +59,10 @@ class Step:
     tokens: int
     context: int = 0  # tokens in the KV cache of the step's requests (0: not in the trace)
     graph: str = ""  # the step's CUDA graph mode: FULL, PIECEWISE, NONE ("": not in the trace)
+    draft_tokens: int | None = None  # draft tokens the step's output verified (None: not in the trace)
+    accepted_tokens: int | None = None  # of those, accepted
+    estimate: float | None = None  # the running requests' highest acceptance estimate (fraction)
+    prior: float | None = None  # a new request's start in the newest running request's class
 
 
 @dataclass(frozen=True)
@@ -97,9 +103,82 @@ def read_trace(path: str | Path) -> list[Step]:
                 int(r["tokens"]),
                 int(r.get("context") or 0),  # traces before the column: 0
                 r.get("graph") or "",  # traces before the column, or vLLM without --cudagraph-metrics
+                _count(r.get("draft_tokens")),
+                _count(r.get("accepted_tokens")),
+                _fraction(r.get("estimate")),
+                _fraction(r.get("prior")),
             )
             for r in reader
         ]
+
+
+def _fraction(value: str | None) -> float | None:
+    return float(value) if value else None
+
+
+def _count(value: str | None) -> int | None:
+    return int(value) if value else None
+
+
+def lone_requests(steps: Sequence[Step]) -> list[list[Step]]:
+    """The stretches of one engine core's trace in which one request ran alone, one per request:
+    from the step after its prefill (a step that did not only decode) to the last step before
+    the next prefill or a step with more than one request. Stretches of one step are left out."""
+    out: list[list[Step]] = []
+    cur: list[Step] = []
+    for st in steps:
+        if st.requests == 1 and st.decode == 1:
+            cur.append(st)
+            continue
+        if len(cur) > 1:
+            out.append(cur)
+        cur = []
+    if len(cur) > 1:
+        out.append(cur)
+    return out
+
+
+def lone_table(traces: Sequence[Sequence[Step]], limit: int = 40) -> list[str]:
+    """Markdown: each lone request that drafted (``lone_requests``), up to ``limit`` of them:
+    its steps, those at K > 0 (``k_proposed``: the K chosen for the next drafts), the draft and
+    accepted tokens its verifications held, and, where the trace records them (a hook with the
+    per-request gate on), its class prior at its first step and its acceptance estimate after
+    its first verification, at its last step at K > 0 and at its end (fractions 0..1). Under
+    async scheduling a step's drafts are verified one step after they were proposed."""
+
+    def f(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    rows = [
+        "| request | steps | steps at K > 0 (first .. last) | accepted / draft tokens | prior at start | "
+        "estimate: first verified / last K > 0 / end |",
+        "|---:|---:|---|---|---:|---|",
+    ]
+    n = 0
+    for steps in traces:
+        for req in lone_requests(steps):
+            at_k = [i for i, st in enumerate(req) if st.k_proposed > 0]
+            if not at_k:
+                continue
+            n += 1
+            if n > limit:
+                continue
+            if req[0].draft_tokens is None:  # a trace from before the column
+                tokens = "-"
+            else:
+                tokens = f"{sum(st.accepted_tokens or 0 for st in req)} / {sum(st.draft_tokens or 0 for st in req)}"
+            first = next((st.estimate for st in req if st.draft_tokens), None)
+            last = req[at_k[-1]].estimate
+            prior = next((st.prior for st in req if st.prior is not None), None)
+            rows.append(
+                f"| {n} | {len(req)} | {len(at_k)} ({at_k[0] + 1} .. {at_k[-1] + 1}) | {tokens} | "
+                f"{f(prior)} | {f(first)} / {f(last)} / {f(req[-1].estimate)} |"
+            )
+    if n > limit:
+        rows.append(f"\n({n - limit} more lone requests that drafted not shown; --lone N shows more)")
+    if n == 0:
+        return ["no lone request drafted"]
+    return rows
 
 
 def busy_intervals(steps: Sequence[Step], max_gap_s: float = 0.05, since_s: float = 0.0) -> list[Interval]:
@@ -296,6 +375,14 @@ def main(argv: list[str] | None = None) -> int:
         "--cells", help="a `bench matrix` results folder: also one row per cell, from its window (same host's clock)"
     )
     ap.add_argument("--min-steps", type=int, default=20, help="groups with fewer steps are not printed")
+    ap.add_argument(
+        "--lone",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also each of the first N requests that ran alone and drafted: its steps at K > 0, tokens accepted and "
+        "the per-request gate's estimate",
+    )
     args = ap.parse_args(argv)
     intervals: list[Interval] = []
     traces: list[list[Step]] = []
@@ -316,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         if not cells:
             ap.error(f"{args.cells}: no cell JSON with window_perf_s")
         print("\n".join(cell_table(intervals, cells, args.min_steps)))
+        print()
+    if args.lone > 0:
+        print("\n".join(lone_table(traces, args.lone)))
         print()
     keys = ["k_drafted", "k_proposed", "transition"]
     if any(iv.graph for iv in intervals):  # vLLM ran with --cudagraph-metrics

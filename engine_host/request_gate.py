@@ -180,6 +180,10 @@ class RequestDraftGate:
         request (:meth:`forget`)."""
         self._class[req_id] = cls
 
+    def request_class(self, req_id: str) -> str | None:
+        """The class named for request ``req_id`` (:meth:`set_class`), None when none was."""
+        return self._class.get(req_id)
+
     def observe_offer(self, req_id: str, drafted: bool) -> None:
         """Fold in one step at K > 0 after which request ``req_id`` (past its prefill)
         could have got a draft: ``drafted`` says whether the proposer found one (an n-gram

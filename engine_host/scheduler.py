@@ -719,12 +719,12 @@ class _SpecPilotHook:
             spec_decoding_stats, num_draft_tokens, num_accepted_tokens, *args, **kwargs
         )
 
-    def _fold_verified(self) -> None:
+    def _fold_verified(self) -> tuple[int, int]:
         """Fold the verifications kept by :meth:`make_spec_decoding_stats` since the last
         call into the per-request gate (:meth:`RequestDraftGate.observe_many`), the step's
         draft and accepted tokens and the per-position histograms (``_hist[i]``:
         verifications with more than ``i`` tokens accepted; ``_dhist[i]``: with more than
-        ``i`` drafted)."""
+        ``i`` drafted). Returns the step's (draft tokens, accepted tokens)."""
         verified = self._verified
         self._verified = []
         self._gate.observe_many(verified)
@@ -746,6 +746,7 @@ class _SpecPilotHook:
             dh[i - 1] += above_d
         self._drafted += drafted
         self._accepted += accepted
+        return drafted, accepted
 
     def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
@@ -774,8 +775,9 @@ class _SpecPilotHook:
                 self._overhead_cpu_s += d
                 return outputs
         c = time.thread_time()
+        step_drafted = step_accepted = 0
         if self._verified:
-            self._fold_verified()
+            step_drafted, step_accepted = self._fold_verified()
         k_drafted = step.k_drafted if step is not None else self._k_drafted
         k_proposed = step.k_proposed if step is not None else self._k_decided
         n_dec = 0
@@ -788,7 +790,17 @@ class _SpecPilotHook:
                 if n == 1 + (len(drafts) if drafts else 0):
                     n_dec += 1
         if self._trace is not None and step is not None:
-            self._trace_row(step, t, scheduler_output, k_drafted, k_proposed, n_dec, model_runner_output)
+            self._trace_row(
+                step,
+                t,
+                scheduler_output,
+                k_drafted,
+                k_proposed,
+                n_dec,
+                model_runner_output,
+                step_drafted,
+                step_accepted,
+            )
         # a lone request's first decode steps do not teach the step-time model (their
         # cost is not what its later steps cost: DecodeStretch); warm-up steps always do
         pure = self._stretch.teaches(n_dec, n_dec == total and n_dec > 0) or (
@@ -860,14 +872,31 @@ class _SpecPilotHook:
         return outputs
 
     def _trace_row(
-        self, step: Any, t_output: float, out: Any, k_drafted: int, k_proposed: int, n_dec: int, runner_out: Any = None
+        self,
+        step: Any,
+        t_output: float,
+        out: Any,
+        k_drafted: int,
+        k_proposed: int,
+        n_dec: int,
+        runner_out: Any = None,
+        draft_tokens: int = 0,
+        accepted_tokens: int = 0,
     ) -> None:
         """One row of the step trace (``engine_host.step_trace``): the step as scheduled,
         when its output came back (s), its K verified and proposed, its requests that only
-        decoded (``n_dec``), of all it scheduled, their KV-cache length (tokens), and the CUDA
+        decoded (``n_dec``), of all it scheduled, their KV-cache length (tokens), the CUDA
         graph mode the model runner reported for it (``runner_out.cudagraph_stats``, set when
-        vLLM runs with ``--cudagraph-metrics``)."""
+        vLLM runs with ``--cudagraph-metrics``), the draft and accepted tokens its output
+        verified, and, with the per-request gate on and outside the lean path, the highest
+        acceptance estimate of the running requests and the newest one's class prior."""
         assert self._trace is not None
+        estimate = prior = None
+        running = self.running  # type: ignore[attr-defined]
+        if self._gate_on and running and not self._lean:
+            gate = self._gate
+            estimate = max(gate.acceptance(r.request_id) for r in running)
+            prior = gate.prior_mean(gate.request_class(running[-1].request_id))
         requests = self.requests  # type: ignore[attr-defined]
         context = 0
         for req_id in out.num_scheduled_tokens:
@@ -884,6 +913,10 @@ class _SpecPilotHook:
             int(getattr(out, "total_num_scheduled_tokens", 0) or 0),
             context,
             graph_mode(getattr(runner_out, "cudagraph_stats", None)),
+            draft_tokens,
+            accepted_tokens,
+            estimate,
+            prior,
         )
 
     def _observe_quiet(self) -> None:

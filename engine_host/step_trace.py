@@ -21,8 +21,13 @@ drafts), ``decode`` (requests in the step that only decoded),
 in the step is left out; attention's share of a step follows it), ``graph`` (the CUDA graph
 mode vLLM's model runner ran the step in: ``FULL``, ``PIECEWISE`` or ``NONE``; empty unless vLLM
 runs with ``--cudagraph-metrics``, which the engine host adds on a GPU while tracing, and on
-the CPU build). Traces written before the ``context`` or ``graph`` column read as context 0 and
-no graph mode.
+the CPU build), ``draft_tokens`` and ``accepted_tokens`` (tokens: the drafts this step's output
+verified, summed over its requests, and how many of them were accepted), ``estimate`` (fraction
+0..1: the highest per-request acceptance estimate of the running requests after those
+verifications, ``engine_host.request_gate``) and ``prior`` (fraction 0..1: where a new request of
+the newest running request's class would start); the last two are empty when the per-request
+gate is off and on the lean path's rows, the two before 0 there. Traces written before a column
+read as context 0, no graph mode, no draft or accepted tokens and no estimate.
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ from collections import deque
 
 from . import envs
 
-HEADER = "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens,context,graph\n"
+HEADER = (
+    "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens,context,graph,"
+    "draft_tokens,accepted_tokens,estimate,prior\n"
+)
 
 
 class StepTrace:
@@ -64,13 +72,21 @@ class StepTrace:
         tokens: int,
         context: int = 0,
         graph: str = "",
+        draft_tokens: int = 0,
+        accepted_tokens: int = 0,
+        estimate: float | None = None,
+        prior: float | None = None,
     ) -> None:
         """Record one step's output (times in s of ``time.perf_counter()``; K, tokens and
-        context in tokens; ``graph``: the step's CUDA graph mode, "" when not known)."""
+        context in tokens; ``graph``: the step's CUDA graph mode, "" when not known;
+        ``estimate`` and ``prior``: fractions 0..1, None when not known)."""
         if len(self._rows) == self._rows.maxlen:
             self.dropped += 1
+        est = "" if estimate is None else f"{estimate:.3f}"
+        pri = "" if prior is None else f"{prior:.3f}"
         self._rows.append(
-            f"{t_scheduled:.6f},{t_output:.6f},{k_drafted},{k_proposed},{decode},{requests},{tokens},{context},{graph}\n"
+            f"{t_scheduled:.6f},{t_output:.6f},{k_drafted},{k_proposed},{decode},{requests},{tokens},{context},{graph},"
+            f"{draft_tokens},{accepted_tokens},{est},{pri}\n"
         )
 
     def flush(self) -> None:

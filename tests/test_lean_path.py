@@ -177,8 +177,34 @@ def test_the_step_trace_records_the_cuda_graph_mode_vllm_reports_for_each_step(t
         _run(hook, 40, start=40)  # vLLM without --cudagraph-metrics (or the CPU build): no mode
         hook._publish(time.monotonic())
     rows = next(tmp_path.glob("steps.csv.*")).read_text().splitlines()
-    assert rows[0].endswith(",graph")
+    assert rows[0].split(",")[8] == "graph"
     assert [r.split(",")[8] for r in rows[1:]] == ["FULL"] * 40 + [""] * 40
+
+
+def test_the_step_trace_records_each_steps_verified_tokens_and_the_gates_estimate(tmp_path, monkeypatch):
+    """With the per-request gate on, each row of the full path holds the draft and accepted
+    tokens its output verified, the running requests' highest acceptance estimate and the
+    newest one's class prior; at a static K the estimate columns stay empty."""
+    from bench.step_trace import read_trace
+
+    monkeypatch.setenv("SPECPILOT_STEP_TRACE", str(tmp_path / "a" / "steps.csv"))
+    (tmp_path / "a").mkdir()
+    with _standin("adaptive", 1, tmp_path / "a", async_scheduling=True) as hook:
+        _run(hook, 60, accept=lambda i: 4, async_order=True)  # every draft token accepted
+        hook._publish(time.monotonic())
+    steps = read_trace(next((tmp_path / "a").glob("steps.csv.*")))
+    verified = [st for st in steps if st.draft_tokens]
+    assert verified and all(st.accepted_tokens == st.draft_tokens for st in verified)
+    assert all(st.estimate is not None and st.prior is not None for st in verified)
+    assert verified[-1].estimate > 0.9 > verified[0].prior  # its own drafts took it above the prior
+    monkeypatch.setenv("SPECPILOT_STEP_TRACE", str(tmp_path / "f" / "steps.csv"))
+    (tmp_path / "f").mkdir()
+    with _standin("fixed:2", 1, tmp_path / "f") as hook:
+        _run(hook, 20, accept=lambda i: 1)
+        hook._publish(time.monotonic())
+    steps = read_trace(next((tmp_path / "f").glob("steps.csv.*")))
+    assert sum(st.draft_tokens or 0 for st in steps) == 2 * 19 and sum(st.accepted_tokens or 0 for st in steps) == 19
+    assert {st.estimate for st in steps} == {None}
 
 
 def test_acceptance_estimates_fade_on_the_lean_path_as_they_do_step_by_step(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ def test_trace_is_written_on_flush_only_and_appends(tmp_path: Path) -> None:
     t.flush()  # nothing buffered: nothing written
     lines = path.read_text().splitlines()
     assert lines[0] + "\n" == HEADER
-    assert lines[1:] == ["1.000000,1.002000,0,2,1,1,1,40,", "1.002000,1.005000,2,2,1,1,3,41,"]
+    assert lines[1:] == ["1.000000,1.002000,0,2,1,1,1,40,,0,0,,", "1.002000,1.005000,2,2,1,1,3,41,,0,0,,"]
     # a second writer (engine restarted with the same file) appends, no second header
     StepTrace(str(path)).flush()
     assert path.read_text().count("t_scheduled_s") == 1
@@ -178,3 +178,45 @@ def test_graph_mode_reads_vllms_cudagraph_stat() -> None:
         stat = CUDAGraphStat(num_unpadded_tokens=60, num_padded_tokens=64, num_paddings=4, runtime_mode=str(mode))
         assert graph_mode(stat) == mode.name
     assert graph_mode(None) == ""  # vLLM without --cudagraph-metrics, or the CPU build
+
+
+def test_the_lone_table_shows_each_lone_request_that_drafted_and_what_the_gate_estimated(tmp_path: Path) -> None:
+    # a prefill, then one request alone: 3 steps at K = 4 with every draft rejected, the
+    # estimate falling, then K = 0; a second request that never drafts is not listed
+    rows: list[tuple] = [(0.0, 0.001, 0, 4, 0, 1, 30, 30, "", 0, 0, None, 0.9)]
+    est = [None, 0.6, 0.45, 0.3, 0.3]
+    for i in range(5):
+        k_drafted = 4 if 1 <= i <= 3 else 0
+        rows.append(
+            (
+                0.001 * (i + 1),
+                0.001 * (i + 2),
+                k_drafted,
+                4 if i < 3 else 0,
+                1,
+                1,
+                1,
+                31 + i,
+                "",
+                k_drafted,
+                0,
+                est[i],
+                0.9,
+            )
+        )
+    rows.append((0.01, 0.011, 0, 0, 0, 1, 30, 30, "", 0, 0, 0.3, 0.9))  # the next request's prefill
+    rows += [(0.011 + 0.001 * i, 0.012 + 0.001 * i, 0, 0, 1, 1, 1, 31 + i, "", 0, 0, 0.3, 0.9) for i in range(4)]
+    _write(tmp_path / "s.csv", rows)
+    steps = bst.read_trace(tmp_path / "s.csv")
+    assert [len(r) for r in bst.lone_requests(steps)] == [5, 4]
+    table = bst.lone_table([steps])
+    assert len(table) == 3
+    assert table[2] == "| 1 | 5 | 3 (1 .. 3) | 0 / 12 | 0.900 | 0.600 / 0.450 / 0.300 |"
+    # a trace from before the columns: the tokens and estimates read as not known
+    old = tmp_path / "old.csv"
+    old.write_text(
+        "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens\n"
+        + "".join(f"{0.001 * i:.6f},{0.001 * (i + 1):.6f},0,4,1,1,1\n" for i in range(4))
+    )
+    assert bst.lone_table([bst.read_trace(old)])[2] == "| 1 | 4 | 4 (1 .. 4) | - | - | - / - / - |"
+    assert bst.lone_table([bst.read_trace(tmp_path / "s.csv")[6:]]) == ["no lone request drafted"]
