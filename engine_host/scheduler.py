@@ -124,6 +124,8 @@ class _SpecPilotHook:
     # steps, while pricing them is most of the hook's per-step work at batch 1 under the
     # adaptive policy (python -m bench hook-cost)
     GATE_COST_EVERY = 8
+    # the step trace records the per-request gate's estimates with at most this many requests running
+    TRACE_ESTIMATE_MAX_BATCH = 8
     # the async gate's kept answer when none is kept: (K, newest running request, batch
     # size, step index, answer), see ``_any_request_wants_drafts``
     _WANTS_STALE: tuple[int, Any, int, int, bool] = (-1, None, 0, -(1 << 62), False)
@@ -888,12 +890,14 @@ class _SpecPilotHook:
         decoded (``n_dec``), of all it scheduled, their KV-cache length (tokens), the CUDA
         graph mode the model runner reported for it (``runner_out.cudagraph_stats``, set when
         vLLM runs with ``--cudagraph-metrics``), the draft and accepted tokens its output
-        verified, and, with the per-request gate on and outside the lean path, the highest
-        acceptance estimate of the running requests and the newest one's class prior."""
+        verified, and, with the per-request gate on, outside the lean path and at most
+        ``TRACE_ESTIMATE_MAX_BATCH`` requests running (the profile's own cost grows with the
+        batch), the highest acceptance estimate of the running requests and the newest one's
+        class prior."""
         assert self._trace is not None
         estimate = prior = None
         running = self.running  # type: ignore[attr-defined]
-        if self._gate_on and running and not self._lean:
+        if self._gate_on and running and not self._lean and len(running) <= self.TRACE_ESTIMATE_MAX_BATCH:
             gate = self._gate
             estimate = max(gate.acceptance(r.request_id) for r in running)
             prior = gate.prior_mean(gate.request_class(running[-1].request_id))

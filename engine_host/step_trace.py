@@ -26,7 +26,8 @@ verified, summed over its requests, and how many of them were accepted), ``estim
 0..1: the highest per-request acceptance estimate of the running requests after those
 verifications, ``engine_host.request_gate``) and ``prior`` (fraction 0..1: where a new request of
 the newest running request's class would start); the last two are empty when the per-request
-gate is off and on the lean path's rows, the two before 0 there. Traces written before a column
+gate is off, with more than 8 requests running (``TRACE_ESTIMATE_MAX_BATCH`` of the scheduler
+hook) and on the lean path's rows, the two before 0 on the lean path's rows. Traces written before a column
 read as context 0, no graph mode, no draft or accepted tokens and no estimate.
 """
 

@@ -205,6 +205,15 @@ def test_the_step_trace_records_each_steps_verified_tokens_and_the_gates_estimat
     steps = read_trace(next((tmp_path / "f").glob("steps.csv.*")))
     assert sum(st.draft_tokens or 0 for st in steps) == 2 * 19 and sum(st.accepted_tokens or 0 for st in steps) == 19
     assert {st.estimate for st in steps} == {None}
+    # above TRACE_ESTIMATE_MAX_BATCH requests the estimates are not traced (their own cost)
+    monkeypatch.setenv("SPECPILOT_STEP_TRACE", str(tmp_path / "b" / "steps.csv"))
+    (tmp_path / "b").mkdir()
+    with _standin("adaptive", 9, tmp_path / "b", async_scheduling=True) as hook:
+        assert hook.TRACE_ESTIMATE_MAX_BATCH == 8
+        _run(hook, 60, accept=lambda i: 4, async_order=True)
+        hook._publish(time.monotonic())
+    steps = read_trace(next((tmp_path / "b").glob("steps.csv.*")))
+    assert any(st.draft_tokens for st in steps) and {st.estimate for st in steps} == {None}
 
 
 def test_acceptance_estimates_fade_on_the_lean_path_as_they_do_step_by_step(tmp_path, monkeypatch):
