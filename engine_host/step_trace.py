@@ -25,10 +25,11 @@ the CPU build), ``draft_tokens`` and ``accepted_tokens`` (tokens: the drafts thi
 verified, summed over its requests, and how many of them were accepted), ``estimate`` (fraction
 0..1: the highest per-request acceptance estimate of the running requests after those
 verifications, ``engine_host.request_gate``) and ``prior`` (fraction 0..1: where a new request of
-the newest running request's class would start); the last two are empty when the per-request
-gate is off, with more than 8 requests running (``TRACE_ESTIMATE_MAX_BATCH`` of the scheduler
-hook) and on the lean path's rows, the two before 0 on the lean path's rows. Traces written before a column
-read as context 0, no graph mode, no draft or accepted tokens and no estimate.
+the newest running request's class would start). ``estimate`` and ``prior`` are empty when the
+per-request gate is off, when more than ``TRACE_ESTIMATE_MAX_BATCH`` (8) requests are running
+(the scheduler hook's limit), and on the lean path's rows, where the two token columns are 0.
+Traces written before a column read as context 0, no graph mode, no draft or accepted tokens and
+no estimate.
 """
 
 from __future__ import annotations
