@@ -63,6 +63,8 @@ class Step:
     accepted_tokens: int | None = None  # of those, accepted
     estimate: float | None = None  # the running requests' highest acceptance estimate (fraction)
     prior: float | None = None  # a new request's start in the newest running request's class
+    token_cost: float | None = None  # the gate's price of one verified draft token (fraction of a plain step)
+    step_cost: float | None = None  # its price of a step at K > 0 that verifies no draft (fraction)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ def read_trace(path: str | Path) -> list[Step]:
                 _count(r.get("accepted_tokens")),
                 _fraction(r.get("estimate")),
                 _fraction(r.get("prior")),
+                _fraction(r.get("token_cost")),
+                _fraction(r.get("step_cost")),
             )
             for r in reader
         ]
@@ -143,7 +147,9 @@ def lone_table(traces: Sequence[Sequence[Step]], limit: int = 40) -> list[str]:
     its steps, those at K > 0 (``k_proposed``: the K chosen for the next drafts), the draft and
     accepted tokens its verifications held, and, where the trace records them (a hook with the
     per-request gate on), its class prior at its first step and its acceptance estimate after
-    its first verification, at its last step at K > 0 and at its end (fractions 0..1). Under
+    its first verification, at its last step at K > 0 and at its end (fractions 0..1), and what
+    the gate priced a draft token and a step at K > 0 at, at its last step at K > 0 (fractions of
+    a plain step). Under
     async scheduling a step's drafts are verified one step after they were proposed."""
 
     def f(v: float | None) -> str:
@@ -151,8 +157,8 @@ def lone_table(traces: Sequence[Sequence[Step]], limit: int = 40) -> list[str]:
 
     rows = [
         "| request | steps | steps at K > 0 (first .. last) | accepted / draft tokens | prior at start | "
-        "estimate: first verified / last K > 0 / end |",
-        "|---:|---:|---|---|---:|---|",
+        "estimate: first verified / last K > 0 / end | token / step cost at last K > 0 |",
+        "|---:|---:|---|---|---:|---|---|",
     ]
     n = 0
     for steps in traces:
@@ -172,7 +178,8 @@ def lone_table(traces: Sequence[Sequence[Step]], limit: int = 40) -> list[str]:
             prior = next((st.prior for st in req if st.prior is not None), None)
             rows.append(
                 f"| {n} | {len(req)} | {len(at_k)} ({at_k[0] + 1} .. {at_k[-1] + 1}) | {tokens} | "
-                f"{f(prior)} | {f(first)} / {f(last)} / {f(req[-1].estimate)} |"
+                f"{f(prior)} | {f(first)} / {f(last)} / {f(req[-1].estimate)} | "
+                f"{f(req[at_k[-1]].token_cost)} / {f(req[at_k[-1]].step_cost)} |"
             )
     if n > limit:
         rows.append(f"\n({n - limit} more lone requests that drafted not shown; --lone N shows more)")

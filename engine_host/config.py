@@ -69,6 +69,13 @@ class AdaptiveParams(_Strict):
         description="a request whose drafts were dropped is drafted again after this many steps "
         "(under async scheduling: one step for every request after this many steps at K = 0)",
     )
+    prior: Literal["pooled", "mixture"] = Field(
+        "pooled",
+        description="where a new request's acceptance estimate starts under the per-request gate: "
+        "'pooled', a Beta prior at the acceptance pooled over its class's recent draft tokens; "
+        "'mixture', the distribution of acceptance over its class's finished requests "
+        "(engine_host.request_gate)",
+    )
 
 
 class ThresholdParams(_Strict):

@@ -33,6 +33,20 @@ the scheduler hook: ``greedy`` or ``sampled`` from its temperature), the pool is
 class's own: a sampled chat request after greedy requests that quote starts at what
 sampled requests were accepted at, not at the quoting requests' rate, and a greedy one
 after chat is not held at chat's. Requests without a class share one pool.
+
+With ``prior="mixture"`` a new request's prior is instead the distribution of per-request
+acceptance over its class's finished requests, kept on a grid of ``MIXTURE_GRID`` points and
+estimated by Newton's predictive recursion (M. A. Newton, "On a nonparametric recursive
+estimator of the mixing distribution", Sankhya A 64, 2002): a finished request's posterior over
+the grid, given its own verifications, is mixed into the class's distribution with weight
+``max(1 / (n + 2), 1 / mixture_requests)`` for its ``n``-th finished request (a class seen for
+the first time starts from every class's distribution). A running request's estimate is its
+posterior mean under that distribution (the likelihood of its verifications is ``a^accepted
+(1 - a)^rejections`` by the prefix rule above). The pooled prior weighs requests by the tokens
+they had judged, so greedy requests that quote set a greedy class's mean and a greedy request
+that rejects needs many rejected drafts to leave it; where a class's requests split into ones
+that accept and ones that reject, the mixture's posterior moves to the rejecting ones after one
+or two rejected drafts, and its mean is over requests, not tokens.
 Accepted / drafted would be the mean accepted *fraction*, ``x_i(k) / k``, not ``a_i``;
 used as ``a`` it underestimates x_i(k) (at a = 0.8, k = 8 it gives 0.7 tokens instead
 of 3.3) and drops drafts that pay. A request whose drafts were dropped is drafted again
@@ -55,10 +69,17 @@ Pure Python, no vLLM import; the scheduler hook (``engine_host.scheduler``) call
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 ACCEPTANCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8)  # lower edges of the histogram's bins
+# per-token acceptance at which a class's distribution of per-request acceptance is kept
+# (``prior="mixture"``, module doc)
+MIXTURE_GRID = tuple((i + 0.5) / 10.0 for i in range(10))
+_LOG_A = tuple(math.log(a) for a in MIXTURE_GRID)
+_LOG_R = tuple(math.log(1.0 - a) for a in MIXTURE_GRID)
+PRIORS = ("pooled", "mixture")  # a new request's prior (module doc)
 
 
 @dataclass(slots=True)
@@ -70,6 +91,8 @@ class _RequestStats:
     probe_pending: bool = False  # a probe was planned: its drafts are verified once
     offered: float = 0.0  # steps at K > 0 after which the request could have had a draft (decayed)
     found: float = 0.0  # of those, steps it had one (decayed)
+    est: float = 0.0  # its acceptance under the mixture prior, valid while est_ver matches
+    est_ver: int = -1  # the class distribution's version est was computed at (-1: stale)
 
 
 class RequestDraftGate:
@@ -92,6 +115,10 @@ class RequestDraftGate:
             and its rejection, if any; memory about ``1 / (1 - pool_decay)`` judged tokens);
             0 keeps the prior's mean fixed at ``prior_accepted / (prior_accepted +
             prior_rejected)``.
+        prior: ``"pooled"`` (a Beta prior at the class's pooled mean) or ``"mixture"`` (the
+            distribution over the class's finished requests; module doc).
+        mixture_requests: finished requests (about) over which a class's distribution is
+            kept under ``prior="mixture"`` (>= 1).
     Raises:
         ValueError: a parameter out of range.
     """
@@ -104,6 +131,8 @@ class RequestDraftGate:
         margin: float = 0.0,
         probe_every: int = 16,
         pool_decay: float = 0.98,
+        prior: str = "pooled",
+        mixture_requests: int = 32,
     ):
         if prior_accepted < 0 or prior_rejected < 0 or prior_accepted + prior_rejected <= 0:
             raise ValueError("the prior's pseudo-counts must be >= 0 and not both 0")
@@ -115,12 +144,28 @@ class RequestDraftGate:
             raise ValueError("probe_every must be >= 1 step")
         if not 0.0 <= pool_decay <= 1.0:
             raise ValueError("pool_decay must be in [0, 1]")
+        if prior not in PRIORS:
+            raise ValueError(f"prior must be one of {', '.join(PRIORS)}, got {prior!r}")
+        if mixture_requests < 1:
+            raise ValueError("mixture_requests must be >= 1")
         self.prior_accepted = prior_accepted
         self.prior_rejected = prior_rejected
         self.decay = decay
         self.margin = margin
         self.probe_every = probe_every
         self.pool_decay = pool_decay
+        self.prior = prior
+        self.mixture_requests = mixture_requests
+        # prior="mixture": per class (None: every request's), the distribution over MIXTURE_GRID
+        # (starting at the configured Beta prior's shape), its mean, the finished requests folded
+        # in, and a version that running requests' cached estimates are checked against
+        beta = [a ** (prior_accepted - 1.0) * (1.0 - a) ** (prior_rejected - 1.0) for a in MIXTURE_GRID]
+        mix0 = [w / sum(beta) for w in beta]
+        self._mix: dict[str | None, list[float]] = {None: mix0}
+        self._mix_mean: dict[str | None, float] = {None: sum(w * a for w, a in zip(mix0, MIXTURE_GRID))}
+        self._mix_n: dict[str | None, int] = {None: 0}
+        self._mix_ver: dict[str | None, int] = {None: 0}
+        self._mix_tick = 0  # versions are unique across classes
         # [accepted, rejections] over recent verifications (decayed counts), per request
         # class; None: every request's (``summary``'s prior) and that of requests with no class
         self._pools: dict[str | None, list[float]] = {None: [0.0, 0.0]}
@@ -158,6 +203,7 @@ class RequestDraftGate:
             s.drafted = s.drafted * decay + drafted
             s.accepted = s.accepted * decay + n
             s.rejections = s.rejections * decay + rejected
+            s.est_ver = -1
             if pool_decay > 0.0:
                 # one factor per token judged (each accepted token and the rejection, if any): a
                 # verification of 8 accepted tokens weighs as the 8 judgments it is, and it fades
@@ -206,7 +252,11 @@ class RequestDraftGate:
     def prior_mean(self, cls: str | None = None) -> float:
         """Mean (fraction 0..1) of a new request's prior: the per-token acceptance pooled
         over recent verifications of requests of class ``cls`` (None: of every request),
-        itself starting at the configured prior's mean (module doc)."""
+        itself starting at the configured prior's mean (module doc); under ``prior="mixture"``
+        the mean of the class's distribution over its finished requests."""
+        if self.prior == "mixture":
+            m = self._mix_mean.get(cls)
+            return self._mix_mean[None] if m is None else m
         a0, r0 = self.prior_accepted, self.prior_rejected
         acc, rej = self._pools.get(cls) or (0.0, 0.0)
         return (acc + a0) / (acc + rej + a0 + r0)
@@ -214,7 +264,10 @@ class RequestDraftGate:
     def acceptance(self, req_id: str) -> float:
         """Estimated per-token acceptance ``a`` of the request's drafts, fraction 0..1:
         the probability that the next draft token is accepted given the ones before it
-        were (``accepted / (accepted + rejections)`` with the Beta prior; module doc)."""
+        were (``accepted / (accepted + rejections)`` with the Beta prior; under
+        ``prior="mixture"`` the posterior mean over the class's distribution; module doc)."""
+        if self.prior == "mixture":
+            return self._mixture_acceptance(req_id)
         s = self._reqs.get(req_id)
         m = self.prior_mean(self._class.get(req_id))
         if s is None:
@@ -222,14 +275,65 @@ class RequestDraftGate:
         strength = self.prior_accepted + self.prior_rejected
         return (s.accepted + strength * m) / (s.accepted + s.rejections + strength)
 
+    def _mixture_acceptance(self, req_id: str) -> float:
+        s = self._reqs.get(req_id)
+        cls = self._class.get(req_id)
+        if cls not in self._mix:
+            cls = None
+        if s is None or s.accepted + s.rejections <= 0.0:
+            return self._mix_mean[cls]
+        ver = self._mix_ver[cls]
+        if s.est_ver == ver:
+            return s.est
+        n, r = s.accepted, s.rejections
+        logs = [n * la + r * lr for la, lr in zip(_LOG_A, _LOG_R)]
+        top = max(logs)
+        z = est = 0.0
+        for w, x, a in zip(self._mix[cls], logs, MIXTURE_GRID):
+            p = w * math.exp(x - top)
+            z += p
+            est += p * a
+        est = est / z if z > 0.0 else self._mix_mean[cls]
+        s.est, s.est_ver = est, ver
+        return est
+
+    def _fold_finished(self, req_id: str, s: _RequestStats) -> None:
+        """Fold a finished request's verifications into its class's distribution of
+        per-request acceptance (``prior="mixture"``, module doc)."""
+        n, r = s.accepted, s.rejections
+        if self.prior != "mixture" or n + r <= 0.0:
+            return
+        logs = [n * la + r * lr for la, lr in zip(_LOG_A, _LOG_R)]
+        top = max(logs)
+        like = [math.exp(x - top) for x in logs]
+        cls = self._class.get(req_id)
+        if cls not in self._mix:  # a class seen for the first time starts from every class's distribution
+            self._mix[cls] = list(self._mix[None])
+            self._mix_n[cls] = 0
+        for key in (None, cls) if cls is not None else (None,):
+            g = self._mix[key]
+            post = [w * x for w, x in zip(g, like)]
+            z = sum(post)
+            if z <= 0.0:
+                continue
+            count = self._mix_n[key]
+            self._mix_n[key] = count + 1
+            w = max(1.0 / (count + 2), 1.0 / self.mixture_requests)
+            g[:] = [(1.0 - w) * gi + w * pi / z for gi, pi in zip(g, post)]
+            self._mix_mean[key] = sum(gi * a for gi, a in zip(g, MIXTURE_GRID))
+            self._mix_tick += 1
+            self._mix_ver[key] = self._mix_tick
+
     def forget(self, live_ids: set[str] | None = None, req_id: str | None = None) -> None:
         """Drop one finished request, or every request not in ``live_ids``."""
         if req_id is not None:
-            self._reqs.pop(req_id, None)
+            s = self._reqs.pop(req_id, None)
+            if s is not None:
+                self._fold_finished(req_id, s)
             self._class.pop(req_id, None)
         if live_ids is not None:
             for rid in [r for r in self._reqs if r not in live_ids]:
-                del self._reqs[rid]
+                self._fold_finished(rid, self._reqs.pop(rid))
             for rid in [r for r in self._class if r not in live_ids]:
                 del self._class[rid]
 
@@ -362,7 +466,8 @@ class RequestDraftGate:
         of per-request acceptance over the requests with verified drafts (counts per bin
         of ``ACCEPTANCE_BUCKETS``), ``prior_acceptance``: where a new request's
         estimate starts (:meth:`prior_mean`, fraction 0..1), and
-        ``prior_acceptance_by_class``: the same per request class seen so far."""
+        ``prior_acceptance_by_class``: the same per request class seen so far, and ``prior``:
+        which prior a new request starts from (``pooled`` or ``mixture``)."""
         hist = [0] * len(ACCEPTANCE_BUCKETS)
         for rid, s in self._reqs.items():
             if s.drafted <= 0:
@@ -377,8 +482,10 @@ class RequestDraftGate:
             "acceptance_hist": hist,
             "prior_acceptance": round(self.prior_mean(), 4),
             "prior_acceptance_by_class": {
-                cls: round(self.prior_mean(cls), 4) for cls in sorted(k for k in self._pools if k is not None)
+                cls: round(self.prior_mean(cls), 4)
+                for cls in sorted(k for k in (self._mix if self.prior == "mixture" else self._pools) if k is not None)
             },
+            "prior": self.prior,
         }
 
 

@@ -199,6 +199,8 @@ class _SpecPilotHook:
         )
         self._gate = RequestDraftGate()
         self._gate_on = False
+        self._gate_fold_finished = False  # fold finished requests into the gate's mixture prior
+        self._gate_cost_last = (0.0, 0.0)  # the gate's last (draft_token_cost, step_cost)
         self._cap_seqs = self._startup_max_seqs
         self._cap_tokens = self._startup_max_tokens
         self._caps_steady = False  # True while _apply_caps has nothing to change
@@ -314,6 +316,8 @@ class _SpecPilotHook:
         if not self._gate_on:
             self._gate.begin_step()  # the per-step counts say nothing while the gate is off
         self._gate.probe_every = cfg.speculation.adaptive.probe_every
+        self._gate.prior = cfg.speculation.adaptive.prior
+        self._gate_fold_finished = self._gate_on and self._gate.prior == "mixture"
         self._probe_interval = self._gate.probe_every
         self._config_error = None
         self._cap_seqs = cfg.batch.max_num_seqs or self._startup_max_seqs
@@ -548,6 +552,7 @@ class _SpecPilotHook:
         memo = self._gate_cost_memo
         hit = memo.get((batch_size, k))
         if hit is not None and self._step_index - hit[2] < self.GATE_COST_EVERY:
+            self._gate_cost_last = (hit[0], hit[1])
             return hit[0], hit[1]
         cost = self._draft_token_cost(batch_size, k)
         tm = self.controller.step_time
@@ -558,6 +563,7 @@ class _SpecPilotHook:
         if len(memo) > 512:
             memo.clear()
         memo[(batch_size, k)] = (cost, step_cost, self._step_index)
+        self._gate_cost_last = (cost, step_cost)
         return cost, step_cost
 
     def _per_request_k(self, k: int) -> int:
@@ -780,6 +786,13 @@ class _SpecPilotHook:
         step_drafted = step_accepted = 0
         if self._verified:
             step_drafted, step_accepted = self._fold_verified()
+        if self._gate_fold_finished:
+            # the mixture prior learns from each finished request at once (vLLM names the
+            # requests that finished or were aborted since the last step in its output)
+            finished = getattr(scheduler_output, "finished_req_ids", None)
+            if finished:
+                for req_id in finished:
+                    self._gate.forget(req_id=req_id)
         k_drafted = step.k_drafted if step is not None else self._k_drafted
         k_proposed = step.k_proposed if step is not None else self._k_decided
         n_dec = 0
@@ -892,15 +905,16 @@ class _SpecPilotHook:
         vLLM runs with ``--cudagraph-metrics``), the draft and accepted tokens its output
         verified, and, with the per-request gate on, outside the lean path and at most
         ``TRACE_ESTIMATE_MAX_BATCH`` requests running (the profile's own cost grows with the
-        batch), the highest acceptance estimate of the running requests and the newest one's
-        class prior."""
+        batch), the highest acceptance estimate of the running requests, the newest one's
+        class prior, and the gate's last draft-token and step costs (``_gate_costs``)."""
         assert self._trace is not None
-        estimate = prior = None
+        estimate = prior = token_cost = step_cost = None
         running = self.running  # type: ignore[attr-defined]
         if self._gate_on and running and not self._lean and len(running) <= self.TRACE_ESTIMATE_MAX_BATCH:
             gate = self._gate
             estimate = max(gate.acceptance(r.request_id) for r in running)
             prior = gate.prior_mean(gate.request_class(running[-1].request_id))
+            token_cost, step_cost = self._gate_cost_last
         requests = self.requests  # type: ignore[attr-defined]
         context = 0
         for req_id in out.num_scheduled_tokens:
@@ -921,6 +935,8 @@ class _SpecPilotHook:
             accepted_tokens,
             estimate,
             prior,
+            token_cost,
+            step_cost,
         )
 
     def _observe_quiet(self) -> None:

@@ -24,12 +24,14 @@ runs with ``--cudagraph-metrics``, which the engine host adds on a GPU while tra
 the CPU build), ``draft_tokens`` and ``accepted_tokens`` (tokens: the drafts this step's output
 verified, summed over its requests, and how many of them were accepted), ``estimate`` (fraction
 0..1: the highest per-request acceptance estimate of the running requests after those
-verifications, ``engine_host.request_gate``) and ``prior`` (fraction 0..1: where a new request of
-the newest running request's class would start). ``estimate`` and ``prior`` are empty when the
+verifications, ``engine_host.request_gate``), ``prior`` (fraction 0..1: where a new request of
+the newest running request's class would start), ``token_cost`` (fraction of a plain request-step:
+what the gate last priced one verified draft token at) and ``step_cost`` (fraction of a plain
+step: what it last priced a step at K > 0 that verifies no draft at). These four are empty when the
 per-request gate is off, when more than ``TRACE_ESTIMATE_MAX_BATCH`` (8) requests are running
 (the scheduler hook's limit), and on the lean path's rows, where the two token columns are 0.
 Traces written before a column read as context 0, no graph mode, no draft or accepted tokens and
-no estimate.
+no estimate or costs.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from . import envs
 
 HEADER = (
     "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens,context,graph,"
-    "draft_tokens,accepted_tokens,estimate,prior\n"
+    "draft_tokens,accepted_tokens,estimate,prior,token_cost,step_cost\n"
 )
 
 
@@ -78,17 +80,22 @@ class StepTrace:
         accepted_tokens: int = 0,
         estimate: float | None = None,
         prior: float | None = None,
+        token_cost: float | None = None,
+        step_cost: float | None = None,
     ) -> None:
         """Record one step's output (times in s of ``time.perf_counter()``; K, tokens and
         context in tokens; ``graph``: the step's CUDA graph mode, "" when not known;
-        ``estimate`` and ``prior``: fractions 0..1, None when not known)."""
+        ``estimate`` and ``prior``: fractions 0..1; ``token_cost`` and ``step_cost``: fractions
+        of a plain step; each None when not known)."""
         if len(self._rows) == self._rows.maxlen:
             self.dropped += 1
         est = "" if estimate is None else f"{estimate:.3f}"
         pri = "" if prior is None else f"{prior:.3f}"
+        tc = "" if token_cost is None else f"{token_cost:.4f}"
+        sc = "" if step_cost is None else f"{step_cost:.4f}"
         self._rows.append(
             f"{t_scheduled:.6f},{t_output:.6f},{k_drafted},{k_proposed},{decode},{requests},{tokens},{context},{graph},"
-            f"{draft_tokens},{accepted_tokens},{est},{pri}\n"
+            f"{draft_tokens},{accepted_tokens},{est},{pri},{tc},{sc}\n"
         )
 
     def flush(self) -> None:

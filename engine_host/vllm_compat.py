@@ -172,7 +172,12 @@ EXPECTED_SHAPE: dict[str, Any] = {
         "num_invalid_spec_tokens",
         "request_id",
     ],
-    "scheduler_output_fields": ["num_scheduled_tokens", "scheduled_spec_decode_tokens", "total_num_scheduled_tokens"],
+    "scheduler_output_fields": [
+        "finished_req_ids",
+        "num_scheduled_tokens",
+        "scheduled_spec_decode_tokens",
+        "total_num_scheduled_tokens",
+    ],
     "async_scheduler_bases": ["Scheduler"],
     "async_placeholders_follow_step_k": True,
     "default_class_with_async": "AsyncScheduler",

@@ -251,9 +251,22 @@ def test_request_bodies_stream_with_usage():
     [
         ("off", {"mode": "off"}),
         ("fixed:4", {"mode": "fixed", "k": 4}),
-        ("adaptive", {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": True}}),
-        ("adaptive:1-6", {"mode": "adaptive", "k_min": 1, "k_max": 6, "adaptive": {"per_request": True}}),
-        ("adaptive_step", {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": False}}),
+        (
+            "adaptive",
+            {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": True, "prior": "pooled"}},
+        ),
+        (
+            "adaptive:1-6",
+            {"mode": "adaptive", "k_min": 1, "k_max": 6, "adaptive": {"per_request": True, "prior": "pooled"}},
+        ),
+        (
+            "adaptive_step",
+            {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": False, "prior": "pooled"}},
+        ),
+        (
+            "adaptive_mixture:0-4",
+            {"mode": "adaptive", "k_min": 0, "k_max": 4, "adaptive": {"per_request": True, "prior": "mixture"}},
+        ),
         ("heuristic", {"mode": "heuristic", "k_min": 1, "k_max": None}),
         ("threshold", {"mode": "threshold", "k_min": 0, "k_max": None}),
         ("batch_table", {"mode": "batch_table", "table": ec.DEFAULT_BATCH_TABLE}),
@@ -275,8 +288,13 @@ def test_mode_patches_are_valid_live_configs():
     from engine_host.config import EngineLimits, LiveConfig, apply_patch
 
     limits = EngineLimits(model="m", k_max=8, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=2048)
-    for m in ("off", "fixed:0", "fixed:8", "adaptive", "adaptive_step", "heuristic", "threshold", "batch_table"):
+    for m in ("off", "fixed:0", "fixed:8", "adaptive", "adaptive_step", "adaptive_mixture", "heuristic", "threshold"):
         apply_patch(LiveConfig(), ec.mode_patch(m), limits)
+    apply_patch(LiveConfig(), ec.mode_patch("batch_table"), limits)
+    # adaptive after adaptive_mixture goes back to the pooled prior
+    cfg = apply_patch(LiveConfig(), ec.mode_patch("adaptive_mixture"), limits)
+    assert cfg.speculation.adaptive.prior == "mixture"
+    assert apply_patch(cfg, ec.mode_patch("adaptive"), limits).speculation.adaptive.prior == "pooled"
     # adaptive after adaptive_step turns the gate on again (a live config keeps what a patch leaves out)
     cfg = apply_patch(LiveConfig(), ec.mode_patch("adaptive_step"), limits)
     assert cfg.speculation.adaptive.per_request is False

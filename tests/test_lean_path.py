@@ -197,6 +197,8 @@ def test_the_step_trace_records_each_steps_verified_tokens_and_the_gates_estimat
     assert verified and all(st.accepted_tokens == st.draft_tokens for st in verified)
     assert all(st.estimate is not None and st.prior is not None for st in verified)
     assert verified[-1].estimate > 0.9 > verified[0].prior  # its own drafts took it above the prior
+    # and what the gate priced a draft token and a drafting step at
+    assert all(st.token_cost is not None and st.step_cost is not None and st.step_cost >= 0 for st in verified)
     monkeypatch.setenv("SPECPILOT_STEP_TRACE", str(tmp_path / "f" / "steps.csv"))
     (tmp_path / "f").mkdir()
     with _standin("fixed:2", 1, tmp_path / "f") as hook:
@@ -204,7 +206,7 @@ def test_the_step_trace_records_each_steps_verified_tokens_and_the_gates_estimat
         hook._publish(time.monotonic())
     steps = read_trace(next((tmp_path / "f").glob("steps.csv.*")))
     assert sum(st.draft_tokens or 0 for st in steps) == 2 * 19 and sum(st.accepted_tokens or 0 for st in steps) == 19
-    assert {st.estimate for st in steps} == {None}
+    assert {st.estimate for st in steps} == {None} and {st.step_cost for st in steps} == {None}
     # above TRACE_ESTIMATE_MAX_BATCH requests the estimates are not traced (their own cost)
     monkeypatch.setenv("SPECPILOT_STEP_TRACE", str(tmp_path / "b" / "steps.csv"))
     (tmp_path / "b").mkdir()
@@ -650,3 +652,57 @@ def test_an_exploration_past_the_gate_verifies_every_requests_draft(tmp_path):
         explored = [n for was, n in verified if was]
         assert explored and all(n == 8 for n in explored), verified
         assert all(n == 0 for was, n in verified if not was)  # the gate's own decisions: dropped
+
+
+def _lone_code_requests_drafting(tmp_path, mode: str) -> tuple[int, int]:
+    """Greedy requests one at a time under async scheduling, docs (every draft token
+    accepted) and code (every draft rejected) in turn, each finished request named in the
+    next step's output as vLLM does (``finished_req_ids``): the code requests' steps at K > 0
+    and the docs requests' steps at K > 0."""
+    hook, channel = standin_hook(mode, 1, str(tmp_path), async_scheduling=True)
+    try:
+        finished: list[str] = []
+        schedule = hook.schedule
+
+        def schedule_naming_finished():
+            out = schedule()
+            out.finished_req_ids = set(finished)
+            finished.clear()
+            return out
+
+        hook.schedule = schedule_naming_finished
+        # priced as on a GPU at one request: a verified draft token 2 % of a plain step, a step
+        # at K > 0 29 % over one at K = 0 (the stand-in's own step times say nothing)
+        hook._gate_costs = lambda b, k: (0.02, 0.29)
+        at_k = {"code": 0, "docs": 0}
+        start = 0
+        for i in range(10):
+            for kind in ("docs", "code"):
+                rid = f"{kind}-{i}"
+                req = types.SimpleNamespace(
+                    request_id=rid, spec_token_ids=[], num_output_tokens=8, num_computed_tokens=200
+                )
+                hook.running = [req]
+                hook.requests = {rid: req}
+                hook._gate.set_class(rid, "greedy")
+                ks = _run(hook, 40, accept=(lambda j: 4) if kind == "docs" else (lambda j: 0), start=start)
+                start += 40
+                if i >= 3:  # after the class's first requests
+                    at_k[kind] += sum(1 for k in ks if k > 0)
+                finished.append(rid)
+        return at_k["code"], at_k["docs"]
+    finally:
+        channel.close()
+
+
+def test_the_mixture_prior_stops_a_rejecting_request_sooner_and_keeps_the_quoting_ones(tmp_path):
+    """Between greedy requests that quote, a greedy request whose drafts are all rejected
+    starts at the pooled prior's high mean and drafts for several steps; with the prior
+    ``mixture`` (the acceptance of the class's finished requests) it stops after fewer, and
+    the quoting requests still draft."""
+    (tmp_path / "p").mkdir()
+    (tmp_path / "m").mkdir()
+    code_pooled, docs_pooled = _lone_code_requests_drafting(tmp_path / "p", "adaptive")
+    code_mix, docs_mix = _lone_code_requests_drafting(tmp_path / "m", "adaptive_mixture")
+    assert code_mix <= code_pooled / 2
+    assert docs_mix >= 0.9 * docs_pooled

@@ -30,7 +30,7 @@ def test_trace_is_written_on_flush_only_and_appends(tmp_path: Path) -> None:
     t.flush()  # nothing buffered: nothing written
     lines = path.read_text().splitlines()
     assert lines[0] + "\n" == HEADER
-    assert lines[1:] == ["1.000000,1.002000,0,2,1,1,1,40,,0,0,,", "1.002000,1.005000,2,2,1,1,3,41,,0,0,,"]
+    assert lines[1:] == ["1.000000,1.002000,0,2,1,1,1,40,,0,0,,,,", "1.002000,1.005000,2,2,1,1,3,41,,0,0,,,,"]
     # a second writer (engine restarted with the same file) appends, no second header
     StepTrace(str(path)).flush()
     assert path.read_text().count("t_scheduled_s") == 1
@@ -202,6 +202,8 @@ def test_the_lone_table_shows_each_lone_request_that_drafted_and_what_the_gate_e
                 0,
                 est[i],
                 0.9,
+                0.02,
+                0.25 + 0.01 * i,
             )
         )
     rows.append((0.01, 0.011, 0, 0, 0, 1, 30, 30, "", 0, 0, 0.3, 0.9))  # the next request's prefill
@@ -211,12 +213,12 @@ def test_the_lone_table_shows_each_lone_request_that_drafted_and_what_the_gate_e
     assert [len(r) for r in bst.lone_requests(steps)] == [5, 4]
     table = bst.lone_table([steps])
     assert len(table) == 3
-    assert table[2] == "| 1 | 5 | 3 (1 .. 3) | 0 / 12 | 0.900 | 0.600 / 0.450 / 0.300 |"
+    assert table[2] == "| 1 | 5 | 3 (1 .. 3) | 0 / 12 | 0.900 | 0.600 / 0.450 / 0.300 | 0.020 / 0.270 |"
     # a trace from before the columns: the tokens and estimates read as not known
     old = tmp_path / "old.csv"
     old.write_text(
         "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens\n"
         + "".join(f"{0.001 * i:.6f},{0.001 * (i + 1):.6f},0,4,1,1,1\n" for i in range(4))
     )
-    assert bst.lone_table([bst.read_trace(old)])[2] == "| 1 | 4 | 4 (1 .. 4) | - | - | - / - / - |"
+    assert bst.lone_table([bst.read_trace(old)])[2] == "| 1 | 4 | 4 (1 .. 4) | - | - | - / - / - | - / - |"
     assert bst.lone_table([bst.read_trace(tmp_path / "s.csv")[6:]]) == ["no lone request drafted"]
