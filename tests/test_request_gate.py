@@ -632,3 +632,63 @@ def test_a_steps_verifications_folded_together_equal_one_observation_each(tmp_pa
         assert hook._verified == []
     finally:
         channel.close()
+
+
+def _finish(gate: RequestDraftGate, rid: str, cls: str, accepted: int, steps: int, k: int = 4) -> None:
+    gate.set_class(rid, cls)
+    for _ in range(steps):
+        gate.observe(rid, k, accepted)
+    gate.forget(req_id=rid)
+
+
+def test_the_mixture_prior_follows_the_finished_requests_of_a_class():
+    """Greedy code requests that reject every draft between greedy docs requests that quote:
+    the pooled prior's mean is set by the quoting requests' many judged tokens, the mixture's
+    by requests, and after one rejected draft a new request under the mixture moves to the
+    rejecting requests while the pooled one stays near the quoting ones' mean."""
+    pooled, mix = RequestDraftGate(), RequestDraftGate(prior="mixture")
+    for i in range(12):
+        for gate in (pooled, mix):
+            _finish(gate, f"code-{i}", "greedy", 0, steps=8)
+            _finish(gate, f"docs-{i}", "greedy", 4, steps=40, k=5)  # 0.8 per token
+            _finish(gate, f"chat-{i}", "sampled", 0, steps=20)
+    assert mix.prior_mean("greedy") < 0.5 < pooled.prior_mean("greedy")
+    assert mix.prior_mean("sampled") < 0.15
+    for gate in (pooled, mix):
+        gate.set_class("new-code", "greedy")
+        gate.observe("new-code", 4, 0)
+    assert mix.acceptance("new-code") < 0.25 < 0.45 < pooled.acceptance("new-code")
+    # where a K = 4 step costs 29 % over a plain one, its drafts stop paying after that rejection
+    assert not mix.plan("new-code", 4, 0.02, 0.29, probe=False)
+    assert pooled.plan("new-code", 4, 0.02, 0.29, probe=False)
+    # a new docs request whose first draft is accepted whole moves to the quoting requests
+    mix.set_class("new-docs", "greedy")
+    mix.observe("new-docs", 4, 4)
+    assert mix.acceptance("new-docs") > 0.7
+    assert mix.summary()["prior"] == "mixture" and set(mix.summary()["prior_acceptance_by_class"]) == {
+        "greedy",
+        "sampled",
+    }
+
+
+def test_the_mixture_estimate_is_recomputed_when_the_class_or_the_request_changes():
+    g = RequestDraftGate(prior="mixture")
+    g.set_class("a", "greedy")
+    g.observe("a", 4, 2)
+    first = g.acceptance("a")
+    assert g.acceptance("a") == first  # cached
+    _finish(g, "done", "greedy", 0, steps=10)  # the class's distribution moves down
+    assert g.acceptance("a") < first
+    before = g.acceptance("a")
+    g.observe("a", 4, 4)  # its own accepted draft moves it up
+    assert g.acceptance("a") > before
+    with pytest.raises(ValueError):
+        RequestDraftGate(prior="beta")
+    with pytest.raises(ValueError):
+        RequestDraftGate(prior="mixture", mixture_requests=0)
+
+
+def test_the_pooled_prior_does_not_learn_from_finished_requests():
+    g = RequestDraftGate()
+    _finish(g, "done", "greedy", 0, steps=10)
+    assert g._mix_n[None] == 0 and "greedy" not in g._mix
