@@ -10,9 +10,10 @@ Mode strings (``--mode``), mapped to ``PUT /control/config`` bodies by :func:`mo
                             with the per-request draft gate (``speculation.adaptive.per_request``)
 ``adaptive_step[:LO-HI]``   the same controller with one K per step for every request (the
                             per-request gate off), to measure what the gate does
-``adaptive_mixture[:LO-HI]`` ``adaptive`` with the gate's mixture prior: a new request starts
-                            from the acceptance of its class's finished requests
-                            (``speculation.adaptive.prior``)
+``adaptive_pooled[:LO-HI]``  ``adaptive`` with the gate's pooled prior: a new request starts
+                            at the acceptance pooled over its class's recent draft tokens
+                            (``speculation.adaptive.prior``; ``adaptive`` and
+                            ``adaptive_mixture`` use the mixture prior)
 ``batch_table[:TABLE]``     vLLM's per-batch-size table; TABLE like ``1-2=6,3-8=4,9-1024=2``
                             (default :data:`DEFAULT_BATCH_TABLE`, each K clamped to the
                             engine's K_max)
@@ -102,10 +103,10 @@ def mode_patch(mode: str, k_max_engine: int | None = None) -> dict[str, Any]:
             spec = {"mode": "fixed", "k": int(arg)}
         except ValueError:
             raise BenchError(f"mode {mode!r}: use fixed:K with K a number of tokens, e.g. fixed:4") from None
-    elif name in ("adaptive", "adaptive_step", "adaptive_mixture"):
+    elif name in ("adaptive", "adaptive_step", "adaptive_mixture", "adaptive_pooled"):
         lo, hi = _bounds(arg, mode) if arg else (0, None)
         params: dict[str, Any] = {"per_request": name != "adaptive_step"}
-        params["prior"] = "mixture" if name == "adaptive_mixture" else "pooled"
+        params["prior"] = "pooled" if name == "adaptive_pooled" else "mixture"
         spec = {"mode": "adaptive", "k_min": lo, "k_max": hi, "adaptive": params}
     elif name == "heuristic":
         lo, hi = _bounds(arg, mode) if arg else (1, None)
@@ -121,7 +122,7 @@ def mode_patch(mode: str, k_max_engine: int | None = None) -> dict[str, Any]:
         spec = {"mode": "batch_table", "table": table}
     else:
         raise BenchError(
-            f"unknown mode {mode!r}: use off, fixed:K, adaptive[:LO-HI], adaptive_step[:LO-HI], adaptive_mixture[:LO-HI], "
+            f"unknown mode {mode!r}: use off, fixed:K, adaptive[:LO-HI], adaptive_step[:LO-HI], adaptive_pooled[:LO-HI], "
             "batch_table[:TABLE], threshold, "
             "heuristic[:LO-HI] or plain"
         )

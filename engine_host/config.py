@@ -69,11 +69,12 @@ class AdaptiveParams(_Strict):
         description="a request whose drafts were dropped is drafted again after this many steps "
         "(under async scheduling: one step for every request after this many steps at K = 0)",
     )
-    prior: Literal["pooled", "mixture"] = Field(
-        "pooled",
-        description="where a new request's acceptance estimate starts under the per-request gate: "
-        "'pooled', a Beta prior at the acceptance pooled over its class's recent draft tokens; "
-        "'mixture', the distribution of acceptance over its class's finished requests "
+    prior: Literal["mixture", "pooled"] = Field(
+        "mixture",
+        description="where a request's acceptance estimate starts under the per-request gate: "
+        "'mixture', the distribution of acceptance over its class's finished requests, so that one "
+        "rejected draft moves a request to the class's requests that reject; 'pooled', a Beta "
+        "prior at the acceptance pooled over its class's recent draft tokens "
         "(engine_host.request_gate)",
     )
 

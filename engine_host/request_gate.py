@@ -79,6 +79,8 @@ ACCEPTANCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8)  # lower edges of the histogram's
 MIXTURE_GRID = tuple((i + 0.5) / 10.0 for i in range(10))
 _LOG_A = tuple(math.log(a) for a in MIXTURE_GRID)
 _LOG_R = tuple(math.log(1.0 - a) for a in MIXTURE_GRID)
+# a request's mixture estimate is recomputed once its judged tokens moved by this fraction
+MIXTURE_RECOMPUTE = 0.05
 PRIORS = ("pooled", "mixture")  # a new request's prior (module doc)
 
 
@@ -91,8 +93,10 @@ class _RequestStats:
     probe_pending: bool = False  # a probe was planned: its drafts are verified once
     offered: float = 0.0  # steps at K > 0 after which the request could have had a draft (decayed)
     found: float = 0.0  # of those, steps it had one (decayed)
-    est: float = 0.0  # its acceptance under the mixture prior, valid while est_ver matches
-    est_ver: int = -1  # the class distribution's version est was computed at (-1: stale)
+    est: float = 0.0  # its acceptance under the mixture prior (``_mixture_acceptance``'s cache)
+    est_ver: int = -1  # the class distribution's version est was computed at (-1: none)
+    est_accepted: float = -1.0  # accepted and rejections when est was computed
+    est_rejections: float = -1.0
 
 
 class RequestDraftGate:
@@ -203,7 +207,6 @@ class RequestDraftGate:
             s.drafted = s.drafted * decay + drafted
             s.accepted = s.accepted * decay + n
             s.rejections = s.rejections * decay + rejected
-            s.est_ver = -1
             if pool_decay > 0.0:
                 # one factor per token judged (each accepted token and the rejection, if any): a
                 # verification of 8 accepted tokens weighs as the 8 judgments it is, and it fades
@@ -283,18 +286,28 @@ class RequestDraftGate:
         if s is None or s.accepted + s.rejections <= 0.0:
             return self._mix_mean[cls]
         ver = self._mix_ver[cls]
-        if s.est_ver == ver:
-            return s.est
         n, r = s.accepted, s.rejections
-        logs = [n * la + r * lr for la, lr in zip(_LOG_A, _LOG_R)]
-        top = max(logs)
+        # kept while the class's distribution is the same and the request's counts moved by less
+        # than MIXTURE_RECOMPUTE of its judged tokens: with counts that fade by ``decay`` a
+        # request whose drafts are accepted alike settles at the same counts step after step
+        if s.est_ver == ver and abs(n - s.est_accepted) + abs(r - s.est_rejections) < MIXTURE_RECOMPUTE * (n + r):
+            return s.est
+        exp = math.exp
         z = est = 0.0
-        for w, x, a in zip(self._mix[cls], logs, MIXTURE_GRID):
-            p = w * math.exp(x - top)
+        for w, la, lr, a in zip(self._mix[cls], _LOG_A, _LOG_R, MIXTURE_GRID):
+            p = w * exp(n * la + r * lr)
             z += p
             est += p * a
+        if z <= 1e-280:  # long runs of verifications: the same, scaled against the largest term
+            logs = [n * la + r * lr for la, lr in zip(_LOG_A, _LOG_R)]
+            top = max(logs)
+            z = est = 0.0
+            for w, x, a in zip(self._mix[cls], logs, MIXTURE_GRID):
+                p = w * exp(x - top)
+                z += p
+                est += p * a
         est = est / z if z > 0.0 else self._mix_mean[cls]
-        s.est, s.est_ver = est, ver
+        s.est, s.est_ver, s.est_accepted, s.est_rejections = est, ver, n, r
         return est
 
     def _fold_finished(self, req_id: str, s: _RequestStats) -> None:

@@ -253,19 +253,23 @@ def test_request_bodies_stream_with_usage():
         ("fixed:4", {"mode": "fixed", "k": 4}),
         (
             "adaptive",
-            {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": True, "prior": "pooled"}},
+            {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": True, "prior": "mixture"}},
         ),
         (
             "adaptive:1-6",
-            {"mode": "adaptive", "k_min": 1, "k_max": 6, "adaptive": {"per_request": True, "prior": "pooled"}},
+            {"mode": "adaptive", "k_min": 1, "k_max": 6, "adaptive": {"per_request": True, "prior": "mixture"}},
         ),
         (
             "adaptive_step",
-            {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": False, "prior": "pooled"}},
+            {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": False, "prior": "mixture"}},
         ),
         (
-            "adaptive_mixture:0-4",
-            {"mode": "adaptive", "k_min": 0, "k_max": 4, "adaptive": {"per_request": True, "prior": "mixture"}},
+            "adaptive_pooled:0-4",
+            {"mode": "adaptive", "k_min": 0, "k_max": 4, "adaptive": {"per_request": True, "prior": "pooled"}},
+        ),
+        (
+            "adaptive_mixture",
+            {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": True, "prior": "mixture"}},
         ),
         ("heuristic", {"mode": "heuristic", "k_min": 1, "k_max": None}),
         ("threshold", {"mode": "threshold", "k_min": 0, "k_max": None}),
@@ -288,13 +292,14 @@ def test_mode_patches_are_valid_live_configs():
     from engine_host.config import EngineLimits, LiveConfig, apply_patch
 
     limits = EngineLimits(model="m", k_max=8, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=2048)
-    for m in ("off", "fixed:0", "fixed:8", "adaptive", "adaptive_step", "adaptive_mixture", "heuristic", "threshold"):
+    for m in ("off", "fixed:0", "fixed:8", "adaptive", "adaptive_step", "adaptive_pooled", "heuristic", "threshold"):
         apply_patch(LiveConfig(), ec.mode_patch(m), limits)
     apply_patch(LiveConfig(), ec.mode_patch("batch_table"), limits)
-    # adaptive after adaptive_mixture goes back to the pooled prior
-    cfg = apply_patch(LiveConfig(), ec.mode_patch("adaptive_mixture"), limits)
-    assert cfg.speculation.adaptive.prior == "mixture"
-    assert apply_patch(cfg, ec.mode_patch("adaptive"), limits).speculation.adaptive.prior == "pooled"
+    # adaptive after adaptive_pooled goes back to the mixture prior, the default
+    assert LiveConfig().speculation.adaptive.prior == "mixture"
+    cfg = apply_patch(LiveConfig(), ec.mode_patch("adaptive_pooled"), limits)
+    assert cfg.speculation.adaptive.prior == "pooled"
+    assert apply_patch(cfg, ec.mode_patch("adaptive"), limits).speculation.adaptive.prior == "mixture"
     # adaptive after adaptive_step turns the gate on again (a live config keeps what a patch leaves out)
     cfg = apply_patch(LiveConfig(), ec.mode_patch("adaptive_step"), limits)
     assert cfg.speculation.adaptive.per_request is False

@@ -697,12 +697,12 @@ def _lone_code_requests_drafting(tmp_path, mode: str) -> tuple[int, int]:
 
 def test_the_mixture_prior_stops_a_rejecting_request_sooner_and_keeps_the_quoting_ones(tmp_path):
     """Between greedy requests that quote, a greedy request whose drafts are all rejected
-    starts at the pooled prior's high mean and drafts for several steps; with the prior
-    ``mixture`` (the acceptance of the class's finished requests) it stops after fewer, and
-    the quoting requests still draft."""
+    starts at the pooled prior's high mean and drafts for several steps; with the mixture
+    prior (the default: the acceptance of the class's finished requests) it stops after fewer,
+    and the quoting requests still draft."""
     (tmp_path / "p").mkdir()
     (tmp_path / "m").mkdir()
-    code_pooled, docs_pooled = _lone_code_requests_drafting(tmp_path / "p", "adaptive")
-    code_mix, docs_mix = _lone_code_requests_drafting(tmp_path / "m", "adaptive_mixture")
+    code_pooled, docs_pooled = _lone_code_requests_drafting(tmp_path / "p", "adaptive_pooled")
+    code_mix, docs_mix = _lone_code_requests_drafting(tmp_path / "m", "adaptive")
     assert code_mix <= code_pooled / 2
     assert docs_mix >= 0.9 * docs_pooled

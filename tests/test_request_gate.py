@@ -93,6 +93,8 @@ def test_live_page_line_says_how_many_requests_drafted():
         st.per_request, prior_acceptance=0.3, prior_acceptance_by_class={"sampled": 0.04, "greedy": 0.62}
     )
     assert "a new request starts at 62% (greedy), 4% (sampled)" in live_views.per_request_line(st)
+    st.per_request = dict(st.per_request, prior="mixture")
+    assert "4% (sampled), from the finished requests of its class" in live_views.per_request_line(st)
     assert "probes every" not in live_views.per_request_line(st)  # synchronous scheduling: per request
     st.per_request = dict(st.per_request, probe_every_steps=16, probe_interval_steps=64)
     assert "probes every 64 steps (backed off from 16" in live_views.per_request_line(st)

@@ -24,8 +24,9 @@ from .history import version_markers
 def per_request_line(status: HostStatus) -> str | None:
     """One line on draft length per request: how many running requests had their drafts
     verified in the last step, how per-request acceptance is spread (requests per
-    acceptance bin), and where a new request's estimate starts (the traffic's pooled
-    acceptance, per request class where the engine reports classes) and, under async
+    acceptance bin), and where a new request's estimate starts (per request class where the
+    engine reports classes; over the class's finished requests under the mixture prior, over
+    its recent draft tokens under the pooled one) and, under async
     scheduling, how many steps pass between probes of every request now (more than configured
     while probes find nothing that pays). None when the engine does not report it (no
     speculation, older engine)."""
@@ -46,6 +47,9 @@ def per_request_line(status: HostStatus) -> str | None:
     by_class = {c: v for c, v in (pr.get("prior_acceptance_by_class") or {}).items() if isinstance(v, (int, float))}
     if start and by_class:
         start = " · a new request starts at " + ", ".join(f"{v:.0%} ({c})" for c, v in sorted(by_class.items()))
+    source = {"mixture": "the finished requests of its class", "pooled": "the recent draft tokens of its class"}
+    if start and pr.get("prior") in source:
+        start += f", from {source[pr['prior']]}"
     probes = ""
     every, now = pr.get("probe_every_steps"), pr.get("probe_interval_steps")
     if isinstance(now, int) and isinstance(every, int):
