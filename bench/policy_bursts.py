@@ -5,7 +5,7 @@ Bursts of ``--batch`` decode requests of two kinds follow each other in ``--patt
 the engine drained between bursts: in a burst of kind ``r`` every draft is rejected, in a burst
 of kind ``q`` (requests that quote their prompt) ``--accepted`` tokens of each draft are
 accepted. The hook (``engine_host.scheduler``) runs on the stand-in scheduler of
-``python -m bench hook-cost`` in ``adaptive`` mode with its config's defaults, as under vLLM's
+``python -m bench hook-cost`` in ``adaptive`` mode (``--mode``) with its config's defaults, as under vLLM's
 ``AsyncScheduler`` unless ``--sync``: a step verifies the drafts proposed at the K of the step
 before it. Each burst's requests are new. Prints, per kind, the steps at K > 0 of each burst
 after ``--settle`` bursts.
@@ -26,6 +26,8 @@ import sys
 import tempfile
 import types
 from typing import Any, Iterator
+
+from bench.engine_control import BenchError
 
 KINDS = {"r": "drafts rejected", "q": "drafts accepted (quotes)"}
 
@@ -74,16 +76,28 @@ def _burst(hook: Any, steps: int, accepted: int, async_order: bool) -> int:
         hook.update_from_output(out_i, None)
     running, hook.running = hook.running, []
     hook.has_requests()
-    hook.update_from_output(hook.schedule(), None)
+    out = hook.schedule()
+    out.finished_req_ids = {req.request_id for req in running}  # as vLLM names them in the next step
+    hook.update_from_output(out, None)
     hook.running = running
     return drafted
 
 
 def run(
-    batch: int, steps: int, pattern: str, repeat: int, accepted: int, async_scheduling: bool
+    batch: int,
+    steps: int,
+    pattern: str,
+    repeat: int,
+    accepted: int,
+    async_scheduling: bool,
+    mode: str = "adaptive",
+    price: tuple[float, float] | None = None,
 ) -> dict[str, list[int]]:
     """Steps at K > 0 of each burst, per kind (``r``, ``q``), over ``repeat`` repetitions of
-    ``pattern``.
+    ``pattern``, the hook in ``mode`` (``adaptive``, ``adaptive_pooled``, ...). ``price``:
+    ``(draft_token_cost, step_cost)`` (fractions of a plain step) the per-request gate prices
+    drafting at instead of the step-time model's figures (``_gate_costs``), which on the
+    stand-in say what its tick clock measures, not what a step costs on an engine.
 
     Raises:
         ValueError: a kind outside ``r``/``q`` in ``pattern``, or a size below 1.
@@ -96,11 +110,13 @@ def run(
 
     out: dict[str, list[int]] = {k: [] for k in KINDS}
     with tempfile.TemporaryDirectory() as folder, _tick_clock():
-        hook, channel = standin_hook("adaptive", batch, folder, async_scheduling=async_scheduling)
+        hook, channel = standin_hook(mode, batch, folder, async_scheduling=async_scheduling)
+        if price is not None:
+            hook._gate_costs = lambda b, k: price
         try:
             for n, kind in enumerate(pattern * repeat):
                 # each burst's requests are new, as on an engine: a request's own estimate starts
-                # at the pooled acceptance of the requests before it (engine_host.request_gate)
+                # where the requests before it leave its class's prior (engine_host.request_gate)
                 hook.running = [
                     types.SimpleNamespace(
                         request_id=f"b{n}-r{i}", spec_token_ids=[], num_output_tokens=8, num_computed_tokens=200
@@ -131,16 +147,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=int, default=3, help="bursts left out of the figures at the start (default: 3)")
     ap.add_argument("--accepted", type=int, default=2, help="tokens accepted of each draft in a q burst (default: 2)")
     ap.add_argument("--sync", action="store_true", help="synchronous scheduling (the CPU build) instead of async")
+    ap.add_argument(
+        "--mode",
+        default="adaptive",
+        help="the hook's mode (bench mode string; default: adaptive; adaptive_pooled: the per-request gate's "
+        "pooled prior)",
+    )
+    ap.add_argument(
+        "--price",
+        metavar="TOKEN,STEP",
+        help="the per-request gate's price of one verified draft token and of a step at K > 0, fractions of a "
+        "plain step (e.g. 0.02,0.29: one request on an H200, docs/gpu.md host 30), instead of what the "
+        "stand-in's clock gives",
+    )
     args = ap.parse_args(argv)
+    price = None
+    if args.price:
+        try:
+            token_cost, step_cost = (float(v) for v in args.price.split(","))
+        except ValueError:
+            print(f"error: --price takes TOKEN,STEP, two fractions, got {args.price!r}", file=sys.stderr)
+            return 2
+        if token_cost < 0 or step_cost < 0:
+            print("error: --price takes costs >= 0", file=sys.stderr)
+            return 2
+        price = (token_cost, step_cost)
+    if not args.mode.startswith("adaptive"):
+        print(
+            f"error: --mode takes an adaptive mode (adaptive, adaptive_pooled...), got {args.mode!r}", file=sys.stderr
+        )
+        return 2
     try:
-        res = run(args.batch, args.steps, args.pattern, args.repeat, args.accepted, not args.sync)
-    except ValueError as e:
+        res = run(args.batch, args.steps, args.pattern, args.repeat, args.accepted, not args.sync, args.mode, price)
+    except (ValueError, BenchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     kinds = args.pattern * args.repeat
     print(
-        f"adaptive, {args.batch} requests, {args.steps} steps per burst, {'sync' if args.sync else 'async'} "
-        f"scheduling; steps at K > 0 per burst after the first {args.settle} bursts:\n"
+        f"{args.mode}, {args.batch} requests, {args.steps} steps per burst, {'sync' if args.sync else 'async'} "
+        f"scheduling{'' if price is None else f', drafting priced at {price[0]} / {price[1]}'}; steps at K > 0 per burst after the first {args.settle} bursts:\n"
     )
     print("| bursts | kind | mean | min | max | each |")
     print("|---:|---|---:|---:|---:|---|")

@@ -34,7 +34,8 @@ class's own: a sampled chat request after greedy requests that quote starts at w
 sampled requests were accepted at, not at the quoting requests' rate, and a greedy one
 after chat is not held at chat's. Requests without a class share one pool.
 
-With ``prior="mixture"`` a new request's prior is instead the distribution of per-request
+With ``prior="mixture"`` (the engine host's default, ``speculation.adaptive.prior``; this
+class's own default stays ``"pooled"``) a new request's prior is instead the distribution of per-request
 acceptance over its class's finished requests, kept on a grid of ``MIXTURE_GRID`` points and
 estimated by Newton's predictive recursion (M. A. Newton, "On a nonparametric recursive
 estimator of the mixing distribution", Sankhya A 64, 2002): a finished request's posterior over
@@ -42,7 +43,11 @@ the grid, given its own verifications, is mixed into the class's distribution wi
 ``max(1 / (n + 2), 1 / mixture_requests)`` for its ``n``-th finished request (a class seen for
 the first time starts from every class's distribution). A running request's estimate is its
 posterior mean under that distribution (the likelihood of its verifications is ``a^accepted
-(1 - a)^rejections`` by the prefix rule above). The pooled prior weighs requests by the tokens
+(1 - a)^rejections`` by the prefix rule above). Until a class has ``MIXTURE_MIN_REQUESTS``
+finished requests its requests are estimated under every class's distribution, and until that
+one has as many, under the pooled prior: a distribution over requests needs requests, and a
+request's own counts fade (``decay``), so under the starting shape alone (the configured Beta
+prior's, uniform by default) a request whose every draft is rejected would stay near 0.08. The pooled prior weighs requests by the tokens
 they had judged, so greedy requests that quote set a greedy class's mean and a greedy request
 that rejects needs many rejected drafts to leave it; where a class's requests split into ones
 that accept and ones that reject, the mixture's posterior moves to the rejecting ones after one
@@ -79,8 +84,11 @@ ACCEPTANCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8)  # lower edges of the histogram's
 MIXTURE_GRID = tuple((i + 0.5) / 10.0 for i in range(10))
 _LOG_A = tuple(math.log(a) for a in MIXTURE_GRID)
 _LOG_R = tuple(math.log(1.0 - a) for a in MIXTURE_GRID)
-# a request's mixture estimate is recomputed once its judged tokens moved by this fraction
+# a request's mixture estimate is recomputed once its counts (accepted, rejections) moved by
+# this fraction of its judged tokens
 MIXTURE_RECOMPUTE = 0.05
+# finished requests a class's distribution needs before the mixture prior is used for it
+MIXTURE_MIN_REQUESTS = 4
 PRIORS = ("pooled", "mixture")  # a new request's prior (module doc)
 
 
@@ -258,8 +266,9 @@ class RequestDraftGate:
         itself starting at the configured prior's mean (module doc); under ``prior="mixture"``
         the mean of the class's distribution over its finished requests."""
         if self.prior == "mixture":
-            m = self._mix_mean.get(cls)
-            return self._mix_mean[None] if m is None else m
+            use, key = self._mixture_key(cls)
+            if use:
+                return self._mix_mean[key]
         a0, r0 = self.prior_accepted, self.prior_rejected
         acc, rej = self._pools.get(cls) or (0.0, 0.0)
         return (acc + a0) / (acc + rej + a0 + r0)
@@ -270,7 +279,9 @@ class RequestDraftGate:
         were (``accepted / (accepted + rejections)`` with the Beta prior; under
         ``prior="mixture"`` the posterior mean over the class's distribution; module doc)."""
         if self.prior == "mixture":
-            return self._mixture_acceptance(req_id)
+            use, key = self._mixture_key(self._class.get(req_id))
+            if use:
+                return self._mixture_acceptance(req_id, key)
         s = self._reqs.get(req_id)
         m = self.prior_mean(self._class.get(req_id))
         if s is None:
@@ -278,11 +289,16 @@ class RequestDraftGate:
         strength = self.prior_accepted + self.prior_rejected
         return (s.accepted + strength * m) / (s.accepted + s.rejections + strength)
 
-    def _mixture_acceptance(self, req_id: str) -> float:
+    def _mixture_key(self, cls: str | None) -> tuple[bool, str | None]:
+        """``(use, key)``: the distribution a request of class ``cls`` is estimated under, its
+        class's, else every class's (key None), once it holds ``MIXTURE_MIN_REQUESTS``
+        finished requests; use False before (the pooled prior then, module doc)."""
+        if self._mix_n.get(cls, 0) >= MIXTURE_MIN_REQUESTS:
+            return True, cls
+        return self._mix_n[None] >= MIXTURE_MIN_REQUESTS, None
+
+    def _mixture_acceptance(self, req_id: str, cls: str | None) -> float:
         s = self._reqs.get(req_id)
-        cls = self._class.get(req_id)
-        if cls not in self._mix:
-            cls = None
         if s is None or s.accepted + s.rejections <= 0.0:
             return self._mix_mean[cls]
         ver = self._mix_ver[cls]

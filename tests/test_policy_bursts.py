@@ -19,7 +19,33 @@ def test_bursts_that_quote_are_drafted_and_the_others_hardly(capsys):
     assert "| 2 | drafts accepted (quotes) |" in out and "| 2 | drafts rejected |" in out
 
 
-@pytest.mark.parametrize("argv", [["--pattern", "qx"], ["--pattern", ""], ["--batch", "0"]])
+def test_a_lone_rejecting_request_after_quoting_ones_stops_sooner_under_the_mixture_prior(capsys):
+    """One request at a time, priced as on an H200 at 1 request: a request whose drafts are
+    rejected after one whose drafts are accepted whole drafts fewer steps under the mixture
+    prior (the default) than under the pooled one; the quoting ones draft in every step."""
+    runs = {
+        mode: policy_bursts.run(1, 20, "qr", 6, 4, True, mode, price=(0.02, 0.29))
+        for mode in ("adaptive_pooled", "adaptive")
+    }
+    assert min(runs["adaptive"]["q"][2:]) == 20 and min(runs["adaptive_pooled"]["q"][2:]) == 20
+    assert sum(runs["adaptive"]["r"][2:]) < 0.75 * sum(runs["adaptive_pooled"]["r"][2:])
+    argv = ["--batch", "1", "--steps", "20", "--pattern", "qr", "--repeat", "2", "--price", "0.02,0.29"]
+    assert policy_bursts.main([*argv, "--mode", "adaptive_pooled"]) == 0
+    assert "adaptive_pooled, 1 requests" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--pattern", "qx"],
+        ["--pattern", ""],
+        ["--batch", "0"],
+        ["--price", "0.1"],
+        ["--price=-1,0.2"],
+        ["--mode", "fixed:4"],
+        ["--mode", "adaptive_turbo"],
+    ],
+)
 def test_bad_arguments_are_refused_with_the_reason(argv, capsys):
     assert policy_bursts.main(argv) == 2
     assert "error:" in capsys.readouterr().err

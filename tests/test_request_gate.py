@@ -694,3 +694,21 @@ def test_the_pooled_prior_does_not_learn_from_finished_requests():
     g = RequestDraftGate()
     _finish(g, "done", "greedy", 0, steps=10)
     assert g._mix_n[None] == 0 and "greedy" not in g._mix
+
+
+def test_the_mixture_prior_waits_for_finished_requests_and_uses_the_pooled_one_before():
+    """Before a class (and every class together) has MIXTURE_MIN_REQUESTS finished requests, a
+    request under the mixture prior is estimated as under the pooled one; a class with too few
+    of its own borrows every class's distribution."""
+    from engine_host.request_gate import MIXTURE_MIN_REQUESTS
+
+    mix, pooled = RequestDraftGate(prior="mixture"), RequestDraftGate()
+    for gate in (mix, pooled):
+        gate.set_class("lone", "greedy")
+        for _ in range(30):
+            gate.observe("lone", 4, 0)  # one endless request whose drafts are all rejected
+    assert mix.acceptance("lone") == pooled.acceptance("lone") < 0.05
+    for i in range(MIXTURE_MIN_REQUESTS):
+        _finish(mix, f"chat-{i}", "sampled", 0, steps=10)
+    assert mix._mix_n.get("greedy", 0) == 0
+    assert mix.prior_mean("greedy") == mix.prior_mean("sampled") == mix.prior_mean() < 0.3  # every class's
