@@ -40,12 +40,11 @@ acceptance over its class's finished requests, kept on a grid of ``MIXTURE_GRID`
 estimated by Newton's predictive recursion (M. A. Newton, "On a nonparametric recursive
 estimator of the mixing distribution", Sankhya A 64, 2002): a finished request's posterior over
 the grid, given its own verifications, is mixed into the class's distribution with weight
-``max(1 / (n + 2), 1 / mixture_requests)`` for its ``n``-th finished request (a class seen for
-the first time starts from every class's distribution). A running request's estimate is its
+``max(1 / (n + 2), 1 / mixture_requests)`` for its ``n``-th finished request. A running request's estimate is its
 posterior mean under that distribution (the likelihood of its verifications is ``a^accepted
 (1 - a)^rejections`` by the prefix rule above). Until a class has ``MIXTURE_MIN_REQUESTS``
-finished requests its requests are estimated under every class's distribution, and until that
-one has as many, under the pooled prior: a distribution over requests needs requests, and a
+finished requests its requests are estimated under the pooled prior (a class seen for the first
+time does not start at another class's distribution, e.g. greedy requests after chat): a distribution over requests needs requests, and a
 request's own counts fade (``decay``), so under the starting shape alone (the configured Beta
 prior's, uniform by default) a request whose every draft is rejected would stay near 0.08. The pooled prior weighs requests by the tokens
 they had judged, so greedy requests that quote set a greedy class's mean and a greedy request
@@ -173,7 +172,8 @@ class RequestDraftGate:
         # in, and a version that running requests' cached estimates are checked against
         beta = [a ** (prior_accepted - 1.0) * (1.0 - a) ** (prior_rejected - 1.0) for a in MIXTURE_GRID]
         mix0 = [w / sum(beta) for w in beta]
-        self._mix: dict[str | None, list[float]] = {None: mix0}
+        self._mix0 = mix0
+        self._mix: dict[str | None, list[float]] = {None: list(mix0)}
         self._mix_mean: dict[str | None, float] = {None: sum(w * a for w, a in zip(mix0, MIXTURE_GRID))}
         self._mix_n: dict[str | None, int] = {None: 0}
         self._mix_ver: dict[str | None, int] = {None: 0}
@@ -290,12 +290,10 @@ class RequestDraftGate:
         return (s.accepted + strength * m) / (s.accepted + s.rejections + strength)
 
     def _mixture_key(self, cls: str | None) -> tuple[bool, str | None]:
-        """``(use, key)``: the distribution a request of class ``cls`` is estimated under, its
-        class's, else every class's (key None), once it holds ``MIXTURE_MIN_REQUESTS``
-        finished requests; use False before (the pooled prior then, module doc)."""
-        if self._mix_n.get(cls, 0) >= MIXTURE_MIN_REQUESTS:
-            return True, cls
-        return self._mix_n[None] >= MIXTURE_MIN_REQUESTS, None
+        """``(use, cls)``: whether a request of class ``cls`` is estimated under its class's
+        distribution, which needs ``MIXTURE_MIN_REQUESTS`` finished requests of the class (the
+        pooled prior before, module doc)."""
+        return self._mix_n.get(cls, 0) >= MIXTURE_MIN_REQUESTS, cls
 
     def _mixture_acceptance(self, req_id: str, cls: str | None) -> float:
         s = self._reqs.get(req_id)
@@ -336,8 +334,8 @@ class RequestDraftGate:
         top = max(logs)
         like = [math.exp(x - top) for x in logs]
         cls = self._class.get(req_id)
-        if cls not in self._mix:  # a class seen for the first time starts from every class's distribution
-            self._mix[cls] = list(self._mix[None])
+        if cls not in self._mix:  # a class seen for the first time starts at the starting shape
+            self._mix[cls] = list(self._mix0)
             self._mix_n[cls] = 0
         for key in (None, cls) if cls is not None else (None,):
             g = self._mix[key]

@@ -697,9 +697,10 @@ def test_the_pooled_prior_does_not_learn_from_finished_requests():
 
 
 def test_the_mixture_prior_waits_for_finished_requests_and_uses_the_pooled_one_before():
-    """Before a class (and every class together) has MIXTURE_MIN_REQUESTS finished requests, a
-    request under the mixture prior is estimated as under the pooled one; a class with too few
-    of its own borrows every class's distribution."""
+    """Before a class has MIXTURE_MIN_REQUESTS finished requests, its requests are estimated
+    under the pooled prior: a lone endless request whose drafts are all rejected goes as low
+    as under the pooled prior, and greedy requests after chat do not start at chat's
+    distribution."""
     from engine_host.request_gate import MIXTURE_MIN_REQUESTS
 
     mix, pooled = RequestDraftGate(prior="mixture"), RequestDraftGate()
@@ -708,7 +709,9 @@ def test_the_mixture_prior_waits_for_finished_requests_and_uses_the_pooled_one_b
         for _ in range(30):
             gate.observe("lone", 4, 0)  # one endless request whose drafts are all rejected
     assert mix.acceptance("lone") == pooled.acceptance("lone") < 0.05
-    for i in range(MIXTURE_MIN_REQUESTS):
-        _finish(mix, f"chat-{i}", "sampled", 0, steps=10)
-    assert mix._mix_n.get("greedy", 0) == 0
-    assert mix.prior_mean("greedy") == mix.prior_mean("sampled") == mix.prior_mean() < 0.3  # every class's
+    mix, pooled = RequestDraftGate(prior="mixture"), RequestDraftGate()
+    for gate in (mix, pooled):
+        for i in range(MIXTURE_MIN_REQUESTS):
+            _finish(gate, f"chat-{i}", "sampled", 0, steps=10)
+    assert mix.prior_mean("sampled") < 0.25  # the class's own distribution, down from 0.5
+    assert mix.prior_mean("greedy") == pooled.prior_mean("greedy") == 0.5  # no greedy request finished yet
