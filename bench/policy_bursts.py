@@ -183,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     kinds = args.pattern * args.repeat
+    priced = "" if price is None else f", drafting priced at {price[0]} / {price[1]}"
     print(
         f"{args.mode}, {args.batch} requests, {args.steps} steps per burst, {'sync' if args.sync else 'async'} "
-        f"scheduling{'' if price is None else f', drafting priced at {price[0]} / {price[1]}'}; steps at K > 0 per burst after the first {args.settle} bursts:\n"
+        f"scheduling{priced}; steps at K > 0 per burst after the first {args.settle} bursts:\n"
     )
     print("| bursts | kind | mean | min | max | each |")
     print("|---:|---|---:|---:|---:|---|")

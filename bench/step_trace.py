@@ -149,8 +149,8 @@ def lone_table(traces: Sequence[Sequence[Step]], limit: int = 40) -> list[str]:
     per-request gate on), its class prior at its first step and its acceptance estimate after
     its first verification, at its last step at K > 0 and at its end (fractions 0..1), and what
     the gate priced a draft token and a step at K > 0 at, at its last step at K > 0 (fractions of
-    a plain step). Under
-    async scheduling a step's drafts are verified one step after they were proposed."""
+    a plain step). Under async scheduling a step's drafts are verified one step after they were
+    proposed."""
 
     def f(v: float | None) -> str:
         return "-" if v is None else f"{v:.3f}"
@@ -387,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         metavar="N",
-        help="also each of the first N requests that ran alone and drafted: its steps at K > 0, tokens accepted and "
-        "the per-request gate's estimate",
+        help="also each of the first N requests that ran alone and drafted: its steps at K > 0, tokens accepted, "
+        "the per-request gate's estimate and what it priced drafting at",
     )
     args = ap.parse_args(argv)
     intervals: list[Interval] = []

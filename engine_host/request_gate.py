@@ -35,22 +35,23 @@ sampled requests were accepted at, not at the quoting requests' rate, and a gree
 after chat is not held at chat's. Requests without a class share one pool.
 
 With ``prior="mixture"`` (the engine host's default, ``speculation.adaptive.prior``; this
-class's own default stays ``"pooled"``) a new request's prior is instead the distribution of per-request
-acceptance over its class's finished requests, kept on a grid of ``MIXTURE_GRID`` points and
-estimated by Newton's predictive recursion (M. A. Newton, "On a nonparametric recursive
-estimator of the mixing distribution", Sankhya A 64, 2002): a finished request's posterior over
-the grid, given its own verifications, is mixed into the class's distribution with weight
-``max(1 / (n + 2), 1 / mixture_requests)`` for its ``n``-th finished request. A running request's estimate is its
-posterior mean under that distribution (the likelihood of its verifications is ``a^accepted
-(1 - a)^rejections`` by the prefix rule above). Until a class has ``MIXTURE_MIN_REQUESTS``
-finished requests its requests are estimated under the pooled prior (a class seen for the first
-time does not start at another class's distribution, e.g. greedy requests after chat): a distribution over requests needs requests, and a
-request's own counts fade (``decay``), so under the starting shape alone (the configured Beta
-prior's, uniform by default) a request whose every draft is rejected would stay near 0.08. The pooled prior weighs requests by the tokens
-they had judged, so greedy requests that quote set a greedy class's mean and a greedy request
-that rejects needs many rejected drafts to leave it; where a class's requests split into ones
-that accept and ones that reject, the mixture's posterior moves to the rejecting ones after one
-or two rejected drafts, and its mean is over requests, not tokens.
+class's own default stays ``"pooled"``) a request's prior is instead the distribution of
+per-request acceptance over its class's finished requests, kept on a grid of ``MIXTURE_GRID``
+points and estimated by Newton's predictive recursion (M. A. Newton, "On a nonparametric
+recursive estimator of the mixing distribution", Sankhya A 64, 2002): a finished request's
+posterior over the grid, given its own verifications, is mixed into the class's distribution
+with weight ``max(1 / (n + 2), 1 / mixture_requests)`` for its ``n``-th finished request. A
+running request's estimate is its posterior mean under that distribution (the likelihood of its
+verifications is ``a^accepted (1 - a)^rejections`` by the prefix rule above). The pooled prior
+weighs requests by the tokens they had judged, so greedy requests that quote set a greedy
+class's mean and a greedy request that rejects needs many rejected drafts to leave it; where a
+class's requests split into ones that accept and ones that reject, the mixture's posterior moves
+to the rejecting ones after one or two rejected drafts, and its mean is over requests, not
+tokens. Until a class has ``MIXTURE_MIN_REQUESTS`` finished requests its requests are estimated
+under the pooled prior: a distribution over requests needs requests (a class seen for the first
+time does not start at another class's, e.g. greedy requests after chat), and under the
+starting shape alone (the configured Beta prior's, uniform by default) a request whose every
+draft is rejected would stay near 0.08, where its own fading counts (``decay``) leave it.
 Accepted / drafted would be the mean accepted *fraction*, ``x_i(k) / k``, not ``a_i``;
 used as ``a`` it underestimates x_i(k) (at a = 0.8, k = 8 it gives 0.7 tokens instead
 of 3.3) and drops drafts that pay. A request whose drafts were dropped is drafted again
@@ -101,7 +102,7 @@ class _RequestStats:
     offered: float = 0.0  # steps at K > 0 after which the request could have had a draft (decayed)
     found: float = 0.0  # of those, steps it had one (decayed)
     est: float = 0.0  # its acceptance under the mixture prior (``_mixture_acceptance``'s cache)
-    est_ver: int = -1  # the class distribution's version est was computed at (-1: none)
+    est_ver: int = -1  # the distributions' version est was computed at (-1: none)
     est_accepted: float = -1.0  # accepted and rejections when est was computed
     est_rejections: float = -1.0
 
@@ -168,16 +169,15 @@ class RequestDraftGate:
         self.prior = prior
         self.mixture_requests = mixture_requests
         # prior="mixture": per class (None: every request's), the distribution over MIXTURE_GRID
-        # (starting at the configured Beta prior's shape), its mean, the finished requests folded
-        # in, and a version that running requests' cached estimates are checked against
+        # (starting at the configured Beta prior's shape), its mean and the finished requests
+        # folded in; the version running requests' cached estimates are checked against
         beta = [a ** (prior_accepted - 1.0) * (1.0 - a) ** (prior_rejected - 1.0) for a in MIXTURE_GRID]
         mix0 = [w / sum(beta) for w in beta]
         self._mix0 = mix0
         self._mix: dict[str | None, list[float]] = {None: list(mix0)}
         self._mix_mean: dict[str | None, float] = {None: sum(w * a for w, a in zip(mix0, MIXTURE_GRID))}
         self._mix_n: dict[str | None, int] = {None: 0}
-        self._mix_ver: dict[str | None, int] = {None: 0}
-        self._mix_tick = 0  # versions are unique across classes
+        self._mix_ver = 0
         # [accepted, rejections] over recent verifications (decayed counts), per request
         # class; None: every request's (``summary``'s prior) and that of requests with no class
         self._pools: dict[str | None, list[float]] = {None: [0.0, 0.0]}
@@ -265,10 +265,8 @@ class RequestDraftGate:
         over recent verifications of requests of class ``cls`` (None: of every request),
         itself starting at the configured prior's mean (module doc); under ``prior="mixture"``
         the mean of the class's distribution over its finished requests."""
-        if self.prior == "mixture":
-            use, key = self._mixture_key(cls)
-            if use:
-                return self._mix_mean[key]
+        if self.prior == "mixture" and self._mixture_ready(cls):
+            return self._mix_mean[cls]
         a0, r0 = self.prior_accepted, self.prior_rejected
         acc, rej = self._pools.get(cls) or (0.0, 0.0)
         return (acc + a0) / (acc + rej + a0 + r0)
@@ -278,61 +276,62 @@ class RequestDraftGate:
         the probability that the next draft token is accepted given the ones before it
         were (``accepted / (accepted + rejections)`` with the Beta prior; under
         ``prior="mixture"`` the posterior mean over the class's distribution; module doc)."""
-        if self.prior == "mixture":
-            use, key = self._mixture_key(self._class.get(req_id))
-            if use:
-                return self._mixture_acceptance(req_id, key)
+        cls = self._class.get(req_id)
+        if self.prior == "mixture" and self._mixture_ready(cls):
+            return self._mixture_acceptance(req_id, cls)
         s = self._reqs.get(req_id)
-        m = self.prior_mean(self._class.get(req_id))
+        m = self.prior_mean(cls)
         if s is None:
             return m
         strength = self.prior_accepted + self.prior_rejected
         return (s.accepted + strength * m) / (s.accepted + s.rejections + strength)
 
-    def _mixture_key(self, cls: str | None) -> tuple[bool, str | None]:
-        """``(use, cls)``: whether a request of class ``cls`` is estimated under its class's
-        distribution, which needs ``MIXTURE_MIN_REQUESTS`` finished requests of the class (the
-        pooled prior before, module doc)."""
-        return self._mix_n.get(cls, 0) >= MIXTURE_MIN_REQUESTS, cls
+    def _mixture_ready(self, cls: str | None) -> bool:
+        """Whether requests of class ``cls`` are estimated under its distribution: it needs
+        ``MIXTURE_MIN_REQUESTS`` finished requests of the class (the pooled prior before)."""
+        return self._mix_n.get(cls, 0) >= MIXTURE_MIN_REQUESTS
+
+    @staticmethod
+    def _likelihood(accepted: float, rejections: float) -> list[float]:
+        """``a^accepted (1 - a)^rejections`` at each point of ``MIXTURE_GRID``, scaled so that
+        the largest is 1 (long runs of verifications would underflow unscaled)."""
+        logs = [accepted * la + rejections * lr for la, lr in zip(_LOG_A, _LOG_R)]
+        top = max(logs)
+        return [math.exp(x - top) for x in logs]
 
     def _mixture_acceptance(self, req_id: str, cls: str | None) -> float:
         s = self._reqs.get(req_id)
         if s is None or s.accepted + s.rejections <= 0.0:
             return self._mix_mean[cls]
-        ver = self._mix_ver[cls]
         n, r = s.accepted, s.rejections
-        # kept while the class's distribution is the same and the request's counts moved by less
+        # kept while the distributions are the same and the request's counts moved by less
         # than MIXTURE_RECOMPUTE of its judged tokens: with counts that fade by ``decay`` a
         # request whose drafts are accepted alike settles at the same counts step after step
-        if s.est_ver == ver and abs(n - s.est_accepted) + abs(r - s.est_rejections) < MIXTURE_RECOMPUTE * (n + r):
+        moved = abs(n - s.est_accepted) + abs(r - s.est_rejections)
+        if s.est_ver == self._mix_ver and moved < MIXTURE_RECOMPUTE * (n + r):
             return s.est
         exp = math.exp
         z = est = 0.0
-        for w, la, lr, a in zip(self._mix[cls], _LOG_A, _LOG_R, MIXTURE_GRID):
+        g = self._mix[cls]
+        for w, la, lr, a in zip(g, _LOG_A, _LOG_R, MIXTURE_GRID):  # unscaled: the fast path
             p = w * exp(n * la + r * lr)
             z += p
             est += p * a
-        if z <= 1e-280:  # long runs of verifications: the same, scaled against the largest term
-            logs = [n * la + r * lr for la, lr in zip(_LOG_A, _LOG_R)]
-            top = max(logs)
+        if z <= 1e-280:
             z = est = 0.0
-            for w, x, a in zip(self._mix[cls], logs, MIXTURE_GRID):
-                p = w * exp(x - top)
-                z += p
-                est += p * a
+            for w, x, a in zip(g, self._likelihood(n, r), MIXTURE_GRID):
+                z += w * x
+                est += w * x * a
         est = est / z if z > 0.0 else self._mix_mean[cls]
-        s.est, s.est_ver, s.est_accepted, s.est_rejections = est, ver, n, r
+        s.est, s.est_ver, s.est_accepted, s.est_rejections = est, self._mix_ver, n, r
         return est
 
     def _fold_finished(self, req_id: str, s: _RequestStats) -> None:
         """Fold a finished request's verifications into its class's distribution of
-        per-request acceptance (``prior="mixture"``, module doc)."""
-        n, r = s.accepted, s.rejections
-        if self.prior != "mixture" or n + r <= 0.0:
+        per-request acceptance and every class's (``prior="mixture"``, module doc)."""
+        if self.prior != "mixture" or s.accepted + s.rejections <= 0.0:
             return
-        logs = [n * la + r * lr for la, lr in zip(_LOG_A, _LOG_R)]
-        top = max(logs)
-        like = [math.exp(x - top) for x in logs]
+        like = self._likelihood(s.accepted, s.rejections)
         cls = self._class.get(req_id)
         if cls not in self._mix:  # a class seen for the first time starts at the starting shape
             self._mix[cls] = list(self._mix0)
@@ -348,8 +347,7 @@ class RequestDraftGate:
             w = max(1.0 / (count + 2), 1.0 / self.mixture_requests)
             g[:] = [(1.0 - w) * gi + w * pi / z for gi, pi in zip(g, post)]
             self._mix_mean[key] = sum(gi * a for gi, a in zip(g, MIXTURE_GRID))
-            self._mix_tick += 1
-            self._mix_ver[key] = self._mix_tick
+        self._mix_ver += 1
 
     def forget(self, live_ids: set[str] | None = None, req_id: str | None = None) -> None:
         """Drop one finished request, or every request not in ``live_ids``."""
@@ -510,7 +508,7 @@ class RequestDraftGate:
             "prior_acceptance": round(self.prior_mean(), 4),
             "prior_acceptance_by_class": {
                 cls: round(self.prior_mean(cls), 4)
-                for cls in sorted(k for k in (self._mix if self.prior == "mixture" else self._pools) if k is not None)
+                for cls in sorted(k for k in {*self._pools, *self._mix} if k is not None)
             },
             "prior": self.prior,
         }

@@ -715,3 +715,18 @@ def test_the_mixture_prior_waits_for_finished_requests_and_uses_the_pooled_one_b
             _finish(gate, f"chat-{i}", "sampled", 0, steps=10)
     assert mix.prior_mean("sampled") < 0.25  # the class's own distribution, down from 0.5
     assert mix.prior_mean("greedy") == pooled.prior_mean("greedy") == 0.5  # no greedy request finished yet
+
+
+def test_the_mixture_estimate_holds_where_the_likelihood_underflows():
+    """Counts that never fade (decay 1): thousands of judged tokens make every grid point's
+    likelihood underflow in double precision; the estimate is still the posterior mean, at the
+    grid point next to the request's own acceptance (0.75 or 0.85 for 0.8), never a fallback to
+    the prior's mean."""
+    g = RequestDraftGate(prior="mixture", decay=1.0)
+    for i in range(4):
+        _finish(g, f"done-{i}", "greedy", 1, steps=3)
+    g.set_class("long", "greedy")
+    for _ in range(2000):
+        g.observe("long", 8, 4)  # 4 accepted and one rejection per verification: a = 0.8
+    assert g.acceptance("long") == pytest.approx(0.8, abs=0.051)
+    assert g.acceptance("long") != pytest.approx(g.prior_mean("greedy"), abs=0.05)

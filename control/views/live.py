@@ -47,7 +47,10 @@ def per_request_line(status: HostStatus) -> str | None:
     by_class = {c: v for c, v in (pr.get("prior_acceptance_by_class") or {}).items() if isinstance(v, (int, float))}
     if start and by_class:
         start = " · a new request starts at " + ", ".join(f"{v:.0%} ({c})" for c, v in sorted(by_class.items()))
-    source = {"mixture": "the finished requests of its class", "pooled": "the recent draft tokens of its class"}
+    source = {
+        "mixture": "the finished requests of its class (its recent draft tokens until enough have finished)",
+        "pooled": "the recent draft tokens of its class",
+    }
     if start and pr.get("prior") in source:
         start += f", from {source[pr['prior']]}"
     probes = ""
