@@ -37,17 +37,22 @@ after chat is not held at chat's. Requests without a class share one pool.
 With ``prior="mixture"`` (the engine host's default, ``speculation.adaptive.prior``; this
 class's own default stays ``"pooled"``) a request's prior is instead the distribution of
 per-request acceptance over its class's finished requests, kept on a grid of ``MIXTURE_GRID``
-points and estimated by Newton's predictive recursion (M. A. Newton, "On a nonparametric
-recursive estimator of the mixing distribution", Sankhya A 64, 2002): a finished request's
-posterior over the grid, given its own verifications, is mixed into the class's distribution
-with weight ``max(1 / (n + 2), 1 / mixture_requests)`` for its ``n``-th finished request. A
-running request's estimate is its posterior mean under that distribution (the likelihood of its
-verifications is ``a^accepted (1 - a)^rejections`` by the prefix rule above). The pooled prior
-weighs requests by the tokens they had judged, so greedy requests that quote set a greedy
-class's mean and a greedy request that rejects needs many rejected drafts to leave it; where a
-class's requests split into ones that accept and ones that reject, the mixture's posterior moves
-to the rejecting ones after one or two rejected drafts, and its mean is over requests, not
-tokens. Until a class has ``MIXTURE_MIN_REQUESTS`` finished requests its requests are estimated
+points: the distribution that maximises the likelihood of the class's last
+``mixture_requests`` finished requests (the nonparametric maximum-likelihood mixing
+distribution, J. Kiefer and J. Wolfowitz, Ann. Math. Statist. 27, 1956), fitted by EM (N. Laird,
+"Nonparametric maximum likelihood estimation of a mixing distribution", JASA 73, 1978) every
+``MIXTURE_REFIT_EVERY`` finished requests, ``MIXTURE_EM_ITERATIONS`` iterations from the
+previous fit. A running request's estimate is its posterior mean under that distribution (the
+likelihood of its verifications is ``a^accepted (1 - a)^rejections`` by the prefix rule above).
+The pooled prior weighs requests by the tokens they had judged, so greedy requests that quote
+set a greedy class's mean and a greedy request that rejects needs many rejected drafts to leave
+it; where a class's requests split into ones that accept and ones that reject, the mixture's
+posterior moves to the rejecting ones after one or two rejected drafts, and its mean is over
+requests, not tokens. The fit weighs the whole window's likelihoods at once: a class of chat
+requests that each verify only one to four drafts, nearly all rejected, gives weak evidence
+per request, and a recursion that mixes in one request's posterior at a time (Newton's, tried
+first) stayed near its starting shape for hundreds of such requests (docs/gpu.md, host 31).
+Until a class has ``MIXTURE_MIN_REQUESTS`` finished requests its requests are estimated
 under the pooled prior: a distribution over requests needs requests (a class seen for the first
 time does not start at another class's, e.g. greedy requests after chat), and under the
 starting shape alone (the configured Beta prior's, uniform by default) a request whose every
@@ -69,7 +74,7 @@ dropped per request; there the gate sets only the step's K, and probes every req
 (one step at the controller's K after ``probe_every`` steps at K = 0), so that a batch of
 many planned-out requests does not draft in every step for one request's probe.
 
-Pure Python, no vLLM import; the scheduler hook (``engine_host.scheduler``) calls it.
+No vLLM import (NumPy fits the mixture prior); the scheduler hook (``engine_host.scheduler``) calls it.
 """
 
 from __future__ import annotations
@@ -77,6 +82,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 ACCEPTANCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8)  # lower edges of the histogram's bins
 # per-token acceptance at which a class's distribution of per-request acceptance is kept
@@ -89,6 +96,12 @@ _LOG_R = tuple(math.log(1.0 - a) for a in MIXTURE_GRID)
 MIXTURE_RECOMPUTE = 0.05
 # finished requests a class's distribution needs before the mixture prior is used for it
 MIXTURE_MIN_REQUESTS = 4
+# a class's distribution is fitted when MIXTURE_MIN_REQUESTS of its requests have finished and
+# again after every MIXTURE_REFIT_EVERY, with MIXTURE_EM_ITERATIONS iterations from the last fit
+MIXTURE_REFIT_EVERY = 8
+MIXTURE_EM_ITERATIONS = 20
+# share of the starting shape kept in every fitted distribution (``_refit``)
+MIXTURE_FLOOR = 0.02
 PRIORS = ("pooled", "mixture")  # a new request's prior (module doc)
 
 
@@ -129,8 +142,8 @@ class RequestDraftGate:
             prior_rejected)``.
         prior: ``"pooled"`` (a Beta prior at the class's pooled mean) or ``"mixture"`` (the
             distribution over the class's finished requests; module doc).
-        mixture_requests: finished requests (about) over which a class's distribution is
-            kept under ``prior="mixture"`` (>= 1).
+        mixture_requests: the last finished requests of a class its distribution is fitted
+            to under ``prior="mixture"`` (>= 1).
     Raises:
         ValueError: a parameter out of range.
     """
@@ -144,7 +157,7 @@ class RequestDraftGate:
         probe_every: int = 16,
         pool_decay: float = 0.98,
         prior: str = "pooled",
-        mixture_requests: int = 32,
+        mixture_requests: int = 128,
     ):
         if prior_accepted < 0 or prior_rejected < 0 or prior_accepted + prior_rejected <= 0:
             raise ValueError("the prior's pseudo-counts must be >= 0 and not both 0")
@@ -177,6 +190,9 @@ class RequestDraftGate:
         self._mix: dict[str | None, list[float]] = {None: list(mix0)}
         self._mix_mean: dict[str | None, float] = {None: sum(w * a for w, a in zip(mix0, MIXTURE_GRID))}
         self._mix_n: dict[str | None, int] = {None: 0}
+        # the scaled likelihoods over MIXTURE_GRID of the class's last mixture_requests finished
+        # requests, a ring of rows (the next row to write is the class's count modulo its length)
+        self._mix_win: dict[str | None, np.ndarray] = {None: self._new_window()}
         self._mix_ver = 0
         # [accepted, rejections] over recent verifications (decayed counts), per request
         # class; None: every request's (``summary``'s prior) and that of requests with no class
@@ -327,8 +343,9 @@ class RequestDraftGate:
         return est
 
     def _fold_finished(self, req_id: str, s: _RequestStats) -> None:
-        """Fold a finished request's verifications into its class's distribution of
-        per-request acceptance and every class's (``prior="mixture"``, module doc)."""
+        """Fold a finished request's verifications into its class's window of finished
+        requests and every class's, and fit the distributions again every
+        ``MIXTURE_REFIT_EVERY`` of them (``prior="mixture"``, module doc)."""
         if self.prior != "mixture" or s.accepted + s.rejections <= 0.0:
             return
         like = self._likelihood(s.accepted, s.rejections)
@@ -336,17 +353,38 @@ class RequestDraftGate:
         if cls not in self._mix:  # a class seen for the first time starts at the starting shape
             self._mix[cls] = list(self._mix0)
             self._mix_n[cls] = 0
+            self._mix_win[cls] = self._new_window()
         for key in (None, cls) if cls is not None else (None,):
-            g = self._mix[key]
-            post = [w * x for w, x in zip(g, like)]
-            z = sum(post)
-            if z <= 0.0:
-                continue
             count = self._mix_n[key]
+            self._mix_win[key][count % self.mixture_requests] = like
             self._mix_n[key] = count + 1
-            w = max(1.0 / (count + 2), 1.0 / self.mixture_requests)
-            g[:] = [(1.0 - w) * gi + w * pi / z for gi, pi in zip(g, post)]
-            self._mix_mean[key] = sum(gi * a for gi, a in zip(g, MIXTURE_GRID))
+            # every request's distribution (key None) only estimates requests with no class, which
+            # the scheduler hook never leaves, and the summary: fitted a quarter as often
+            every = MIXTURE_REFIT_EVERY if key is cls else 4 * MIXTURE_REFIT_EVERY
+            if (count + 1) % every == 0 or count + 1 == MIXTURE_MIN_REQUESTS:
+                self._refit(key)
+
+    def _new_window(self) -> np.ndarray:
+        return np.zeros((self.mixture_requests, len(MIXTURE_GRID)))
+
+    def _refit(self, key: str | None) -> None:
+        """Fit class ``key``'s distribution over ``MIXTURE_GRID`` to the likelihoods of its
+        window of finished requests by EM (module doc): ``g <- g * mean_i(L_i / (L_i . g))``,
+        ``MIXTURE_EM_ITERATIONS`` times from the previous fit, then blended with
+        ``MIXTURE_FLOOR`` of the starting shape: a fit to a window of requests that all reject
+        puts nearly all its mass on the lowest grid point, and a new request whose drafts are
+        accepted must still be able to leave it after a verification or two."""
+        like = self._mix_win[key][: min(self._mix_n[key], self.mixture_requests)]  # (requests, grid points)
+        like_t = np.ascontiguousarray(like.T) * (1.0 / like.shape[0])
+        g = np.asarray(self._mix[key], dtype=np.float64)
+        for _ in range(MIXTURE_EM_ITERATIONS):
+            z = like.dot(g)  # each request's likelihood under g
+            np.maximum(z, 1e-300, out=z)
+            np.reciprocal(z, out=z)
+            g = g * like_t.dot(z)
+        g = (1.0 - MIXTURE_FLOOR) * g / g.sum() + MIXTURE_FLOOR * np.asarray(self._mix0)
+        self._mix[key] = g.tolist()
+        self._mix_mean[key] = float(g @ np.asarray(MIXTURE_GRID))
         self._mix_ver += 1
 
     def forget(self, live_ids: set[str] | None = None, req_id: str | None = None) -> None:

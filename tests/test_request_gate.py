@@ -730,3 +730,40 @@ def test_the_mixture_estimate_holds_where_the_likelihood_underflows():
         g.observe("long", 8, 4)  # 4 accepted and one rejection per verification: a = 0.8
     assert g.acceptance("long") == pytest.approx(0.8, abs=0.051)
     assert g.acceptance("long") != pytest.approx(g.prior_mean("greedy"), abs=0.05)
+
+
+def test_a_class_of_requests_with_few_rejected_drafts_each_reaches_a_low_prior_within_a_few_dozen():
+    """Chat: each request verifies two drafts, both rejected, so each says little on its own.
+    The mixture is fitted to the class's window of finished requests at once, so after 25 of
+    them a new request starts near the lowest grid point, as under the pooled prior; a
+    recursion that mixed in one request's posterior at a time was still near 0.17 there."""
+    mix, pooled = RequestDraftGate(prior="mixture"), RequestDraftGate()
+    for i in range(25):
+        for gate in (mix, pooled):
+            _finish(gate, f"chat-{i}", "sampled", 0, steps=2)
+    assert mix.prior_mean("sampled") < 0.08
+    assert pooled.prior_mean("sampled") < 0.08
+
+
+def test_a_request_that_accepts_leaves_a_class_of_rejecting_requests_within_two_verifications():
+    """A window of requests that all reject puts nearly all the class's mass on the lowest
+    grid point; the share of the starting shape kept in every fit lets a request whose drafts
+    are accepted whole leave it after two verifications."""
+    g = RequestDraftGate(prior="mixture")
+    for i in range(40):
+        _finish(g, f"code-{i}", "greedy", 0, steps=10)
+    g.set_class("quote", "greedy")
+    assert g.acceptance("quote") < 0.1
+    g.observe("quote", 4, 4)
+    g.observe("quote", 4, 4)
+    assert g.acceptance("quote") > 0.6
+
+
+def test_the_mixture_is_fitted_to_the_last_mixture_requests_finished_requests_only():
+    g = RequestDraftGate(prior="mixture", mixture_requests=8)
+    for i in range(8):
+        _finish(g, f"docs-{i}", "greedy", 4, steps=20, k=5)  # 0.8 per token
+    assert g.prior_mean("greedy") > 0.6
+    for i in range(8):
+        _finish(g, f"code-{i}", "greedy", 0, steps=10)
+    assert g.prior_mean("greedy") < 0.1  # the quoting requests have left the window
