@@ -66,18 +66,31 @@ class _SchedulerStandIn:
         self.running: list[Any] = []
         self.waiting: list[Any] = []
         self.requests: dict[str, Any] = {}
+        self.finished_req_ids: set[str] = set()  # since the last schedule(), as vLLM names them
 
     def has_requests(self) -> bool:
         return True
 
+    def add_request(self, request: Any) -> None:
+        self.running.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_request(self, req_id: str) -> None:
+        """End request ``req_id``; the next :meth:`schedule`'s output names it, as vLLM's does."""
+        self.running = [r for r in self.running if r.request_id != req_id]
+        self.requests.pop(req_id, None)
+        self.finished_req_ids.add(req_id)
+
     def schedule(self) -> Any:
         k = self.dynamic_sd_lookup[len(self.running)]  # type: ignore[attr-defined]
         spec = {r.request_id: [-1] * k for r in self.running} if k else {}
+        finished, self.finished_req_ids = self.finished_req_ids, set()
         return types.SimpleNamespace(
             num_spec_tokens_to_schedule=k,
             num_scheduled_tokens={r.request_id: 1 + k for r in self.running},
             total_num_scheduled_tokens=len(self.running) * (1 + k),
             scheduled_spec_decode_tokens=spec,
+            finished_req_ids=finished,
         )
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict:
@@ -143,12 +156,20 @@ def standin_hook(mode: str, batch: int, folder: str, async_scheduling: bool = Fa
             os.environ.pop(envs.CHANNEL, None)
         else:
             os.environ[envs.CHANNEL] = old
-    hook.running = [
-        types.SimpleNamespace(request_id=f"r{i}", spec_token_ids=[], num_output_tokens=8, num_computed_tokens=200)
-        for i in range(batch)
-    ]
-    hook.requests = {r.request_id: r for r in hook.running}
+    for i in range(batch):  # past the hook's add_request: these requests name no class for the gate
+        _SchedulerStandIn.add_request(hook, _request(f"r{i}", i))
     return hook, channel
+
+
+def _request(req_id: str, i: int) -> Any:
+    """A running decode request of the stand-in; odd ``i`` sampled (temperature 0.7), even greedy."""
+    return types.SimpleNamespace(
+        request_id=req_id,
+        spec_token_ids=[],
+        num_output_tokens=8,
+        num_computed_tokens=200,
+        sampling_params=types.SimpleNamespace(temperature=0.7 if i % 2 else 0.0),
+    )
 
 
 def measure(
@@ -159,6 +180,7 @@ def measure(
     cold_mib: int = 0,
     async_scheduling: bool = False,
     acceptance: float = 0.0,
+    turnover: int = 0,
 ) -> dict[str, float]:
     """Run ``steps`` hook steps at ``batch`` decode requests in ``mode`` (``fixed:K``,
     ``adaptive``, ``off``); with ``cold_mib`` > 0 the caches are made cold between steps
@@ -166,7 +188,11 @@ def measure(
     two calls of the hook; ``async_scheduling``: see :func:`standin_hook`. Each draft token
     is accepted with probability ``acceptance`` (fraction 0..1) given the ones before it
     were (seeded, so runs compare): above about 0.3 the adaptive policy drafts, and its
-    per-step path at K > 0 is what is measured.
+    per-step path at K > 0 is what is measured. With ``turnover`` > 0 (steps) each request
+    finishes after that many steps and a new one takes its place (staggered, so about
+    ``batch / turnover`` finish per step), as in an engine serving a stream of requests: what
+    the gate does with finished requests (the mixture prior's window and its fits) is then in
+    the measurement; with 0 the same requests run throughout.
 
     Returns:
         ``{"mean_k": the mean K (tokens) of the steps scheduled, over the whole run,
@@ -174,7 +200,8 @@ def measure(
         hook's own clock per step, "hook_cpu_us_per_step": its thread's CPU time inside the
         same spans, per step, "verify_us_per_step": wall µs per step in
         ``make_spec_decoding_stats``, which vLLM calls once per request with drafts inside its
-        ``update_from_output``, outside the hook's clock}``.
+        ``update_from_output``, outside the hook's clock, "requests_finished": requests that
+        finished over the whole run, warm-up steps included (``turnover``)}``.
     Raises:
         BenchError: an unknown mode.
     """
@@ -189,6 +216,8 @@ def measure(
             return a
 
         verify_s = [0.0]  # time in make_spec_decoding_stats (the hook's override and the stand-in's)
+        born = {r.request_id: -i * turnover // max(batch, 1) for i, r in enumerate(hook.running)}  # staggered
+        count = [0, len(hook.running)]  # steps so far, requests so far
 
         def step() -> None:
             hook.has_requests()
@@ -201,6 +230,15 @@ def measure(
                     hook.make_spec_decoding_stats(None, n, a, request_id=rid)
                 verify_s[0] += time.perf_counter() - t
             hook.update_from_output(out, None)
+            count[0] += 1
+            if turnover > 0:
+                for r in [r for r in hook.running if count[0] - born[r.request_id] >= turnover]:
+                    hook.finish_request(r.request_id)
+                    born.pop(r.request_id)
+                    rid = f"r{count[1]}"
+                    hook.add_request(_request(rid, count[1]))
+                    born[rid] = count[0]
+                    count[1] += 1
 
         for _ in range(200):  # warm
             step()
@@ -240,6 +278,7 @@ def measure(
             "hook_clock_us_per_step": hook._overhead_s / steps * 1e6,
             "hook_cpu_us_per_step": hook._overhead_cpu_s / steps * 1e6,
             "verify_us_per_step": verify_s[0] / steps * 1e6,
+            "requests_finished": count[1] - batch,
         }
 
 
@@ -267,6 +306,14 @@ def main(argv: list[str] | None = None) -> int:
         "requests at once, and the adaptive policy rests on the lean path while it holds K at 0",
     )
     ap.add_argument(
+        "--turnover",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="each request finishes after STEPS steps and a new one (greedy and sampled in turn) takes "
+        "its place, staggered; 0 (default): the same requests run throughout",
+    )
+    ap.add_argument(
         "--acceptance",
         type=float,
         default=0.0,
@@ -286,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--cold needs MiB >= 0")
         if not 0.0 <= args.acceptance <= 1.0:
             raise ValueError("--acceptance needs a fraction in 0..1")
+        if args.turnover < 0:
+            raise ValueError("--turnover needs steps >= 0")
         print(
             "| mode | batch | mean K (tokens) | µs per step (CPU, loop) | hook's own clock µs per step "
             "| its CPU time µs per step | make_spec_decoding_stats µs per step |"
@@ -293,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---:|---:|---:|---:|---:|---:|")
         for mode in modes:
             for b in batches:
-                r = measure(mode, b, args.steps, args.profile, args.cold, args.async_scheduling, args.acceptance)
+                r = measure(
+                    mode, b, args.steps, args.profile, args.cold, args.async_scheduling, args.acceptance, args.turnover
+                )
                 print(
                     f"| {mode} | {b} | {r['mean_k']:.2f} | {r['us_per_step']:.1f} | {r['hook_clock_us_per_step']:.1f} "
                     f"| {r['hook_cpu_us_per_step']:.1f} | {r['verify_us_per_step']:.1f} |"

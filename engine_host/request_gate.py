@@ -183,7 +183,8 @@ class RequestDraftGate:
         self.mixture_requests = mixture_requests
         # prior="mixture": per class (None: every request's), the distribution over MIXTURE_GRID
         # (starting at the configured Beta prior's shape), its mean and the finished requests
-        # folded in; the version running requests' cached estimates are checked against
+        # folded in; each class's version, which its running requests' cached estimates are
+        # checked against (a fit of one class leaves the others' estimates standing)
         beta = [a ** (prior_accepted - 1.0) * (1.0 - a) ** (prior_rejected - 1.0) for a in MIXTURE_GRID]
         mix0 = [w / sum(beta) for w in beta]
         self._mix0 = mix0
@@ -193,7 +194,8 @@ class RequestDraftGate:
         # the scaled likelihoods over MIXTURE_GRID of the class's last mixture_requests finished
         # requests, a ring of rows (the next row to write is the class's count modulo its length)
         self._mix_win: dict[str | None, np.ndarray] = {None: self._new_window()}
-        self._mix_ver = 0
+        self._mix_ver = 0  # the last version handed out (unique over classes)
+        self._mix_vers: dict[str | None, int] = {None: 0}
         # [accepted, rejections] over recent verifications (decayed counts), per request
         # class; None: every request's (``summary``'s prior) and that of requests with no class
         self._pools: dict[str | None, list[float]] = {None: [0.0, 0.0]}
@@ -324,7 +326,8 @@ class RequestDraftGate:
         # than MIXTURE_RECOMPUTE of its judged tokens: with counts that fade by ``decay`` a
         # request whose drafts are accepted alike settles at the same counts step after step
         moved = abs(n - s.est_accepted) + abs(r - s.est_rejections)
-        if s.est_ver == self._mix_ver and moved < MIXTURE_RECOMPUTE * (n + r):
+        ver = self._mix_vers[cls]
+        if s.est_ver == ver and moved < MIXTURE_RECOMPUTE * (n + r):
             return s.est
         exp = math.exp
         z = est = 0.0
@@ -339,7 +342,7 @@ class RequestDraftGate:
                 z += w * x
                 est += w * x * a
         est = est / z if z > 0.0 else self._mix_mean[cls]
-        s.est, s.est_ver, s.est_accepted, s.est_rejections = est, self._mix_ver, n, r
+        s.est, s.est_ver, s.est_accepted, s.est_rejections = est, ver, n, r
         return est
 
     def _fold_finished(self, req_id: str, s: _RequestStats) -> None:
@@ -354,6 +357,8 @@ class RequestDraftGate:
             self._mix[cls] = list(self._mix0)
             self._mix_n[cls] = 0
             self._mix_win[cls] = self._new_window()
+            self._mix_ver += 1
+            self._mix_vers[cls] = self._mix_ver
         for key in (None, cls) if cls is not None else (None,):
             count = self._mix_n[key]
             self._mix_win[key][count % self.mixture_requests] = like
@@ -386,6 +391,7 @@ class RequestDraftGate:
         self._mix[key] = g.tolist()
         self._mix_mean[key] = float(g @ np.asarray(MIXTURE_GRID))
         self._mix_ver += 1
+        self._mix_vers[key] = self._mix_ver
 
     def forget(self, live_ids: set[str] | None = None, req_id: str | None = None) -> None:
         """Drop one finished request, or every request not in ``live_ids``."""

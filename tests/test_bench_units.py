@@ -986,6 +986,12 @@ def test_hook_cost_drives_the_real_hook_and_reports_per_step(capsys):
     assert measure("adaptive", 1, 600, async_scheduling=True, acceptance=0.9)["mean_k"] > 2.0
     assert main(["--modes", "adaptive", "--batch", "1", "--steps", "10", "--acceptance", "1.5"]) == 2
     assert "--acceptance needs a fraction in 0..1" in capsys.readouterr().err
+    # a stream of requests: each finishes after --turnover steps and a new one takes its place
+    r = measure("adaptive", 8, 400, async_scheduling=True, acceptance=0.6, turnover=40)
+    assert r["requests_finished"] == pytest.approx(8 * 600 / 40, abs=8)  # warm-up steps included
+    assert measure("adaptive", 8, 100)["requests_finished"] == 0
+    assert main(["--modes", "adaptive", "--batch", "1", "--steps", "10", "--turnover", "-1"]) == 2
+    assert "--turnover needs steps >= 0" in capsys.readouterr().err
 
 
 def test_matrix_refuses_bad_rounds_and_side_by_side_without_plain(tmp_path, capsys):

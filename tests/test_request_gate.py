@@ -690,6 +690,30 @@ def test_the_mixture_estimate_is_recomputed_when_the_class_or_the_request_change
         RequestDraftGate(prior="mixture", mixture_requests=0)
 
 
+def test_a_fit_of_one_class_leaves_the_cached_estimates_of_another_class_standing():
+    """A fit moves one class's distribution: only that class's running requests compute
+    their estimates again (the cache is checked against the class's own version)."""
+    from engine_host.request_gate import MIXTURE_REFIT_EVERY
+
+    g = RequestDraftGate(prior="mixture")
+    for i in range(MIXTURE_REFIT_EVERY):  # both classes fitted at least once
+        _finish(g, f"s{i}", "sampled", 0, steps=3)
+        _finish(g, f"g{i}", "greedy", 2, steps=3)
+    g.set_class("chat", "sampled")
+    g.set_class("code", "greedy")
+    g.observe("chat", 4, 0)
+    g.observe("code", 4, 2)
+    g.acceptance("chat"), g.acceptance("code")  # computed and cached
+    g._reqs["chat"].est = g._reqs["code"].est = 0.123  # marks: a cached estimate is returned as is
+    for i in range(MIXTURE_REFIT_EVERY):  # a fit of the greedy class (and of every request's)
+        _finish(g, f"g-next{i}", "greedy", 4, steps=3)
+    assert g.acceptance("chat") == 0.123  # the sampled class did not move: its cache stands
+    assert g.acceptance("code") != 0.123  # the greedy class moved: computed again
+    for i in range(MIXTURE_REFIT_EVERY):
+        _finish(g, f"s-next{i}", "sampled", 4, steps=3)
+    assert g.acceptance("chat") != 0.123
+
+
 def test_the_pooled_prior_does_not_learn_from_finished_requests():
     g = RequestDraftGate()
     _finish(g, "done", "greedy", 0, steps=10)
