@@ -51,15 +51,37 @@ def _tick_clock() -> Iterator[None]:
         scheduler_module.time = saved
 
 
-def _burst(hook: Any, steps: int, accepted: int, async_order: bool) -> int:
+def _request(req_id: str) -> Any:
+    return types.SimpleNamespace(request_id=req_id, spec_token_ids=[], num_output_tokens=8, num_computed_tokens=200)
+
+
+def _burst(hook: Any, steps: int, accepted: int, async_order: bool, turnover: int = 0, tag: str = "") -> int:
     """``steps`` steps of the hook's running requests, each draft with ``accepted`` tokens
-    accepted, then one step with none running (drained); returns the steps scheduled at K > 0."""
+    accepted, then one step with none running (drained); returns the steps scheduled at K > 0.
+    With ``turnover`` > 0 each request finishes after that many steps (staggered) and a new
+    one (ids ``TAG-tN``) takes its place, as with closed-loop clients; vLLM names the
+    finished ones in the next step's output."""
     drafted = 0
     prev_k = 0
     pending: tuple[Any, int] | None = None
-    for _ in range(steps):
+    batch = len(hook.running)
+    born = {r.request_id: -i * turnover // max(batch, 1) for i, r in enumerate(hook.running)}
+    finished: set[str] = set()
+    new = 0
+    for step_n in range(steps):
+        if turnover > 0:
+            for r in [r for r in hook.running if step_n - born[r.request_id] >= turnover]:
+                hook.running.remove(r)
+                hook.requests.pop(r.request_id, None)
+                finished.add(r.request_id)
+                fresh = _request(f"{tag}-t{new}")
+                new += 1
+                hook.running.append(fresh)
+                hook.requests[fresh.request_id] = fresh
+                born[fresh.request_id] = step_n
         hook.has_requests()
         out = hook.schedule()
+        out.finished_req_ids, finished = finished, set()
         k = out.num_spec_tokens_to_schedule
         drafted += k > 0
         step: tuple[Any, int] | None = (out, prev_k)
@@ -92,20 +114,23 @@ def run(
     async_scheduling: bool,
     mode: str = "adaptive",
     price: tuple[float, float] | None = None,
+    turnover: int = 0,
 ) -> dict[str, list[int]]:
     """Steps at K > 0 of each burst, per kind (``r``, ``q``), over ``repeat`` repetitions of
     ``pattern``, the hook in ``mode`` (``adaptive``, ``adaptive_pooled``, ...). ``price``:
     ``(draft_token_cost, step_cost)`` (fractions of a plain step) the per-request gate prices
     drafting at instead of the step-time model's figures (``_gate_costs``), which on the
     stand-in say what its tick clock measures, not what a step costs on an engine.
+    ``turnover``: steps after which each request finishes and a new one of the same kind takes
+    its place (0: a burst's requests run throughout).
 
     Raises:
         ValueError: a kind outside ``r``/``q`` in ``pattern``, or a size below 1.
     """
     if not pattern or set(pattern) - set(KINDS):
         raise ValueError(f"--pattern takes the letters r and q only, got {pattern!r}")
-    if batch < 1 or steps < 1 or repeat < 1 or accepted < 0:
-        raise ValueError("--batch, --steps and --repeat need values >= 1, --accepted >= 0")
+    if batch < 1 or steps < 1 or repeat < 1 or accepted < 0 or turnover < 0:
+        raise ValueError("--batch, --steps and --repeat need values >= 1, --accepted and --turnover >= 0")
     from bench.hook_cost import standin_hook
 
     out: dict[str, list[int]] = {k: [] for k in KINDS}
@@ -117,14 +142,10 @@ def run(
             for n, kind in enumerate(pattern * repeat):
                 # each burst's requests are new, as on an engine: a request's own estimate starts
                 # where the requests before it leave its class's prior (engine_host.request_gate)
-                hook.running = [
-                    types.SimpleNamespace(
-                        request_id=f"b{n}-r{i}", spec_token_ids=[], num_output_tokens=8, num_computed_tokens=200
-                    )
-                    for i in range(batch)
-                ]
+                hook.running = [_request(f"b{n}-r{i}") for i in range(batch)]
                 hook.requests = {r.request_id: r for r in hook.running}
-                out[kind].append(_burst(hook, steps, accepted if kind == "q" else 0, async_scheduling))
+                drafted = _burst(hook, steps, accepted if kind == "q" else 0, async_scheduling, turnover, f"b{n}")
+                out[kind].append(drafted)
         finally:
             channel.close()
     return out
@@ -146,6 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=11, help="repetitions of the pattern (default: 11)")
     ap.add_argument("--settle", type=int, default=3, help="bursts left out of the figures at the start (default: 3)")
     ap.add_argument("--accepted", type=int, default=2, help="tokens accepted of each draft in a q burst (default: 2)")
+    ap.add_argument(
+        "--turnover",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="each request finishes after STEPS steps and a new one of the burst's kind takes its place "
+        "(closed-loop clients); 0 (default): a burst's requests run throughout",
+    )
     ap.add_argument("--sync", action="store_true", help="synchronous scheduling (the CPU build) instead of async")
     ap.add_argument(
         "--mode",
@@ -178,12 +207,24 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        res = run(args.batch, args.steps, args.pattern, args.repeat, args.accepted, not args.sync, args.mode, price)
+        res = run(
+            args.batch,
+            args.steps,
+            args.pattern,
+            args.repeat,
+            args.accepted,
+            not args.sync,
+            args.mode,
+            price,
+            args.turnover,
+        )
     except (ValueError, BenchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     kinds = args.pattern * args.repeat
     priced = "" if price is None else f", drafting priced at {price[0]} / {price[1]}"
+    if args.turnover:
+        priced += f", each request replaced after {args.turnover} steps"
     print(
         f"{args.mode}, {args.batch} requests, {args.steps} steps per burst, {'sync' if args.sync else 'async'} "
         f"scheduling{priced}; steps at K > 0 per burst after the first {args.settle} bursts:\n"

@@ -13,6 +13,12 @@ paid), the median over the seeds.
 Chat at temperature 0.8 on the 1.5B coder is about ``--drafts 2 --acceptance 0.03``: each
 request verifies a few drafts, nearly all rejected, so each says little on its own
 (docs/gpu.md, host 31).
+
+``--then A``: after the class's requests, a new request of the same class whose positions are
+accepted with probability ``A``, e.g. code after requests that quote (``--drafts 30
+--acceptance 0.6 --then 0.04``): a second table gives its own estimate after each count in
+``--after`` of its verified drafts, the mean over the seeds. A request unlike the window's
+requests leaves the class's prior as fast as its verifications tell it apart.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import random
 import statistics
 import sys
 import time
+from typing import Any
 
 
 def run(
@@ -50,16 +57,35 @@ def run(
         raise ValueError(f"--acceptance is a fraction 0..1, got {acceptance}")
     rng = random.Random(seed)
     gate = RequestDraftGate(prior=prior)
+    means = _finish_requests(gate, rng, requests, drafts, acceptance, k, at, clock)
+    return [means[n] for n in at if n in means]
+
+
+def _draft(rng: random.Random, k: int, acceptance: float) -> int:
+    """Tokens accepted of a k-token draft, each position accepted with probability ``acceptance``."""
+    n = 0
+    while n < k and rng.random() < acceptance:
+        n += 1
+    return n
+
+
+def _finish_requests(
+    gate: Any,
+    rng: random.Random,
+    requests: int,
+    drafts: int,
+    acceptance: float,
+    k: int,
+    at: list[int],
+    clock: list[float] | None,
+) -> dict[int, float]:
+    """Run ``requests`` requests of class ``sampled`` through ``gate`` to their finish; the
+    class's prior mean after each count in ``at``."""
     means = {}
     spent = 0.0
     for i in range(1, requests + 1):
         rid = f"r{i}"
-        accepted = []
-        for _ in range(drafts):
-            n = 0
-            while n < k and rng.random() < acceptance:
-                n += 1
-            accepted.append(n)
+        accepted = [_draft(rng, k, acceptance) for _ in range(drafts)]
         t = time.perf_counter()
         gate.set_class(rid, "sampled")
         for n in accepted:
@@ -70,7 +96,37 @@ def run(
             means[i] = gate.prior_mean("sampled")
     if clock is not None:
         clock.append(spent / requests)
-    return [means[n] for n in at if n in means]
+    return means
+
+
+def escape(
+    requests: int, drafts: int, acceptance: float, k: int, then: float, after: list[int], seed: int, prior: str
+) -> list[float]:
+    """A new request's own acceptance estimate (fraction 0..1) after each count in ``after``
+    of its verified ``k``-token drafts, accepted per position with probability ``then``, in a
+    class whose ``requests`` finished requests were as in :func:`run`.
+
+    Raises:
+        ValueError: as :func:`run`, or ``then`` outside 0..1 or a negative count in ``after``.
+    """
+    import copy
+
+    from engine_host.request_gate import RequestDraftGate
+
+    if not 0.0 <= then <= 1.0 or not after or min(after) < 0:
+        raise ValueError("--then is a fraction 0..1 and --after takes counts >= 0")
+    run(requests, drafts, acceptance, k, [requests], seed, prior)  # the same checks
+    rng = random.Random(seed)
+    gate = RequestDraftGate(prior=prior)
+    _finish_requests(gate, rng, requests, drafts, acceptance, k, [requests], None)
+    out = []
+    for v in after:
+        g = copy.deepcopy(gate)  # each count from the same class state (the pooled prior learns from every draft)
+        g.set_class("new", "sampled")
+        for _ in range(v):
+            g.observe("new", k, _draft(rng, k, then))
+        out.append(g.acceptance("new"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,12 +142,21 @@ def main(argv: list[str] | None = None) -> int:
         "--at", default="10,25,50,100,200", help="finished requests to report after (default: 10,25,50,100,200)"
     )
     ap.add_argument("--seeds", type=int, default=5, help="runs averaged per cell (default: 5)")
+    ap.add_argument(
+        "--then",
+        type=float,
+        metavar="A",
+        help="then a new request of the class at per-position acceptance A (0..1): its own estimate after "
+        "each count of --after verified drafts (a second table)",
+    )
+    ap.add_argument("--after", default="0,1,2,3,5,8", help="the new request's verified drafts (default: 0,1,2,3,5,8)")
     args = ap.parse_args(argv)
     try:
         drafts = [int(v) for v in args.drafts.split(",")]
         at = sorted({int(v) for v in args.at.split(",")})
+        after = [int(v) for v in args.after.split(",")]
     except ValueError:
-        print("error: --drafts and --at take comma-separated whole numbers", file=sys.stderr)
+        print("error: --drafts, --at and --after take comma-separated whole numbers", file=sys.stderr)
         return 2
     if args.seeds < 1:
         print("error: --seeds needs a value >= 1", file=sys.stderr)
@@ -118,6 +183,27 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(" / ".join(f"{statistics.mean(col):.3f}" for col in zip(*runs)))
         us = " / ".join(f"{statistics.median(clocks[p]) * 1e6:.1f}" for p in ("mixture", "pooled"))
         print(f"| {d} | {cells[0]} | {cells[1]} | {us} |")
+    if args.then is None:
+        return 0
+    print(
+        f"\na new request at per-position acceptance {args.then} after the {args.requests} requests: its own "
+        f"estimate after {', '.join(map(str, after))} verified drafts, mean of {args.seeds} seeds\n"
+    )
+    print("| drafts per request (the class's) | mixture | pooled |")
+    print("|---:|---|---|")
+    for d in drafts:
+        cells = []
+        for prior in ("mixture", "pooled"):
+            try:
+                runs = [
+                    escape(args.requests, d, args.acceptance, args.k, args.then, after, s, prior)
+                    for s in range(args.seeds)
+                ]
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            cells.append(" / ".join(f"{statistics.mean(col):.3f}" for col in zip(*runs)))
+        print(f"| {d} | {cells[0]} | {cells[1]} |")
     return 0
 
 

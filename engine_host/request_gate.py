@@ -102,6 +102,9 @@ MIXTURE_REFIT_EVERY = 8
 MIXTURE_EM_ITERATIONS = 20
 # share of the starting shape kept in every fitted distribution (``_refit``)
 MIXTURE_FLOOR = 0.02
+# share of every fitted distribution kept at the lowest grid point: any class may at any time
+# get requests whose drafts are all rejected (``_refit``)
+MIXTURE_REJECTING = 0.1
 PRIORS = ("pooled", "mixture")  # a new request's prior (module doc)
 
 
@@ -376,9 +379,15 @@ class RequestDraftGate:
         """Fit class ``key``'s distribution over ``MIXTURE_GRID`` to the likelihoods of its
         window of finished requests by EM (module doc): ``g <- g * mean_i(L_i / (L_i . g))``,
         ``MIXTURE_EM_ITERATIONS`` times from the previous fit, then blended with
-        ``MIXTURE_FLOOR`` of the starting shape: a fit to a window of requests that all reject
-        puts nearly all its mass on the lowest grid point, and a new request whose drafts are
-        accepted must still be able to leave it after a verification or two."""
+        ``MIXTURE_FLOOR`` of the starting shape and ``MIXTURE_REJECTING`` at the lowest grid
+        point. A fit to a window of requests that all reject puts nearly all its mass on the
+        lowest grid point, and a new request whose drafts are accepted must still be able to
+        leave it after a verification or two: an accepted token is strong evidence (``a / 0.05``
+        per token), so a small floor does. The other way round is slower: a draft rejected at
+        its first token weighs only ``0.95 / (1 - a)`` against a high ``a``, so after a window of
+        requests that quote, a new request whose drafts are rejected needs a share of the mass
+        kept where its drafts would be, or it drafts for many steps (``python -m bench prior-fit
+        --then``; figures in docs/engine_host.md)."""
         like = self._mix_win[key][: min(self._mix_n[key], self.mixture_requests)]  # (requests, grid points)
         like_t = np.ascontiguousarray(like.T) * (1.0 / like.shape[0])
         g = np.asarray(self._mix[key], dtype=np.float64)
@@ -387,7 +396,8 @@ class RequestDraftGate:
             np.maximum(z, 1e-300, out=z)
             np.reciprocal(z, out=z)
             g = g * like_t.dot(z)
-        g = (1.0 - MIXTURE_FLOOR) * g / g.sum() + MIXTURE_FLOOR * np.asarray(self._mix0)
+        g = (1.0 - MIXTURE_FLOOR - MIXTURE_REJECTING) * g / g.sum() + MIXTURE_FLOOR * np.asarray(self._mix0)
+        g[0] += MIXTURE_REJECTING
         self._mix[key] = g.tolist()
         self._mix_mean[key] = float(g @ np.asarray(MIXTURE_GRID))
         self._mix_ver += 1
@@ -524,6 +534,26 @@ class RequestDraftGate:
             s.probe_pending = True
             return True
         return False
+
+    def batch_pays(self, req_ids: Iterable[str], k: int, draft_token_cost: float, step_cost: float = 0.0) -> bool:
+        """Whether a step at depth ``k`` pays for a batch whose requests all verify their
+        drafts (vLLM's async scheduling, where drafts cannot be dropped request by request):
+        ``sum_i r_i * (x_i(k) - k * c) >= (1 + margin) * B * step_cost`` over the ``B`` requests
+        ``req_ids``, with ``r_i``, ``x_i`` and ``c`` as in :meth:`plan` (``c`` and ``step_cost``:
+        fractions of a plain step; the sum is in tokens, a plain step yields ``B``). One
+        request whose own drafts pay does not carry a batch whose other requests' drafts are
+        rejected: each of them still pays ``k * c`` for its verification. Nothing is counted.
+        Formula: the goodput law (Leviathan et al., arXiv 2211.17192) summed over the batch."""
+        if k <= 0:
+            return False
+        c = max(draft_token_cost, 0.0)
+        net = 0.0
+        n = 0
+        gain, acceptance, rate = self.expected_gain, self.acceptance, self.draft_rate
+        for rid in req_ids:
+            net += rate(rid) * (gain(acceptance(rid), k) - k * c)
+            n += 1
+        return n > 0 and net > 0.0 and net >= (1.0 + self.margin) * n * max(step_cost, 0.0)
 
     def begin_step(self) -> None:
         """Reset the per-step counts (called before the step's decisions)."""

@@ -643,13 +643,15 @@ class _SpecPilotHook:
         Where drafts cannot be dropped per request (``GATE_DRAFTS`` False: async
         scheduling), a request's probe would make every request of the step draft, so the
         probes are taken together: after ``probe_every`` steps in a row at K = 0 one step
-        runs at depth ``k`` for all. A probe after which still no request's drafts pay
-        doubles the steps to the next, up to ``PROBE_BACKOFF`` times ``probe_every``; a
-        request whose drafts pay (a probe's result or a new request's prior), an accepted
-        draft token, or a request that joined since brings them back to ``probe_every``.
-        There the first request whose drafts pay answers, and the answer is kept for
-        ``GATE_COST_EVERY`` steps at the same K and batch until drafts are verified, rather
-        than every request being asked at every step (docs/benchmarks.md)."""
+        runs at depth ``k`` for all. A probe after which the batch's drafts still do not pay
+        doubles the steps to the next, up to ``PROBE_BACKOFF`` times ``probe_every``; drafts
+        that pay (after a probe's result or with a new request's prior), an accepted draft
+        token, or a request that joined since brings them back to ``probe_every``. There the
+        batch answers (``RequestDraftGate.batch_pays``: the requests' expected gains together
+        against what every request's verification costs, since each verifies the step's
+        drafts), and the answer is kept for ``GATE_COST_EVERY`` steps at the same K and batch
+        until drafts are verified, rather than the batch being priced at every step
+        (docs/benchmarks.md)."""
         if not self._gate_on:
             return True
         running = self.running  # type: ignore[attr-defined]
@@ -662,8 +664,11 @@ class _SpecPilotHook:
             for req in running:  # every request is planned, so each one's probe count advances
                 wants = self._gate.plan(req.request_id, k, cost, step_cost) or wants
             return wants
-        # async: no request keeps a probe count of its own, so the first request whose drafts
-        # pay decides, and the answer holds for GATE_COST_EVERY steps unless the batch or K
+        # async: every request verifies the step's drafts, so the batch decides: drafting pays
+        # when the requests' expected gains together beat what all their verifications cost
+        # (RequestDraftGate.batch_pays; one request whose drafts pay, a new one at a high
+        # class prior, does not carry 63 whose drafts are rejected). No request keeps a probe
+        # count of its own. The answer holds for GATE_COST_EVERY steps unless the batch or K
         # changes or drafts are verified (make_spec_decoding_stats ends it)
         newest = running[-1]
         memo = self._wants_memo
@@ -671,8 +676,7 @@ class _SpecPilotHook:
             wants = memo[4]
         else:
             cost, step_cost = self._gate_costs(b, k)
-            plan = self._gate.plan
-            wants = any(plan(req.request_id, k, cost, step_cost, probe=False) for req in running)
+            wants = self._gate.batch_pays([req.request_id for req in running], k, cost, step_cost)
             self._wants_memo = (k, newest, b, self._step_index, wants)
         if wants or newest is not self._probe_newest:  # (a new request has not been probed)
             self._probe_newest = newest

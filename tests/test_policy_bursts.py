@@ -34,9 +34,26 @@ def test_a_lone_rejecting_request_after_quoting_ones_stops_sooner_under_the_mixt
     assert "adaptive_pooled, 1 requests" in capsys.readouterr().out
 
 
+def test_closed_loop_requests_after_quoting_ones_do_not_keep_a_whole_batch_drafting(capsys):
+    """Async scheduling, 8 requests, each replaced after 20 steps (closed-loop clients),
+    priced as at 64 requests on an H200: in a burst whose drafts are rejected after a burst
+    that quoted, each new request starts at a prior the quoting requests left high, and its
+    drafts alone would pay for it. Every request verifies the step's drafts, so the batch
+    decides (``RequestDraftGate.batch_pays``): it drafts in a few steps, not in every step
+    that has a new request (34 of 60 when one request's drafts decided). The quoting bursts
+    still draft in nearly every step."""
+    res = policy_bursts.run(8, 60, "qr", 2, 2, True, "adaptive", price=(0.14, 0.05), turnover=20)
+    assert res["r"][1] < 20
+    assert res["q"][1] >= 50
+    argv = ["--batch", "4", "--steps", "30", "--pattern", "qr", "--repeat", "1", "--turnover", "10", "--settle", "0"]
+    assert policy_bursts.main(argv) == 0
+    assert "each request replaced after 10 steps" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv",
     [
+        ["--turnover", "-1"],
         ["--pattern", "qx"],
         ["--pattern", ""],
         ["--batch", "0"],

@@ -690,6 +690,25 @@ def test_the_mixture_estimate_is_recomputed_when_the_class_or_the_request_change
         RequestDraftGate(prior="mixture", mixture_requests=0)
 
 
+def test_a_batch_drafts_only_when_its_requests_gains_together_pay_for_every_verification():
+    """Async scheduling: every request verifies the step's drafts. One request whose drafts
+    pay for itself does not make a step at K > 0 pay for a batch of requests that reject."""
+    g = RequestDraftGate(pool_decay=0.0)
+    _feed(g, "quotes", 0.75)
+    for i in range(15):
+        _feed(g, f"chat-{i}", 0.0)
+    c, step = 0.14, 0.05  # one verified draft token, a step at K > 0: fractions of a plain step
+    assert g.plan("quotes", 4, c, step, probe=False)  # alone, its drafts pay
+    assert not g.batch_pays(["quotes"] + [f"chat-{i}" for i in range(15)], 4, c, step)
+    assert g.batch_pays(["quotes"], 4, c, step)  # the same request alone: as plan
+    for i in range(3):
+        _feed(g, f"docs-{i}", 0.75)
+    assert g.batch_pays(["quotes", "docs-0", "docs-1", "docs-2", "chat-0"], 4, c, step)  # most quote
+    assert not g.batch_pays(["quotes"], 0, c, step) and not g.batch_pays([], 4, c, step)
+    # the price of a step at K > 0 is the batch's: four quoting requests at a steep step price
+    assert not g.batch_pays(["quotes", "docs-0", "docs-1", "docs-2"], 4, c, 3.0)
+
+
 def test_a_fit_of_one_class_leaves_the_cached_estimates_of_another_class_standing():
     """A fit moves one class's distribution: only that class's running requests compute
     their estimates again (the cache is checked against the class's own version)."""
