@@ -129,6 +129,11 @@ class _SpecPilotHook:
     # the async gate's kept answer when none is kept: (K, newest running request, batch
     # size, step index, answer), see ``_any_request_wants_drafts``
     _WANTS_STALE: tuple[int, Any, int, int, bool] = (-1, None, 0, -(1 << 62), False)
+    # after drafts were verified or a request joined, the async gate prices the batch again
+    # (``RequestDraftGate.batch_pays``, a sum over every running request) at the next step
+    # with fewer than 2 * BATCH_PAYS_REQUESTS requests, else after B // BATCH_PAYS_REQUESTS
+    # steps: its price grows with the batch (python -m bench hook-cost --turnover)
+    BATCH_PAYS_REQUESTS = 16
     # finished requests leave the gate at the first full-path step GATE_FORGET_EVERY steps
     # after the last time they did (lean steps skip the gate, so never a fixed step index)
     GATE_FORGET_EVERY = 256
@@ -213,6 +218,7 @@ class _SpecPilotHook:
         self._probe_interval = self._gate.probe_every  # steps at K = 0 before the next async probe
         self._batch_k_memo = (0, -(1 << 62))  # (_batch_k's K, step index it was computed at)
         self._wants_memo = self._WANTS_STALE  # the async _any_request_wants_drafts' kept answer
+        self._wants_dirty = False  # drafts verified since that answer
         self._lean_newest: Any = None  # the newest running request when the rest span began
         self._probe_newest: Any = None  # the newest running request at the last async probe count
         self._gate_forget_at = 0  # step index from which the gate forgets finished requests
@@ -668,16 +674,23 @@ class _SpecPilotHook:
         # when the requests' expected gains together beat what all their verifications cost
         # (RequestDraftGate.batch_pays; one request whose drafts pay, a new one at a high
         # class prior, does not carry 63 whose drafts are rejected). No request keeps a probe
-        # count of its own. The answer holds for GATE_COST_EVERY steps unless the batch or K
-        # changes or drafts are verified (make_spec_decoding_stats ends it)
+        # count of its own. The answer holds for GATE_COST_EVERY steps at the same K unless the
+        # batch changes or drafts are verified (make_spec_decoding_stats), and then for
+        # B // BATCH_PAYS_REQUESTS steps (BATCH_PAYS_REQUESTS)
         newest = running[-1]
         memo = self._wants_memo
-        if memo[0] == k and memo[1] is newest and memo[2] == b and self._step_index - memo[3] < self.GATE_COST_EVERY:
+        age = self._step_index - memo[3]
+        if (
+            memo[0] == k
+            and age < self.GATE_COST_EVERY
+            and ((memo[1] is newest and memo[2] == b and not self._wants_dirty) or age < b // self.BATCH_PAYS_REQUESTS)
+        ):
             wants = memo[4]
         else:
             cost, step_cost = self._gate_costs(b, k)
             wants = self._gate.batch_pays([req.request_id for req in running], k, cost, step_cost)
             self._wants_memo = (k, newest, b, self._step_index, wants)
+            self._wants_dirty = False
         if wants or newest is not self._probe_newest:  # (a new request has not been probed)
             self._probe_newest = newest
             self._probe_interval = self._gate.probe_every
@@ -723,7 +736,7 @@ class _SpecPilotHook:
         # once per request with drafts, inside vLLM's update_from_output: the verification is
         # kept and folded in with the step's others (_fold_verified) when that returns
         if num_draft_tokens:
-            self._wants_memo = self._WANTS_STALE  # drafts verified: whether drafts pay is asked again
+            self._wants_dirty = True  # drafts verified: whether drafts pay is asked again
             if num_accepted_tokens:  # drafts accepted: the async probes' wait starts again from probe_every
                 self._probe_interval = self._gate.probe_every
             self._verified.append((kwargs.get("request_id"), num_draft_tokens, num_accepted_tokens))

@@ -584,7 +584,7 @@ def test_under_async_scheduling_whether_drafts_pay_is_kept_a_few_steps_and_asked
         return h
 
     h = two_chat_requests()
-    h._wants_memo = h._WANTS_STALE  # what a verification does (below)
+    h._wants_dirty = True  # what a verification does (below)
     assert h._decide_k(2) == 8
     h = two_chat_requests()
     for _ in range(h.GATE_COST_EVERY - 1):
@@ -596,9 +596,38 @@ def test_under_async_scheduling_whether_drafts_pay_is_kept_a_few_steps_and_asked
     try:
         kept = hook._wants_memo = (4, hook.running[-1], 2, hook._step_index, False)
         hook.make_spec_decoding_stats(None, 0, 0, request_id=hook.running[0].request_id)
-        assert hook._wants_memo == kept  # nothing verified
+        assert hook._wants_memo == kept and not hook._wants_dirty  # nothing verified
         hook.make_spec_decoding_stats(None, 4, 0, request_id=hook.running[0].request_id)
-        assert hook._wants_memo == hook._WANTS_STALE
+        assert hook._wants_dirty  # asked again at the next step (2 requests: below 2 * BATCH_PAYS_REQUESTS)
+        hook._step_index += 1
+        hook._any_request_wants_drafts(4)
+        assert hook._wants_memo[3] == hook._step_index and not hook._wants_dirty
+    finally:
+        channel.close()
+
+
+def test_at_64_requests_the_batch_is_priced_again_every_few_steps_after_verifications(tmp_path):
+    """The async gate's answer is a sum over every running request: after drafts were
+    verified it is priced again at once below 2 * BATCH_PAYS_REQUESTS requests, and after
+    B // BATCH_PAYS_REQUESTS steps above (a new answer, not a kept one, when K changes)."""
+    from bench.hook_cost import standin_hook
+
+    hook, channel = standin_hook("adaptive", 64, str(tmp_path), async_scheduling=True)
+    try:
+        every = 64 // hook.BATCH_PAYS_REQUESTS
+        assert every == 4
+        hook._any_request_wants_drafts(4)
+        priced_at = hook._wants_memo[3]
+        for _ in range(1, every):
+            hook._step_index += 1
+            hook.make_spec_decoding_stats(None, 4, 0, request_id=hook.running[0].request_id)
+            hook._any_request_wants_drafts(4)
+            assert hook._wants_memo[3] == priced_at  # kept
+        hook._step_index += 1
+        hook._any_request_wants_drafts(4)
+        assert hook._wants_memo[3] == hook._step_index  # priced again
+        hook._any_request_wants_drafts(2)
+        assert hook._wants_memo[0] == 2  # another K: priced at once
     finally:
         channel.close()
 
