@@ -643,8 +643,9 @@ class _SpecPilotHook:
 
     def _any_request_wants_drafts(self, k: int) -> bool:
         """False when the per-request gate is on and no running request's drafts would pay
-        at depth ``k`` (nor is due for a probe): the next step then runs at K = 0
-        (``RequestDraftGate.plan``). True whenever the gate is off.
+        at depth ``k`` (nor is due for a probe), or under async scheduling the batch's would
+        not: the next step then runs at K = 0 (``RequestDraftGate.plan``,
+        ``RequestDraftGate.batch_pays``). True whenever the gate is off.
 
         Where drafts cannot be dropped per request (``GATE_DRAFTS`` False: async
         scheduling), a request's probe would make every request of the step draft, so the
