@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 import types
-from typing import Any
+from typing import Any, Callable
 
 #: Modes measured by default: speculation off inside the engine, a fixed K, adaptive.
 DEFAULT_MODES = ("fixed:0", "fixed:4", "adaptive")
@@ -157,12 +157,43 @@ def standin_hook(mode: str, batch: int, folder: str, async_scheduling: bool = Fa
         else:
             os.environ[envs.CHANNEL] = old
     for i in range(batch):  # past the hook's add_request: these requests name no class for the gate
-        _SchedulerStandIn.add_request(hook, _request(f"r{i}", i))
+        _SchedulerStandIn.add_request(hook, standin_request(f"r{i}", i))
     return hook, channel
 
 
-def _request(req_id: str, i: int) -> Any:
-    """A running decode request of the stand-in; odd ``i`` sampled (temperature 0.7), even greedy."""
+def staggered_births(running: list[Any], turnover: int) -> dict[str, int]:
+    """Step index (steps) each of ``running`` started at, spread over ``-turnover .. 0`` so that
+    with :func:`turn_over` about ``len(running) / turnover`` of them finish per step."""
+    return {r.request_id: -i * turnover // max(len(running), 1) for i, r in enumerate(running)}
+
+
+def turn_over(
+    hook: Any,
+    born: dict[str, int],
+    now: int,
+    turnover: int,
+    new_request: Callable[[], Any],
+    add: Callable[[Any], None] | None = None,
+) -> None:
+    """Finish every request of the stand-in ``hook`` that has run ``turnover`` steps or more
+    by step ``now`` (:meth:`_SchedulerStandIn.finish_request`: the next ``schedule()`` names
+    it) and put ``new_request()``'s request in its place through ``add`` (default
+    ``hook.add_request``, which names its class for the gate), recorded in ``born`` as started
+    at ``now``. Nothing happens with ``turnover`` 0."""
+    if turnover <= 0:
+        return
+    add = add or hook.add_request
+    for r in [r for r in hook.running if now - born[r.request_id] >= turnover]:
+        hook.finish_request(r.request_id)
+        born.pop(r.request_id)
+        fresh = new_request()
+        add(fresh)
+        born[fresh.request_id] = now
+
+
+def standin_request(req_id: str, i: int) -> Any:
+    """A running decode request of the stand-in; odd ``i`` sampled (temperature 0.7), even greedy
+    (the class the hook names for the gate when it is added through ``hook.add_request``)."""
     return types.SimpleNamespace(
         request_id=req_id,
         spec_token_ids=[],
@@ -216,8 +247,12 @@ def measure(
             return a
 
         verify_s = [0.0]  # time in make_spec_decoding_stats (the hook's override and the stand-in's)
-        born = {r.request_id: -i * turnover // max(batch, 1) for i, r in enumerate(hook.running)}  # staggered
+        born = staggered_births(hook.running, turnover)
         count = [0, len(hook.running)]  # steps so far, requests so far
+
+        def new_request() -> Any:
+            count[1] += 1
+            return standin_request(f"r{count[1] - 1}", count[1] - 1)
 
         def step() -> None:
             hook.has_requests()
@@ -231,14 +266,7 @@ def measure(
                 verify_s[0] += time.perf_counter() - t
             hook.update_from_output(out, None)
             count[0] += 1
-            if turnover > 0:
-                for r in [r for r in hook.running if count[0] - born[r.request_id] >= turnover]:
-                    hook.finish_request(r.request_id)
-                    born.pop(r.request_id)
-                    rid = f"r{count[1]}"
-                    hook.add_request(_request(rid, count[1]))
-                    born[rid] = count[0]
-                    count[1] += 1
+            turn_over(hook, born, count[0], turnover, new_request)
 
         for _ in range(200):  # warm
             step()

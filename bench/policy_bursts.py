@@ -28,6 +28,7 @@ import types
 from typing import Any, Iterator
 
 from bench.engine_control import BenchError
+from bench.hook_cost import _SchedulerStandIn, staggered_births, standin_request, turn_over
 
 KINDS = {"r": "drafts rejected", "q": "drafts accepted (quotes)"}
 
@@ -51,10 +52,6 @@ def _tick_clock() -> Iterator[None]:
         scheduler_module.time = saved
 
 
-def _request(req_id: str) -> Any:
-    return types.SimpleNamespace(request_id=req_id, spec_token_ids=[], num_output_tokens=8, num_computed_tokens=200)
-
-
 def _burst(hook: Any, steps: int, accepted: int, async_order: bool, turnover: int = 0, tag: str = "") -> int:
     """``steps`` steps of the hook's running requests, each draft with ``accepted`` tokens
     accepted, then one step with none running (drained); returns the steps scheduled at K > 0.
@@ -64,24 +61,16 @@ def _burst(hook: Any, steps: int, accepted: int, async_order: bool, turnover: in
     drafted = 0
     prev_k = 0
     pending: tuple[Any, int] | None = None
-    batch = len(hook.running)
-    born = {r.request_id: -i * turnover // max(batch, 1) for i, r in enumerate(hook.running)}
-    finished: set[str] = set()
-    new = 0
+    born = staggered_births(hook.running, turnover)
+    ids = itertools.count()
+
+    def add(request: Any) -> None:  # past the hook's add_request: the bursts' requests name no class
+        _SchedulerStandIn.add_request(hook, request)
+
     for step_n in range(steps):
-        if turnover > 0:
-            for r in [r for r in hook.running if step_n - born[r.request_id] >= turnover]:
-                hook.running.remove(r)
-                hook.requests.pop(r.request_id, None)
-                finished.add(r.request_id)
-                fresh = _request(f"{tag}-t{new}")
-                new += 1
-                hook.running.append(fresh)
-                hook.requests[fresh.request_id] = fresh
-                born[fresh.request_id] = step_n
+        turn_over(hook, born, step_n, turnover, lambda: standin_request(f"{tag}-t{next(ids)}", 0), add)
         hook.has_requests()
         out = hook.schedule()
-        out.finished_req_ids, finished = finished, set()
         k = out.num_spec_tokens_to_schedule
         drafted += k > 0
         step: tuple[Any, int] | None = (out, prev_k)
@@ -142,7 +131,7 @@ def run(
             for n, kind in enumerate(pattern * repeat):
                 # each burst's requests are new, as on an engine: a request's own estimate starts
                 # where the requests before it leave its class's prior (engine_host.request_gate)
-                hook.running = [_request(f"b{n}-r{i}") for i in range(batch)]
+                hook.running = [standin_request(f"b{n}-r{i}", 0) for i in range(batch)]
                 hook.requests = {r.request_id: r for r in hook.running}
                 drafted = _burst(hook, steps, accepted if kind == "q" else 0, async_scheduling, turnover, f"b{n}")
                 out[kind].append(drafted)

@@ -51,14 +51,23 @@ def run(
     """
     from engine_host.request_gate import RequestDraftGate
 
-    if requests < 1 or drafts < 1 or k < 1 or not at or min(at) < 1:
-        raise ValueError("--requests, --drafts, --k and --at need values >= 1")
-    if not 0.0 <= acceptance <= 1.0:
-        raise ValueError(f"--acceptance is a fraction 0..1, got {acceptance}")
+    _check(requests, drafts, acceptance, k, at)
     rng = random.Random(seed)
     gate = RequestDraftGate(prior=prior)
     means = _finish_requests(gate, rng, requests, drafts, acceptance, k, at, clock)
     return [means[n] for n in at if n in means]
+
+
+def _check(requests: int, drafts: int, acceptance: float, k: int, at: list[int]) -> None:
+    if requests < 1 or drafts < 1 or k < 1 or not at or min(at) < 1:
+        raise ValueError("--requests, --drafts, --k and --at need values >= 1")
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"--acceptance is a fraction 0..1, got {acceptance}")
+
+
+def _check_then(then: float, after: list[int]) -> None:
+    if not 0.0 <= then <= 1.0 or not after or min(after) < 0:
+        raise ValueError("--then is a fraction 0..1 and --after takes counts >= 0")
 
 
 def _draft(rng: random.Random, k: int, acceptance: float) -> int:
@@ -113,9 +122,8 @@ def escape(
 
     from engine_host.request_gate import RequestDraftGate
 
-    if not 0.0 <= then <= 1.0 or not after or min(after) < 0:
-        raise ValueError("--then is a fraction 0..1 and --after takes counts >= 0")
-    run(requests, drafts, acceptance, k, [requests], seed, prior)  # the same checks
+    _check(requests, drafts, acceptance, k, [requests])
+    _check_then(then, after)
     rng = random.Random(seed)
     gate = RequestDraftGate(prior=prior)
     _finish_requests(gate, rng, requests, drafts, acceptance, k, [requests], None)
@@ -162,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --seeds needs a value >= 1", file=sys.stderr)
         return 2
     at = [n for n in at if n <= args.requests]
+    try:  # every argument checked before the first table is printed
+        for d in drafts:
+            _check(args.requests, d, args.acceptance, args.k, at)
+        if args.then is not None:
+            _check_then(args.then, after)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(
         f"class prior mean after {', '.join(map(str, at))} finished requests; drafts of {args.k} tokens, "
         f"per-position acceptance {args.acceptance}, mean of {args.seeds} seeds\n"
@@ -172,14 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         clocks: dict[str, list[float]] = {"mixture": [], "pooled": []}
         for prior in ("mixture", "pooled"):
-            try:
-                runs = [
-                    run(args.requests, d, args.acceptance, args.k, at, s, prior, clocks[prior])
-                    for s in range(args.seeds)
-                ]
-            except ValueError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
+            runs = [
+                run(args.requests, d, args.acceptance, args.k, at, s, prior, clocks[prior]) for s in range(args.seeds)
+            ]
             cells.append(" / ".join(f"{statistics.mean(col):.3f}" for col in zip(*runs)))
         us = " / ".join(f"{statistics.median(clocks[p]) * 1e6:.1f}" for p in ("mixture", "pooled"))
         print(f"| {d} | {cells[0]} | {cells[1]} | {us} |")
@@ -194,14 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     for d in drafts:
         cells = []
         for prior in ("mixture", "pooled"):
-            try:
-                runs = [
-                    escape(args.requests, d, args.acceptance, args.k, args.then, after, s, prior)
-                    for s in range(args.seeds)
-                ]
-            except ValueError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
+            runs = [
+                escape(args.requests, d, args.acceptance, args.k, args.then, after, s, prior) for s in range(args.seeds)
+            ]
             cells.append(" / ".join(f"{statistics.mean(col):.3f}" for col in zip(*runs)))
         print(f"| {d} | {cells[0]} | {cells[1]} |")
     return 0
