@@ -96,3 +96,17 @@ def test_gpu_payload_tooling_is_not_in_the_package_and_the_gpu_extra_is_pinned()
     assert "scripts*" not in cfg["tool"]["setuptools"]["packages"]["find"]["include"]
     gpu = cfg["project"]["optional-dependencies"]["gpu"]
     assert "vllm==0.33.0" in gpu and "torch==2.14.0" in gpu
+
+
+def test_build_with_qwen_refuses_before_any_work_when_the_model_tools_cannot_import(
+    payload, tmp_path, monkeypatch, capsys
+):
+    """The qwen step needs the project's environment (tqdm, gguf); found missing only after the
+    core bundle's minutes of downloads and compression, the whole build would be lost."""
+    monkeypatch.setitem(sys.modules, "bench.qwen_models", None)  # importing it raises ImportError
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        payload.main(["build", "--qwen", "target", "--out", str(out), "--cache", str(tmp_path / "cache")])
+    assert exc.value.code == 2
+    assert "--qwen needs the project's environment" in capsys.readouterr().err
+    assert not out.exists()  # nothing built, nothing downloaded
