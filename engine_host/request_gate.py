@@ -91,6 +91,11 @@ ACCEPTANCE_BUCKETS = (0.0, 0.2, 0.4, 0.6, 0.8)  # lower edges of the histogram's
 MIXTURE_GRID = tuple((i + 0.5) / 10.0 for i in range(10))
 _LOG_A = tuple(math.log(a) for a in MIXTURE_GRID)
 _LOG_R = tuple(math.log(1.0 - a) for a in MIXTURE_GRID)
+_GRID = np.asarray(MIXTURE_GRID)
+_LOG_AR = np.array([_LOG_A, _LOG_R])  # (2, len(MIXTURE_GRID)): (accepted, rejections) @ it
+# estimates due together (``acceptance_many``) from which one array operation is cheaper than
+# one exponential per grid point each
+MIXTURE_ARRAY_FROM = 4
 # a request's mixture estimate is recomputed once its counts (accepted, rejections) moved by
 # this fraction of its judged tokens
 MIXTURE_RECOMPUTE = 0.05
@@ -307,6 +312,54 @@ class RequestDraftGate:
         strength = self.prior_accepted + self.prior_rejected
         return (s.accepted + strength * m) / (s.accepted + s.rejections + strength)
 
+    def acceptance_many(self, req_ids: Iterable[str]) -> list[float]:
+        """:meth:`acceptance` of each request of ``req_ids``, in order (fractions 0..1). Pricing
+        a batch asks for every running request's estimate; under ``prior="mixture"`` those due
+        to be computed again (``_mixture_acceptance``'s cache) are computed together, as one
+        array of likelihoods over ``MIXTURE_GRID`` scaled per request, where one at a time
+        costs ``len(MIXTURE_GRID)`` exponentials each."""
+        if self.prior != "mixture":
+            return [self.acceptance(rid) for rid in req_ids]
+        classes, reqs, vers, means = self._class, self._reqs, self._mix_vers, self._mix_mean
+        out: list[float] = []
+        due: list[tuple[int, _RequestStats, str | None]] = []
+        for rid in req_ids:
+            cls = classes.get(rid)
+            if not self._mixture_ready(cls):
+                out.append(self.acceptance(rid))
+                continue
+            s = reqs.get(rid)
+            if s is None or s.accepted + s.rejections <= 0.0:
+                out.append(means[cls])
+                continue
+            n, r = s.accepted, s.rejections
+            moved = abs(n - s.est_accepted) + abs(r - s.est_rejections)
+            if s.est_ver == vers[cls] and moved < MIXTURE_RECOMPUTE * (n + r):
+                out.append(s.est)
+                continue
+            due.append((len(out), s, cls))
+            out.append(0.0)
+        if not due:
+            return out
+        if len(due) < MIXTURE_ARRAY_FROM:
+            for i, s, cls in due:
+                out[i] = self._mixture_estimate(s, cls)
+            return out
+        counts = np.array([(s.accepted, s.rejections) for _, s, _ in due])
+        logs = counts @ _LOG_AR  # (m, len(MIXTURE_GRID)): log a^accepted (1 - a)^rejections
+        like = np.exp(logs - logs.max(axis=1, keepdims=True))
+        names = list({cls: None for _, _, cls in due})
+        rows = [names.index(cls) for _, _, cls in due] if len(names) > 1 else [0] * len(due)
+        g = np.array([self._mix[c] for c in names])[rows]
+        w = like * g
+        z = w.sum(axis=1)
+        est = (w @ _GRID) / np.where(z > 0.0, z, 1.0)
+        for (i, s, cls), e, zi in zip(due, est.tolist(), z.tolist()):
+            e = e if zi > 0.0 else means[cls]
+            s.est, s.est_ver, s.est_accepted, s.est_rejections = e, vers[cls], s.accepted, s.rejections
+            out[i] = e
+        return out
+
     def _mixture_ready(self, cls: str | None) -> bool:
         """Whether requests of class ``cls`` are estimated under its distribution: it needs
         ``MIXTURE_MIN_REQUESTS`` finished requests of the class (the pooled prior before)."""
@@ -329,9 +382,15 @@ class RequestDraftGate:
         # than MIXTURE_RECOMPUTE of its judged tokens: with counts that fade by ``decay`` a
         # request whose drafts are accepted alike settles at the same counts step after step
         moved = abs(n - s.est_accepted) + abs(r - s.est_rejections)
-        ver = self._mix_vers[cls]
-        if s.est_ver == ver and moved < MIXTURE_RECOMPUTE * (n + r):
+        if s.est_ver == self._mix_vers[cls] and moved < MIXTURE_RECOMPUTE * (n + r):
             return s.est
+        return self._mixture_estimate(s, cls)
+
+    def _mixture_estimate(self, s: _RequestStats, cls: str | None) -> float:
+        """The posterior mean of ``s``'s acceptance under class ``cls``'s distribution,
+        computed and kept as ``s.est`` (``_mixture_acceptance``'s cache)."""
+        n, r = s.accepted, s.rejections
+        ver = self._mix_vers[cls]
         exp = math.exp
         z = est = 0.0
         g = self._mix[cls]
@@ -548,11 +607,11 @@ class RequestDraftGate:
             return False
         c = max(draft_token_cost, 0.0)
         net = 0.0
-        n = 0
-        gain, acceptance, rate = self.expected_gain, self.acceptance, self.draft_rate
-        for rid in req_ids:
-            net += rate(rid) * (gain(acceptance(rid), k) - k * c)
-            n += 1
+        ids = list(req_ids)
+        n = len(ids)
+        gain, rate = self.expected_gain, self.draft_rate
+        for rid, a in zip(ids, self.acceptance_many(ids)):
+            net += rate(rid) * (gain(a, k) - k * c)
         return n > 0 and net > 0.0 and net >= (1.0 + self.margin) * n * max(step_cost, 0.0)
 
     def begin_step(self) -> None:

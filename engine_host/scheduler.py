@@ -619,9 +619,8 @@ class _SpecPilotHook:
         gate = self._gate
         gain = [0.0] * (hi + 1)  # gain[j]: sum over requests of r_i * a_i^j
         rate = 0.0  # expected requests with a draft
-        for req in self.running:  # type: ignore[attr-defined]
-            rid = req.request_id
-            a = gate.acceptance(rid)
+        ids = [req.request_id for req in self.running]  # type: ignore[attr-defined]
+        for rid, a in zip(ids, gate.acceptance_many(ids)):
             p = r = gate.draft_rate(rid)
             rate += r
             for j in range(1, hi + 1):

@@ -839,3 +839,37 @@ def test_the_mixture_is_fitted_to_the_last_mixture_requests_finished_requests_on
     for i in range(8):
         _finish(g, f"code-{i}", "greedy", 0, steps=10)
     assert g.prior_mean("greedy") < 0.1  # the quoting requests have left the window
+
+
+@pytest.mark.parametrize("prior", ["mixture", "pooled"])
+def test_a_batch_of_estimates_at_once_equals_them_one_at_a_time(prior, monkeypatch):
+    """``acceptance_many`` (pricing a batch) gives each request the estimate ``acceptance``
+    gives it: requests of two fitted classes, of a class not fitted yet, with no verified
+    drafts, with cached estimates; under the mixture those due are computed as one array,
+    and their cache then holds what one at a time would have computed (also where the
+    likelihoods of long runs underflow)."""
+    import engine_host.request_gate as rg
+
+    monkeypatch.setattr(rg, "MIXTURE_ARRAY_FROM", 1)  # every batch through the array path
+    g, one = RequestDraftGate(prior=prior, decay=1.0), RequestDraftGate(prior=prior, decay=1.0)
+    for gate in (g, one):
+        for i in range(rg.MIXTURE_REFIT_EVERY):
+            _finish(gate, f"s{i}", "sampled", 0, steps=3)
+            _finish(gate, f"q{i}", "greedy", 3, steps=4)
+        for i, (cls, acc, steps) in enumerate(
+            [("greedy", 4, 3), ("greedy", 0, 2), ("sampled", 1, 5), ("rare", 2, 3), ("greedy", 3, 1500)]
+        ):
+            gate.set_class(f"r{i}", cls)
+            for _ in range(steps):
+                gate.observe(f"r{i}", 4, acc)
+        gate.set_class("new", "greedy")  # no verified drafts yet
+    ids = ["r0", "r1", "new", "r2", "r3", "r4", "unknown"]
+    expected = [one.acceptance(rid) for rid in ids]
+    assert g.acceptance_many(ids) == pytest.approx(expected, rel=1e-12)
+    assert g.acceptance_many([]) == []
+    g.observe("r0", 4, 0)  # moves: due again; the rest are cached
+    one.observe("r0", 4, 0)
+    assert g.acceptance_many(ids) == pytest.approx([one.acceptance(rid) for rid in ids], rel=1e-12)
+    assert [g.acceptance(rid) for rid in ids] == pytest.approx([one.acceptance(rid) for rid in ids], rel=1e-12)
+    if prior == "mixture":
+        assert 0.7 < g.acceptance_many(["r4"])[0] < 0.8  # 3 of 4 accepted for 1500 steps: underflow handled
