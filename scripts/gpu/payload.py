@@ -6,7 +6,7 @@ machine that reaches a package index, ``pip install 'specpilot[gpu]'`` (or the R
 host whose image already holds Python 3.12, a CUDA torch and transformers, and that receives
 files only in transfers of a bounded size (see docs/gpu.md).
 
-``python scripts/gpu/payload.py build [--vllm 0.33.0] [--qwen target|pair] [--out .payload]``
+``.venv/bin/python scripts/gpu/payload.py build [--vllm 0.33.0] [--qwen target|pair] [--out .payload]``
 (on a machine with network) writes *bundles*, each an uncompressed ``tar`` split into parts of at
 most ``--part-mib`` MiB, one part per folder (``.payload/core-1`` .. ``.payload/core-N``,
 ``.payload/qwen15-1`` ..), each folder with the bundle's ``parts.json`` (size and SHA-256 of every

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run SpecPilot's engine host and benchmarks on an offline GPU host from the payload built by
-# `python scripts/gpu/payload.py build` (see docs/gpu.md).
+# `.venv/bin/python scripts/gpu/payload.py build` (see docs/gpu.md).
 #
 #   bash scripts/gpu/runner.sh [--part DIR]... [-- COMMAND ARGS...]
 #
