@@ -110,3 +110,16 @@ def test_build_with_qwen_refuses_before_any_work_when_the_model_tools_cannot_imp
     assert exc.value.code == 2
     assert "--qwen needs the project's environment" in capsys.readouterr().err
     assert not out.exists()  # nothing built, nothing downloaded
+
+
+def test_the_gpu_scripts_parse_and_the_table_script_says_its_usage():
+    """The GPU host runs these unattended; a syntax error there costs a whole GPU session."""
+    import subprocess
+
+    scripts = sorted((ROOT / "scripts" / "gpu").glob("*.sh"))
+    assert any(p.name == "paired_table.sh" for p in scripts)
+    for path in scripts:
+        res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert res.returncode == 0, (path.name, res.stderr)
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu" / "paired_table.sh")], capture_output=True, text=True)
+    assert res.returncode != 0 and "usage: paired_table.sh MODEL RESULTS" in res.stderr

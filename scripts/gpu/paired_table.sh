@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The adaptive table of docs/gpu.md (hosts 32-33): five engines up together on one GPU, every
+# arm on the same prompts in `bench paired`'s balanced order, at 1, 8 and 64 clients.
+#
+#   bash scripts/gpu/paired_table.sh MODEL RESULTS
+#
+# Run inside the offline environment (`bash scripts/gpu/runner.sh -- bash scripts/gpu/paired_table.sh ...`)
+# or wherever `python3 -m bench` finds vLLM. The engines: plain `vllm serve` (`plain`) and four engine
+# hosts with ngram_gpu at K_max 4: adaptive with the mixture prior (`adaptive`, the default),
+# adaptive with the pooled prior (`pooled`), static K = 0 and K = 4 (`k0`, `k4`), each with the same
+# KV cache (vLLM's memory profiling skipped, so the engines cannot disturb each other's), every
+# engine host writing a step trace (RESULTS/steps.csv.<engine-core pid>, xz-compressed at the end).
+# Writes RESULTS/c1, c8, c64 (`paired.json`; `python -m bench paired --report FILE [--baseline ARM]`),
+# RESULTS/{mixture,pooled}-state-cN.json (the adaptive engine hosts' /control/state after each run),
+# RESULTS/start.log and RESULTS/overhead (start-up, first TTFT after warm-up), RESULTS/progress, and
+# RESULTS/DONE at the end. The engines are stopped on exit, whatever happened.
+# Environment: KV_BYTES (KV cache per engine, default 6 GiB), GPU_UTIL (0.14), K_MAX (4),
+# BUDGET_C1 / BUDGET_C8 / BUDGET_C64 (seconds of rounds per run: 300 / 200 / 250).
+set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+M=${1:?usage: paired_table.sh MODEL RESULTS}
+R=${2:?usage: paired_table.sh MODEL RESULTS}
+KV_BYTES=${KV_BYTES:-6442450944}
+GPU_UTIL=${GPU_UTIL:-0.14}
+K_MAX=${K_MAX:-4}
+mkdir -p "$R"
+progress() { echo "$(date +%T) $*" | tee -a "$R/progress"; }
+trap 'stop_engines "$M" "$R/state.json" "$R/stop"; touch "$R/DONE"' EXIT
+E="--speculative-method ngram_gpu --k-max $K_MAX --speculation-mode fixed --k 0 --no-prefix-caching --max-num-seqs 64"
+E="$E --max-model-len 2048 --gpu-memory-utilization $GPU_UTIL --warmup quick -- --kv-cache-memory-bytes $KV_BYTES"
+SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --parallel-start --keep \
+  --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 3 \
+  --engine "serve:plain:--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $KV_BYTES --no-enable-prefix-caching --max-num-seqs 64" \
+  --engine "host:a:$E" --engine "host:p:$E" --engine "host:f0:$E" --engine "host:f4:$E" > "$R/start.log" 2>&1
+rc=$?
+progress "engines up (rc $rc)"
+[ $rc -eq 0 ] || exit $rc
+eval "$(engine_vars "$R/state.json")"
+export A_TOKEN P_TOKEN F0_TOKEN F4_TOKEN
+ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN"
+  --arm "pooled=$P_URL,mode=adaptive_pooled,token-env=P_TOKEN" --arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN"
+  --arm "k4=$F4_URL,mode=fixed:4,token-env=F4_TOKEN")
+states() {
+  curl -s -H "Authorization: Bearer $A_TOKEN" "$A_URL/control/state" > "$R/mixture-state-$1.json"
+  curl -s -H "Authorization: Bearer $P_TOKEN" "$P_URL/control/state" > "$R/pooled-state-$1.json"
+}
+python3 -m bench paired "${ARMS[@]}" --workloads chat,code,docs,mixed --clients 1 --rounds 400 \
+  --time-budget "${BUDGET_C1:-300}" --out "$R/c1" > "$R/c1.log" 2>&1
+progress "1 client (rc $?)"; states c1
+python3 -m bench paired "${ARMS[@]}" --workloads mixed,code,docs --clients 8 --per-client 4 --rounds 400 \
+  --time-budget "${BUDGET_C8:-200}" --out "$R/c8" > "$R/c8.log" 2>&1
+progress "8 clients (rc $?)"; states c8
+python3 -m bench paired "${ARMS[@]}" --workloads docs,code,shift --clients 64 --per-client 2 --rounds 400 \
+  --time-budget "${BUDGET_C64:-250}" --out "$R/c64" > "$R/c64.log" 2>&1
+progress "64 clients (rc $?)"; states c64
+stop_engines "$M" "$R/state.json" "$R/stop"
+trap - EXIT
+for f in "$R"/steps.csv.*; do [ -e "$f" ] && xz -T4 "$f"; done
+grep -o "EngineCore pid=[0-9]*" "$R"/overhead/logs/*.log 2>/dev/null | sort -u > "$R/engine-pids.txt"
+progress "done"
+touch "$R/DONE"
