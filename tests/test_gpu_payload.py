@@ -103,7 +103,14 @@ def test_build_with_qwen_refuses_before_any_work_when_the_model_tools_cannot_imp
 ):
     """The qwen step needs the project's environment (tqdm, gguf); found missing only after the
     core bundle's minutes of downloads and compression, the whole build would be lost."""
-    monkeypatch.setitem(sys.modules, "bench.qwen_models", None)  # importing it raises ImportError
+    import bench
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the core bundle was started")
+
+    monkeypatch.setattr(payload, "build_core", no_build)  # a failure here must not download anything
+    monkeypatch.setitem(sys.modules, "bench.qwen_models", None)  # importing it raises ImportError,
+    monkeypatch.delattr(bench, "qwen_models", raising=False)  # also where another test imported it
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exc:
         payload.main(["build", "--qwen", "target", "--out", str(out), "--cache", str(tmp_path / "cache")])
