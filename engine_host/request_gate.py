@@ -317,30 +317,22 @@ class RequestDraftGate:
         a batch asks for every running request's estimate; under ``prior="mixture"`` those due
         to be computed again (``_mixture_acceptance``'s cache) are computed together, as one
         array of likelihoods over ``MIXTURE_GRID`` scaled per request, where one at a time
-        costs ``len(MIXTURE_GRID)`` exponentials each."""
+        costs ``len(MIXTURE_GRID)`` exponentials each. Raises nothing: a request the gate has
+        not seen gets its class's prior."""
         if self.prior != "mixture":
             return [self.acceptance(rid) for rid in req_ids]
-        classes, reqs, vers, means = self._class, self._reqs, self._mix_vers, self._mix_mean
         out: list[float] = []
         due: list[tuple[int, _RequestStats, str | None]] = []
         for rid in req_ids:
-            cls = classes.get(rid)
+            cls = self._class.get(rid)
             if not self._mixture_ready(cls):
                 out.append(self.acceptance(rid))
                 continue
-            s = reqs.get(rid)
-            if s is None or s.accepted + s.rejections <= 0.0:
-                out.append(means[cls])
-                continue
-            n, r = s.accepted, s.rejections
-            moved = abs(n - s.est_accepted) + abs(r - s.est_rejections)
-            if s.est_ver == vers[cls] and moved < MIXTURE_RECOMPUTE * (n + r):
-                out.append(s.est)
-                continue
-            due.append((len(out), s, cls))
-            out.append(0.0)
-        if not due:
-            return out
+            s = self._reqs.get(rid)
+            kept = self._mixture_kept(s, cls)
+            if kept is None and s is not None:
+                due.append((len(out), s, cls))
+            out.append(0.0 if kept is None else kept)
         if len(due) < MIXTURE_ARRAY_FROM:
             for i, s, cls in due:
                 out[i] = self._mixture_estimate(s, cls)
@@ -349,14 +341,13 @@ class RequestDraftGate:
         logs = counts @ _LOG_AR  # (m, len(MIXTURE_GRID)): log a^accepted (1 - a)^rejections
         like = np.exp(logs - logs.max(axis=1, keepdims=True))
         names = list({cls: None for _, _, cls in due})
-        rows = [names.index(cls) for _, _, cls in due] if len(names) > 1 else [0] * len(due)
-        g = np.array([self._mix[c] for c in names])[rows]
+        g = np.array([self._mix[c] for c in names])[[names.index(cls) for _, _, cls in due]]
         w = like * g
         z = w.sum(axis=1)
         est = (w @ _GRID) / np.where(z > 0.0, z, 1.0)
         for (i, s, cls), e, zi in zip(due, est.tolist(), z.tolist()):
-            e = e if zi > 0.0 else means[cls]
-            s.est, s.est_ver, s.est_accepted, s.est_rejections = e, vers[cls], s.accepted, s.rejections
+            e = e if zi > 0.0 else self._mix_mean[cls]
+            s.est, s.est_ver, s.est_accepted, s.est_rejections = e, self._mix_vers[cls], s.accepted, s.rejections
             out[i] = e
         return out
 
@@ -375,16 +366,25 @@ class RequestDraftGate:
 
     def _mixture_acceptance(self, req_id: str, cls: str | None) -> float:
         s = self._reqs.get(req_id)
+        kept = self._mixture_kept(s, cls)
+        if kept is not None or s is None:  # (s None: kept is the class's mean)
+            return self._mix_mean[cls] if kept is None else kept
+        return self._mixture_estimate(s, cls)
+
+    def _mixture_kept(self, s: _RequestStats | None, cls: str | None) -> float | None:
+        """The estimate of a request with stats ``s`` under class ``cls``'s distribution where
+        it needs no computing: the class's mean before any verified draft, the cached one
+        while the distributions are the same and its counts moved by less than
+        ``MIXTURE_RECOMPUTE`` of its judged tokens (with counts that fade by ``decay``, a
+        request whose drafts are accepted alike settles at the same counts step after step);
+        None where it is due to be computed again."""
         if s is None or s.accepted + s.rejections <= 0.0:
             return self._mix_mean[cls]
         n, r = s.accepted, s.rejections
-        # kept while the distributions are the same and the request's counts moved by less
-        # than MIXTURE_RECOMPUTE of its judged tokens: with counts that fade by ``decay`` a
-        # request whose drafts are accepted alike settles at the same counts step after step
         moved = abs(n - s.est_accepted) + abs(r - s.est_rejections)
         if s.est_ver == self._mix_vers[cls] and moved < MIXTURE_RECOMPUTE * (n + r):
             return s.est
-        return self._mixture_estimate(s, cls)
+        return None
 
     def _mixture_estimate(self, s: _RequestStats, cls: str | None) -> float:
         """The posterior mean of ``s``'s acceptance under class ``cls``'s distribution,
