@@ -706,3 +706,32 @@ def test_the_mixture_prior_stops_a_rejecting_request_sooner_and_keeps_the_quotin
     code_mix, docs_mix = _lone_code_requests_drafting(tmp_path / "m", "adaptive")
     assert code_mix <= code_pooled / 2
     assert docs_mix >= 0.9 * docs_pooled
+
+
+def test_at_k_above_zero_a_step_with_a_prefill_hands_the_controller_only_its_decodes(tmp_path, monkeypatch):
+    """A step's decode batch is the requests scheduled for 1 + their drafts tokens: a request
+    that prefills in the same step (more tokens, no drafts) is not one, nor one whose drafts
+    were cut; every request of a step of decodes only is."""
+    monkeypatch.setenv("SPECPILOT_K0_LEAN", "0")
+    with _standin("fixed:2", 4, tmp_path) as hook:
+        _run(hook, 3)
+        seen: list[int] = []
+        observe = hook.controller.observe
+        hook.controller.observe = lambda obs: (seen.append(obs.batch_size), observe(obs))
+        ids = [req.request_id for req in hook.running]
+        out = hook.schedule()
+        assert out.num_spec_tokens_to_schedule == 2
+        for rid in ids:
+            hook.make_spec_decoding_stats(None, 2, 1, request_id=rid)
+        hook.update_from_output(out, None)  # decodes only
+        out = hook.schedule()
+        del out.scheduled_spec_decode_tokens[ids[0]]  # its step prefills 300 tokens, no drafts
+        out.num_scheduled_tokens[ids[0]] = 300
+        out.scheduled_spec_decode_tokens[ids[1]] = [-1]  # one of its two drafts cut: 2 tokens
+        out.num_scheduled_tokens[ids[1]] = 2
+        out.num_scheduled_tokens[ids[2]] = 1  # scheduled without drafts: 1 token
+        out.scheduled_spec_decode_tokens[ids[3]] = [-1, -1, -1]  # (a draft longer than its tokens)
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        hook.make_spec_decoding_stats(None, 2, 1, request_id=ids[1])
+        hook.update_from_output(out, None)
+        assert seen == [4, 1]  # the cut one's 1 + 1 tokens make it a decode; the others not
