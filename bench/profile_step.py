@@ -2,10 +2,11 @@
 plain engine (no speculative config), on the same chat prompts.
 
     python -m bench profile-step [--clients 4] [--seconds 20] [--rate 100]
-    python -m bench profile-step --attach STATE [--engines plain,ngram]   # engines already up
+    python -m bench profile-step --attach STATE [--engines plain,ngram] [--workload code]   # engines already up
 
 Starts both engine hosts (eager, one after the other so they do not share the CPU while
-measured), sends the ``chat`` workload with N concurrent clients, and samples every
+measured), sends the ``chat`` workload (``--workload``: any of ``bench.workloads.WORKLOADS``,
+e.g. ``code``, where an adaptive engine host switches K) with N concurrent clients, and samples every
 vLLM process of the engine with py-spy (PyPI ``py-spy``) for ``--seconds``. Each sample's
 stack is put in one component (model forward, n-gram proposer, sampler and rejection
 sampler, input preparation, scheduler, output processing, other). Prints, per engine and
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from .workloads import WORKLOADS
 
 #: frames of the draft-model and EAGLE speculators (V1 ``draft_model``/``eagle``, V2
 #: ``standalone_ar``/``target_dependent_ar``/``eagle``): everything they call, the draft
@@ -85,13 +88,13 @@ def _engine_pids(root_pid: int) -> list[int]:
     return seen
 
 
-def _load(url: str, model: str, clients: int, stop: threading.Event) -> list[threading.Thread]:
-    """``clients`` threads sending chat requests (64 tokens) until ``stop`` is set; returns them.
-    A request cut off after ``stop`` is set (the engine is being stopped) ends its thread
-    quietly."""
+def _load(url: str, model: str, clients: int, stop: threading.Event, workload: str = "chat") -> list[threading.Thread]:
+    """``clients`` threads sending requests of ``workload`` (64 tokens each) until ``stop`` is
+    set; returns them. A request cut off after ``stop`` is set (the engine is being stopped)
+    ends its thread quietly."""
     from .workloads import Workload
 
-    wl = Workload("chat", seed=1)
+    wl = Workload(workload, seed=1)
     lock = threading.Lock()
 
     def client() -> None:
@@ -157,7 +160,9 @@ def _sample(pids: list[int], seconds: float, rate: int, out_dir: Path, tag: str,
     return {"wall_s": wall, **best}
 
 
-def profile(extra: list[str], clients: int, seconds: float, rate: int, out_dir: Path, py_spy: str) -> dict:
+def profile(
+    extra: list[str], clients: int, seconds: float, rate: int, out_dir: Path, py_spy: str, workload: str = "chat"
+) -> dict:
     """Start one engine host with ``extra`` arguments, load it, sample it; returns
     ``{"steps": n, "wall_s": s, "rate", "pid", "components": {name: count}}`` for the
     process with the most samples (the one running the model)."""
@@ -173,7 +178,7 @@ def profile(extra: list[str], clients: int, seconds: float, rate: int, out_dir: 
         eh.wait_ready(timeout_s=600)
         model = httpx.get(eh.url + "/v1/models").json()["data"][0]["id"]
         stop = threading.Event()
-        threads = _load(eh.url, model, clients, stop)
+        threads = _load(eh.url, model, clients, stop, workload)
         time.sleep(5)  # let the batch fill
         pids = [p for p in _engine_pids(eh.proc.pid) if p != eh.proc.pid]
         s0 = httpx.get(eh.url + "/control/state", headers=eh.control_headers).json()["engine"]["step_index"]
@@ -197,7 +202,14 @@ def _engine_steps(url: str) -> float:
 
 
 def profile_attached(
-    live: dict, clients: int, seconds: float, rate: int, out_dir: Path, py_spy: str, mode: str | None = None
+    live: dict,
+    clients: int,
+    seconds: float,
+    rate: int,
+    out_dir: Path,
+    py_spy: str,
+    mode: str | None = None,
+    workload: str = "chat",
 ) -> dict:
     """Load an engine that is already up (a ``bench host-overhead --keep`` state entry:
     ``{"name", "url", "pid", "token"}``, plain ``vllm serve`` or engine host), sample its
@@ -223,7 +235,7 @@ def profile_attached(
         asyncio.run(_apply())
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     stop = threading.Event()
-    clients_running = _load(url, model, clients, stop)
+    clients_running = _load(url, model, clients, stop, workload)
     try:
         time.sleep(5)  # let the batch fill
         pids = [p for p in _engine_pids(int(live["pid"])) if p != int(live["pid"])] or [int(live["pid"])]
@@ -263,7 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ap.add_argument("--clients", type=int, default=4, help="concurrent chat clients")
+    ap.add_argument("--clients", type=int, default=4, help="concurrent clients")
+    ap.add_argument(
+        "--workload",
+        default="chat",
+        choices=WORKLOADS,
+        help="the prompts the clients send (code: an adaptive engine host switches K from step to step)",
+    )
     ap.add_argument("--seconds", type=float, default=20.0, help="sampling time per engine (s)")
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument("--out", type=Path, default=None, help="folder for logs, raw samples and profile.json")
@@ -309,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     if live:
         for e in live:
             print(f"profiling {e['name']} ({e['url']}) ...", file=sys.stderr, flush=True)
-            results[e["name"]] = profile_attached(e, args.clients, args.seconds, args.rate, out, py_spy, args.mode)
+            results[e["name"]] = profile_attached(
+                e, args.clients, args.seconds, args.rate, out, py_spy, args.mode, args.workload
+            )
     else:
         engines = [
             ("plain", ["--k-max", "0"]),
@@ -317,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for name, extra in reversed(engines) if args.spec_first else engines:
             print(f"profiling {name} ...", file=sys.stderr, flush=True)
-            results[name] = profile(extra, args.clients, args.seconds, args.rate, out, py_spy)
+            results[name] = profile(extra, args.clients, args.seconds, args.rate, out, py_spy, args.workload)
     (out / "profile.json").write_text(json.dumps(results, indent=1))
     print(table(results))
     print(f"(raw samples and logs in {out})", file=sys.stderr)

@@ -839,8 +839,11 @@ def test_profile_step_runs_the_engines_in_the_order_asked(tmp_path, monkeypatch,
     fake_spy.write_text("")
     order: list[str] = []
 
-    def fake_profile(extra, clients, seconds, rate, out, py_spy):
+    workloads: list[str] = []
+
+    def fake_profile(extra, clients, seconds, rate, out, py_spy, workload):
         order.append("plain" if extra[1] == "0" else "spec")
+        workloads.append(workload)
         return {"rate": rate, "steps": 10, "wall_s": 1.0, "components": {"model forward": 50}}
 
     monkeypatch.setattr(profile_step, "profile", fake_profile)
@@ -849,6 +852,13 @@ def test_profile_step_runs_the_engines_in_the_order_asked(tmp_path, monkeypatch,
         assert profile_step.main(["--py-spy", str(fake_spy), "--out", str(tmp_path / "o"), *flag]) == 0
         assert order == want
     assert "| component | ngram K=0: ms/step" in capsys.readouterr().out  # columns in the order run
+    assert set(workloads) == {"chat"}  # the default
+    workloads.clear()
+    assert profile_step.main(["--py-spy", str(fake_spy), "--out", str(tmp_path / "o"), "--workload", "code"]) == 0
+    assert workloads == ["code", "code"]
+    with pytest.raises(SystemExit) as bad:  # a workload that does not exist: refused before any engine starts
+        profile_step.main(["--py-spy", str(fake_spy), "--workload", "poetry"])
+    assert bad.value.code == 2 and workloads == ["code", "code"]
 
 
 def test_profile_components_name_the_speculators_and_the_hook():

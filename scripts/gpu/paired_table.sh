@@ -15,7 +15,9 @@
 # RESULTS/start.log and RESULTS/overhead (start-up, first TTFT after warm-up), RESULTS/progress, and
 # RESULTS/DONE at the end. The engines are stopped on exit, whatever happened.
 # Environment: KV_BYTES (KV cache per engine, default 6 GiB), GPU_UTIL (0.14), K_MAX (4),
-# BUDGET_C1 / BUDGET_C8 / BUDGET_C64 (seconds of rounds per run: 300 / 200 / 250).
+# BUDGET_C1 / BUDGET_C8 / BUDGET_C64 (seconds of rounds per run: 300 / 200 / 250). With PY_SPY (a py-spy
+# executable), after the tables: `bench profile-step --attach` samples the mixture engine host and `k0` in turn
+# at 64 clients of code, where the adaptive engine host switches K (RESULTS/profile-c64-code.md and its folder).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 M=${1:?usage: paired_table.sh MODEL RESULTS}
@@ -53,6 +55,11 @@ progress "8 clients (rc $?)"; states c8
 python3 -m bench paired "${ARMS[@]}" --workloads docs,code,shift --clients 64 --per-client 2 --rounds 400 \
   --time-budget "${BUDGET_C64:-250}" --out "$R/c64" > "$R/c64.log" 2>&1
 progress "64 clients (rc $?)"; states c64
+if [ -n "${PY_SPY:-}" ]; then
+  python3 -m bench profile-step --attach "$R/state.json" --engines a,f0 --clients 64 --workload code --seconds 12 \
+    --py-spy "$PY_SPY" --out "$R/profile-c64-code" > "$R/profile-c64-code.md" 2> "$R/profile-c64-code.log"
+  progress "profile at 64 clients (rc $?)"
+fi
 stop_engines "$M" "$R/state.json" "$R/stop"
 trap - EXIT
 for f in "$R"/steps.csv.*; do [ -e "$f" ] && xz -T4 "$f"; done
