@@ -313,30 +313,55 @@ class RequestDraftGate:
         return (s.accepted + strength * m) / (s.accepted + s.rejections + strength)
 
     def acceptance_many(self, req_ids: Iterable[str]) -> list[float]:
-        """:meth:`acceptance` of each request of ``req_ids``, in order (fractions 0..1). Pricing
-        a batch asks for every running request's estimate; under ``prior="mixture"`` those due
-        to be computed again (``_mixture_acceptance``'s cache) are computed together, as one
-        array of likelihoods over ``MIXTURE_GRID`` scaled per request, where one at a time
-        costs ``len(MIXTURE_GRID)`` exponentials each. Raises nothing: a request the gate has
-        not seen gets its class's prior."""
-        if self.prior != "mixture":
-            return [self.acceptance(rid) for rid in req_ids]
+        """:meth:`acceptance` of each request of ``req_ids``, in order (fractions 0..1); the
+        first list of :meth:`batch_terms`."""
+        return self.batch_terms(req_ids)[0]
+
+    def batch_terms(self, req_ids: Iterable[str]) -> tuple[list[float], list[float]]:
+        """``(acceptance, draft rate)`` of each request of ``req_ids``, in order: what
+        :meth:`acceptance` and :meth:`draft_rate` give each (fractions 0..1), in one pass over
+        the requests. Pricing a batch asks for every running request's terms; under
+        ``prior="mixture"`` the estimates due to be computed again (``_mixture_kept``) are
+        computed together, as one array of likelihoods over ``MIXTURE_GRID`` scaled per
+        request, where one at a time costs ``len(MIXTURE_GRID)`` exponentials each. Raises
+        nothing: a request the gate has not seen gets its class's prior and a rate of 1.0."""
+        reqs, classes = self._reqs, self._class
         out: list[float] = []
+        rates: list[float] = []
         due: list[tuple[int, _RequestStats, str | None]] = []
-        for rid in req_ids:
-            cls = self._class.get(rid)
-            if not self._mixture_ready(cls):
-                out.append(self.acceptance(rid))
+        mixture = self.prior == "mixture"
+        ready: dict[str | None, bool] = {}  # per class: estimated under its distribution
+        pooled: dict[str | None, float] = {}  # per class: the pooled prior's mean (prior_mean)
+        strength = self.prior_accepted + self.prior_rejected
+        vers, means = self._mix_vers, self._mix_mean
+        for rid in req_ids:  # (acceptance, draft_rate and _mixture_kept inlined: every running request)
+            cls = classes.get(rid)
+            s = reqs.get(rid)
+            rates.append(1.0 if s is None else (s.found + 1.0) / (s.offered + 1.0))
+            on = ready.get(cls)
+            if on is None:
+                on = ready[cls] = mixture and self._mixture_ready(cls)
+            if not on:
+                m = pooled.get(cls)
+                if m is None:
+                    m = pooled[cls] = self.prior_mean(cls)
+                out.append(m if s is None else (s.accepted + strength * m) / (s.accepted + s.rejections + strength))
                 continue
-            s = self._reqs.get(rid)
-            kept = self._mixture_kept(s, cls)
-            if kept is None and s is not None:
-                due.append((len(out), s, cls))
-            out.append(0.0 if kept is None else kept)
+            if s is None or s.accepted + s.rejections <= 0.0:
+                out.append(means[cls])
+                continue
+            n, r = s.accepted, s.rejections
+            if s.est_ver == vers[cls] and abs(n - s.est_accepted) + abs(r - s.est_rejections) < MIXTURE_RECOMPUTE * (
+                n + r
+            ):
+                out.append(s.est)
+                continue
+            due.append((len(out), s, cls))
+            out.append(0.0)
         if len(due) < MIXTURE_ARRAY_FROM:
             for i, s, cls in due:
                 out[i] = self._mixture_estimate(s, cls)
-            return out
+            return out, rates
         counts = np.array([(s.accepted, s.rejections) for _, s, _ in due])
         logs = counts @ _LOG_AR  # (m, len(MIXTURE_GRID)): log a^accepted (1 - a)^rejections
         like = np.exp(logs - logs.max(axis=1, keepdims=True))
@@ -346,10 +371,10 @@ class RequestDraftGate:
         z = w.sum(axis=1)
         est = (w @ _GRID) / np.where(z > 0.0, z, 1.0)
         for (i, s, cls), e, zi in zip(due, est.tolist(), z.tolist()):
-            e = e if zi > 0.0 else self._mix_mean[cls]
-            s.est, s.est_ver, s.est_accepted, s.est_rejections = e, self._mix_vers[cls], s.accepted, s.rejections
+            e = e if zi > 0.0 else means[cls]
+            s.est, s.est_ver, s.est_accepted, s.est_rejections = e, vers[cls], s.accepted, s.rejections
             out[i] = e
-        return out
+        return out, rates
 
     def _mixture_ready(self, cls: str | None) -> bool:
         """Whether requests of class ``cls`` are estimated under its distribution: it needs
@@ -605,13 +630,19 @@ class RequestDraftGate:
         Formula: the goodput law (Leviathan et al., arXiv 2211.17192) summed over the batch."""
         if k <= 0:
             return False
-        c = max(draft_token_cost, 0.0)
+        kc = k * max(draft_token_cost, 0.0)
         net = 0.0
-        ids = list(req_ids)
+        ids = req_ids if isinstance(req_ids, list) else list(req_ids)
         n = len(ids)
-        gain, rate = self.expected_gain, self.draft_rate
-        for rid, a in zip(ids, self.acceptance_many(ids)):
-            net += rate(rid) * (gain(a, k) - k * c)
+        accs, rates = self.batch_terms(ids)
+        for a, r in zip(accs, rates):  # r * (x(k) - k c), x(k) = expected_gain(a, k) inlined
+            if a <= 0.0:
+                x = 0.0
+            elif a >= 1.0:
+                x = float(k)
+            else:
+                x = a * (1.0 - a**k) / (1.0 - a)
+            net += r * (x - kc)
         return n > 0 and net > 0.0 and net >= (1.0 + self.margin) * n * max(step_cost, 0.0)
 
     def begin_step(self) -> None:

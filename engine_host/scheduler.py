@@ -620,8 +620,8 @@ class _SpecPilotHook:
         gain = [0.0] * (hi + 1)  # gain[j]: sum over requests of r_i * a_i^j
         rate = 0.0  # expected requests with a draft
         ids = [req.request_id for req in self.running]  # type: ignore[attr-defined]
-        for rid, a in zip(ids, gate.acceptance_many(ids)):
-            p = r = gate.draft_rate(rid)
+        for a, r in zip(*gate.batch_terms(ids)):
+            p = r
             rate += r
             for j in range(1, hi + 1):
                 p *= a

@@ -843,8 +843,8 @@ def test_the_mixture_is_fitted_to_the_last_mixture_requests_finished_requests_on
 
 @pytest.mark.parametrize("prior", ["mixture", "pooled"])
 def test_a_batch_of_estimates_at_once_equals_them_one_at_a_time(prior, monkeypatch):
-    """``acceptance_many`` (pricing a batch) gives each request the estimate ``acceptance``
-    gives it: requests of two fitted classes, of a class not fitted yet, with no verified
+    """``acceptance_many`` / ``batch_terms`` (pricing a batch) give each request the estimate
+    ``acceptance`` and the draft rate ``draft_rate`` give it: requests of two fitted classes, of a class not fitted yet, with no verified
     drafts, with cached estimates; under the mixture those due are computed as one array,
     and their cache then holds what one at a time would have computed (also where the
     likelihoods of long runs underflow)."""
@@ -863,7 +863,12 @@ def test_a_batch_of_estimates_at_once_equals_them_one_at_a_time(prior, monkeypat
             for _ in range(steps):
                 gate.observe(f"r{i}", 4, acc)
         gate.set_class("new", "greedy")  # no verified drafts yet
+        for found in (False, False, True):  # offers: r1 had a draft in one of three, r2 in all
+            gate.observe_offer("r1", found)
+            gate.observe_offer("r2", True)
     ids = ["r0", "r1", "new", "r2", "r3", "r4", "unknown"]
+    rates = g.batch_terms(ids)[1]  # and each request's draft rate with its estimate
+    assert rates == [one.draft_rate(rid) for rid in ids] and rates[1] < rates[0] == 1.0 and rates[3] > rates[1]
     expected = [one.acceptance(rid) for rid in ids]
     assert g.acceptance_many(ids) == pytest.approx(expected, rel=1e-12)
     assert g.acceptance_many([]) == []
