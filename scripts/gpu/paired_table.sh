@@ -15,9 +15,13 @@
 # RESULTS/start.log and RESULTS/overhead (start-up, first TTFT after warm-up), RESULTS/progress, and
 # RESULTS/DONE at the end. The engines are stopped on exit, whatever happened.
 # Environment: KV_BYTES (KV cache per engine, default 6 GiB), GPU_UTIL (0.14), K_MAX (4),
-# BUDGET_C1 / BUDGET_C8 / BUDGET_C64 (seconds of rounds per run: 300 / 200 / 250). With PY_SPY (a py-spy
-# executable), after the tables: `bench profile-step --attach` samples the mixture engine host and `k0` in turn
-# at 64 clients of code, where the adaptive engine host switches K (RESULTS/profile-c64-code.md and its folder).
+# BUDGET_C1 / BUDGET_C8 / BUDGET_C64 (seconds of rounds per run: 300 / 200 / 250). K0_FULL=1 adds a sixth
+# engine host, `k0full`: static K = 0 with SPECPILOT_K0_LEAN=0 (the hook's full per-step path and Model Runner
+# V2's draft bookkeeping, as an adaptive engine host's steps at K = 0 run), to tell what the full path costs
+# from what drafting before leaves behind. With a py-spy executable (PY_SPY, or the payload's in
+# $SPECPILOT_SCRATCH/site/bin), after the tables: `bench profile-step --attach` samples the mixture engine host
+# and `k0` (and `k0full`) in turn at 64 clients of code, where the adaptive engine host switches K
+# (RESULTS/profile-c64-code.md and its folder).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 M=${1:?usage: paired_table.sh MODEL RESULTS}
@@ -33,15 +37,24 @@ E="$E --max-model-len 2048 --gpu-memory-utilization $GPU_UTIL --warmup quick -- 
 SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --parallel-start --keep \
   --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 3 \
   --engine "serve:plain:--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $KV_BYTES --no-enable-prefix-caching --max-num-seqs 64" \
-  --engine "host:a:$E" --engine "host:p:$E" --engine "host:f0:$E" --engine "host:f4:$E" > "$R/start.log" 2>&1
+  --engine "host:a:$E" --engine "host:p:$E" --engine "host:f0:$E" --engine "host:f4:$E" \
+  ${K0_FULL:+--engine "host:f0x:SPECPILOT_K0_LEAN=0 $E"} > "$R/start.log" 2>&1
 rc=$?
 progress "engines up (rc $rc)"
 [ $rc -eq 0 ] || exit $rc
 eval "$(engine_vars "$R/state.json")"
-export A_TOKEN P_TOKEN F0_TOKEN F4_TOKEN
+export A_TOKEN P_TOKEN F0_TOKEN F4_TOKEN ${K0_FULL:+F0X_TOKEN}
 ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN"
   --arm "pooled=$P_URL,mode=adaptive_pooled,token-env=P_TOKEN" --arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN"
   --arm "k4=$F4_URL,mode=fixed:4,token-env=F4_TOKEN")
+PROFILED=a,f0
+if [ -n "${K0_FULL:-}" ]; then
+  ARMS+=(--arm "k0full=$F0X_URL,mode=fixed:0,token-env=F0X_TOKEN")
+  PROFILED=a,f0,f0x
+fi
+PY_SPY=${PY_SPY:-}
+SPY=${SPECPILOT_SCRATCH:-/tmp/specpilot-gpu}/site/bin/py-spy
+[ -z "$PY_SPY" ] && [ -x "$SPY" ] && PY_SPY=$SPY
 states() {
   curl -s -H "Authorization: Bearer $A_TOKEN" "$A_URL/control/state" > "$R/mixture-state-$1.json"
   curl -s -H "Authorization: Bearer $P_TOKEN" "$P_URL/control/state" > "$R/pooled-state-$1.json"
@@ -55,8 +68,8 @@ progress "8 clients (rc $?)"; states c8
 python3 -m bench paired "${ARMS[@]}" --workloads docs,code,shift --clients 64 --per-client 2 --rounds 400 \
   --time-budget "${BUDGET_C64:-250}" --out "$R/c64" > "$R/c64.log" 2>&1
 progress "64 clients (rc $?)"; states c64
-if [ -n "${PY_SPY:-}" ]; then
-  python3 -m bench profile-step --attach "$R/state.json" --engines a,f0 --clients 64 --workload code --seconds 12 \
+if [ -n "$PY_SPY" ]; then
+  python3 -m bench profile-step --attach "$R/state.json" --engines "$PROFILED" --clients 64 --workload code --seconds 12 \
     --py-spy "$PY_SPY" --out "$R/profile-c64-code" > "$R/profile-c64-code.md" 2> "$R/profile-c64-code.log"
   progress "profile at 64 clients (rc $?)"
 fi

