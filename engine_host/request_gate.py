@@ -334,7 +334,9 @@ class RequestDraftGate:
         pooled: dict[str | None, float] = {}  # per class: the pooled prior's mean (prior_mean)
         strength = self.prior_accepted + self.prior_rejected
         vers, means = self._mix_vers, self._mix_mean
-        for rid in req_ids:  # (acceptance, draft_rate and _mixture_kept inlined: every running request)
+        # acceptance, draft_rate and _mixture_kept written out: this loop runs over every running
+        # request (tests/test_request_gate.py checks that the results are theirs)
+        for rid in req_ids:
             cls = classes.get(rid)
             s = reqs.get(rid)
             rates.append(1.0 if s is None else (s.found + 1.0) / (s.offered + 1.0))
