@@ -28,6 +28,7 @@ STEP_TRACE = "SPECPILOT_STEP_TRACE"
 VLLM_PATCHES = "SPECPILOT_VLLM_PATCHES"
 DRAFT_DECODE_GRAPHS = "SPECPILOT_DRAFT_DECODE_GRAPHS"
 K0_LEAN = "SPECPILOT_K0_LEAN"
+HOOK_LEAN = "SPECPILOT_HOOK_LEAN"
 DB_URL = "SPECPILOT_DB_URL"
 DB_URL_DEPRECATED = "SPECPILOT_DB"
 USERS_FILE = "SPECPILOT_USERS_FILE"
@@ -55,6 +56,7 @@ VARIABLES: dict[str, str] = {
     STEP_TRACE: "file (.PID appended) where the engine core writes one row per step: times and K (profiling; `python -m bench step-trace`)",
     VLLM_PATCHES: "0 leaves vLLM's behaviour at K = 0 unpatched (engine_host/vllm_patches.py; for side-by-side benchmarks), default 1",
     K0_LEAN: "0 keeps the engine on its full per-step path at K = 0: the scheduler hook's lean path (speculation off, and the adaptive policy's rests at K = 0) and Model Runner V2's draft bookkeeping at K = 0 (GPU, ngram_gpu) stay as they were (for side-by-side benchmarks), default 1",
+    HOOK_LEAN: f"0 keeps only the scheduler hook on its full per-step path at K = 0, Model Runner V2's draft bookkeeping at K = 0 still skipped: a static K = 0 engine then runs its steps on the path an adaptive engine host's steps at K = 0 take, less the policy's decisions (side-by-side benchmarks; {K0_LEAN}=0 turns off both), default 1",
     DRAFT_DECODE_GRAPHS: "0 keeps the draft model's single-token decode passes out of full CUDA graphs (GPU, draft_model; for side-by-side benchmarks), default 1",
     DB_URL: "store URL (SQLAlchemy), default sqlite:///$SPECPILOT_HOME/specpilot.db",
     DB_URL_DEPRECATED: f"deprecated alias of {DB_URL} (read with a warning when {DB_URL} is unset)",
@@ -129,6 +131,13 @@ def vllm_patches_on(environ: Mapping[str, str] | None = None) -> bool:
 def k0_lean_on(environ: Mapping[str, str] | None = None) -> bool:
     """False when ``$SPECPILOT_K0_LEAN`` is ``0`` (no lean path at K = 0), else True."""
     return _env(environ).get(K0_LEAN, "1").strip() != "0"
+
+
+def hook_lean_on(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the scheduler hook may take its lean path at K = 0: False when
+    ``$SPECPILOT_K0_LEAN`` or ``$SPECPILOT_HOOK_LEAN`` is ``0``, else True."""
+    env = _env(environ)
+    return k0_lean_on(env) and env.get(HOOK_LEAN, "1").strip() != "0"
 
 
 def draft_decode_graphs_on(environ: Mapping[str, str] | None = None) -> bool:

@@ -249,7 +249,7 @@ class _SpecPilotHook:
         self._live_lookup = _LiveLookup(self)
         self._zero_lookup = [0] * (self._startup_max_seqs + 2)  # the lean path's K lookup
         self._lean = False  # steps take the lean path (LEAN_SAMPLE)
-        self._lean_allowed = envs.k0_lean_on()  # $SPECPILOT_K0_LEAN=0: never (side-by-side benchmarks)
+        self._lean_allowed = envs.hook_lean_on()  # $SPECPILOT_K0_LEAN / _HOOK_LEAN=0: never (side-by-side benchmarks)
         self._lean_ok = False  # the config allows it (a static K = 0 or adaptive, no warm-up, no per-request drops)
         self._lean_scheduled = 0  # steps scheduled on the lean path since the last flush
         self._lean_skipped = 0  # outputs handed back on it without an observation

@@ -300,6 +300,20 @@ def test_fixed_k_above_zero_and_the_switch_off_never_take_the_lean_path(tmp_path
         _run(hook, 5)
         assert not hook._lean
         assert hook.dynamic_sd_lookup is hook._live_lookup
+    # the hook alone on its full path (an adaptive engine host's steps at K = 0), Model Runner
+    # V2's draft bookkeeping still skipped
+    monkeypatch.delenv("SPECPILOT_K0_LEAN")
+    monkeypatch.setenv("SPECPILOT_HOOK_LEAN", "0")
+    from engine_host import envs
+
+    assert envs.k0_lean_on() and not envs.hook_lean_on()
+    with _standin("fixed:0", 1, tmp_path / "hook") as hook:
+        _run(hook, 5)
+        assert not hook._lean and hook._lean_skipped == 0
+    monkeypatch.setenv("SPECPILOT_HOOK_LEAN", "1")
+    with _standin("fixed:0", 1, tmp_path / "lean") as hook:
+        _run(hook, 5)
+        assert hook._lean
 
 
 def test_the_controller_says_which_policies_hold_a_static_k():

@@ -16,9 +16,9 @@
 # RESULTS/DONE at the end. The engines are stopped on exit, whatever happened.
 # Environment: KV_BYTES (KV cache per engine, default 6 GiB), GPU_UTIL (0.14), K_MAX (4),
 # BUDGET_C1 / BUDGET_C8 / BUDGET_C64 (seconds of rounds per run: 300 / 200 / 250). K0_FULL=1 adds a sixth
-# engine host, `k0full`: static K = 0 with SPECPILOT_K0_LEAN=0 (the hook's full per-step path and Model Runner
-# V2's draft bookkeeping, as an adaptive engine host's steps at K = 0 run), to tell what the full path costs
-# from what drafting before leaves behind. With a py-spy executable (PY_SPY, or the payload's in
+# engine host, `k0full`: static K = 0 with SPECPILOT_HOOK_LEAN=0 (the hook's full per-step path, as an adaptive
+# engine host's steps at K = 0 run it), to tell what the full path costs from what drafting before leaves
+# behind. With a py-spy executable (PY_SPY, or the payload's in
 # $SPECPILOT_SCRATCH/site/bin), after the tables: `bench profile-step --attach` samples the mixture engine host
 # and `k0` (and `k0full`) in turn at 64 clients of code, where the adaptive engine host switches K
 # (RESULTS/profile-c64-code.md and its folder).
@@ -38,7 +38,7 @@ SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --
   --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 3 \
   --engine "serve:plain:--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $KV_BYTES --no-enable-prefix-caching --max-num-seqs 64" \
   --engine "host:a:$E" --engine "host:p:$E" --engine "host:f0:$E" --engine "host:f4:$E" \
-  ${K0_FULL:+--engine "host:f0x:SPECPILOT_K0_LEAN=0 $E"} > "$R/start.log" 2>&1
+  ${K0_FULL:+--engine "host:f0x:SPECPILOT_HOOK_LEAN=0 $E"} > "$R/start.log" 2>&1
 rc=$?
 progress "engines up (rc $rc)"
 [ $rc -eq 0 ] || exit $rc
