@@ -12,7 +12,10 @@ prefill, a request's end or an idle spell in between would stretch them), and on
 shorter than ``--max-gap-ms``.
 
 With ``--cells`` (a ``bench matrix`` results folder, run on the engine's host: the cells record
-their window on the same clock) it first prints one row per cell.
+their window on the same clock) it first prints one row per cell. With ``--paired RESULT --arm
+ARM`` (a ``bench paired`` result whose arm ARM was the traced engine) the same per cell of the
+result, at ``--requests`` batch sizes: the arm's bursts are matched in order to the trace's last
+bursts of steps, and checked against each burst's ``steps_at_k``.
 
 Prints, per batch size (requests): steps, median, mean and 90th percentile ms per step by
 the K the step verified (``k_drafted``), by the K chosen in the step for the next drafts
@@ -31,6 +34,7 @@ Example::
 
     SPECPILOT_STEP_TRACE=/tmp/steps.csv python -m engine_host ...   # then load it
     python -m bench step-trace /tmp/steps.csv.* --since 30
+    python -m bench step-trace steps-k0.csv.xz --paired c64.json.xz --arm k0 --requests 33-64
 """
 
 from __future__ import annotations
@@ -369,6 +373,79 @@ def cell_table(intervals: Sequence[Interval], cells: Sequence[CellWindow], min_s
     return lines
 
 
+def paired_windows(
+    steps: Sequence[Step], result: dict, arm: str, gap_s: float = 0.5
+) -> tuple[list[CellWindow], list[int]]:
+    """The bursts of arm ``arm`` in a ``bench paired`` result (``result``, as
+    ``bench.paired.load_result`` reads it; ``bursts`` in the order they ran) matched, in order, to
+    the last bursts of one engine's trace (``steps``: runs of steps separated by more than
+    ``gap_s`` s with no step; between its bursts an arm's engine waits while the others run).
+
+    Returns:
+        One :class:`CellWindow` per burst, labelled with its cell (``docs@c64``), and the index
+        of every burst whose steps in the trace differ from the result's ``steps_at_k`` by more
+        than 3 (empty when the two agree: each burst was matched to its own steps).
+    Raises:
+        ValueError: the arm has no bursts in the result, or the trace has fewer bursts.
+    """
+    mine = [b for b in result.get("bursts", []) if b.get("arm") == arm]
+    if not mine:
+        raise ValueError(f"no bursts of arm {arm!r} in the result")
+    runs: list[list[Step]] = []
+    for i, st in enumerate(steps):
+        if not runs or st.t_scheduled - steps[i - 1].t_output > gap_s:
+            runs.append([])
+        runs[-1].append(st)
+    if len(runs) < len(mine):
+        raise ValueError(f"the trace has {len(runs)} bursts, the result {len(mine)} of arm {arm!r}")
+    windows, off = [], []
+    for i, (burst, run) in enumerate(zip(mine, runs[-len(mine) :])):
+        windows.append(CellWindow(str(burst.get("cell")), run[0].t_output, run[-1].t_output))
+        counted = burst.get("steps_at_k")
+        if counted is not None and abs(sum(counted) - len(run)) > 3:
+            off.append(i)
+    return windows, off
+
+
+def paired_cell_table(
+    intervals: Sequence[Interval], windows: Sequence[CellWindow], requests: tuple[int, int], min_steps: int = 20
+) -> list[str]:
+    """Markdown rows, one per cell of ``windows`` (:func:`paired_windows`, merged by label), of
+    the busy decode steps with ``requests[0]..requests[1]`` requests inside them: steps and median
+    ms per step by K verified (``K:median(steps)``, groups of ``min_steps`` or more)."""
+    lo, hi = requests
+    by_cell: dict[str, dict[int, list[float]]] = {}
+    for w in windows:
+        ks = by_cell.setdefault(w.label, defaultdict(list))
+        for iv in intervals:
+            if w.start <= iv.t_output <= w.end and lo <= iv.requests <= hi:
+                ks[iv.k_drafted].append(iv.seconds * 1e3)
+    lines = [
+        f"| cell | steps at {_range_label(lo, hi)} requests | median ms by K verified (steps) |",
+        "|---|---:|---|",
+    ]
+    for label, ks in by_cell.items():
+        n = sum(len(v) for v in ks.values())
+        if not n:
+            continue
+        per_k = " ".join(
+            f"{k}:{statistics.median(v):.3f}({len(v)})" for k, v in sorted(ks.items()) if len(v) >= min_steps
+        )
+        lines.append(f"| {label} | {n} | {per_k or '-'} |")
+    return lines
+
+
+def _requests_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO-HI requests (e.g. 33-64), got {text!r}") from None
+    if a < 1 or b < a:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return a, b
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench step-trace",
@@ -381,6 +458,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cells", help="a `bench matrix` results folder: also one row per cell, from its window (same host's clock)"
     )
+    ap.add_argument(
+        "--paired",
+        metavar="RESULT",
+        help="a `bench paired` result (paired.json, .xz too) the traced engine ran in: also one row per cell of "
+        "--arm, its bursts matched in order to the trace's last bursts (one trace file)",
+    )
+    ap.add_argument("--arm", help="with --paired: the arm that was the traced engine (e.g. adaptive, k0)")
+    ap.add_argument(
+        "--requests",
+        type=_requests_range,
+        default=(33, 64),
+        metavar="LO-HI",
+        help="with --paired: the batch sizes the per-cell rows count",
+    )
     ap.add_argument("--min-steps", type=int, default=20, help="groups with fewer steps are not printed")
     ap.add_argument(
         "--lone",
@@ -391,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         "the per-request gate's estimate and what it priced drafting at",
     )
     args = ap.parse_args(argv)
+    if args.paired and (not args.arm or len(args.files) != 1):
+        ap.error("--paired needs --arm and exactly one trace file (the arm's engine)")
     intervals: list[Interval] = []
     traces: list[list[Step]] = []
     for f in args.files:
@@ -410,6 +503,17 @@ def main(argv: list[str] | None = None) -> int:
         if not cells:
             ap.error(f"{args.cells}: no cell JSON with window_perf_s")
         print("\n".join(cell_table(intervals, cells, args.min_steps)))
+        print()
+    if args.paired:
+        from .paired import load_result
+
+        try:
+            windows, off = paired_windows(traces[0], load_result(Path(args.paired)), args.arm)
+        except ValueError as exc:
+            ap.error(str(exc))
+        print("\n".join(paired_cell_table(intervals, windows, args.requests, args.min_steps)))
+        if off:
+            print(f"\n{len(off)} of {len(windows)} bursts differ from the result's step counts: not matched")
         print()
     if args.lone > 0:
         print("\n".join(lone_table(traces, args.lone)))

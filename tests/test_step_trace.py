@@ -222,3 +222,50 @@ def test_the_lone_table_shows_each_lone_request_that_drafted_and_what_the_gate_e
     )
     assert bst.lone_table([bst.read_trace(old)])[2] == "| 1 | 4 | 4 (1 .. 4) | - | - | - / - / - | - / - |"
     assert bst.lone_table([bst.read_trace(tmp_path / "s.csv")[6:]]) == ["no lone request drafted"]
+
+
+def test_a_paired_results_bursts_are_matched_to_the_traced_engines_bursts(tmp_path: Path, capsys) -> None:
+    """``--paired RESULT --arm ARM``: the arm's bursts in the result, in the order run, are the
+    trace's last bursts (runs of steps between idle spells); each cell's steps at the batch sizes
+    asked are summed over its bursts, and a burst whose step count differs from the result's is
+    reported."""
+    rows: list[tuple] = []
+    t = 100.0
+    # a warm-up burst, then three bursts of the arm: code (4 ms steps at K = 0), docs (6 ms at
+    # K = 4), code again (4 ms); 40 requests each, 30 steps
+    for kind in ("warm", "code", "docs", "code"):
+        k, dt = (4, 0.006) if kind == "docs" else (0, 0.004)
+        for _ in range(30):
+            rows.append((t, t + dt, k, k, 40, 40, 40 * (1 + k), 40 * 500))
+            t += dt
+        t += 2.0  # the other arms' bursts run meanwhile
+    _write(tmp_path / "steps.csv", rows)
+    bursts = [
+        {"arm": "k0", "cell": cell, "steps_at_k": counts}
+        for cell, counts in (("code@c64", [30, 0, 0, 0, 0]), ("docs@c64", [0, 0, 0, 0, 30]), ("code@c64", [30]))
+    ]
+    bursts.insert(1, {"arm": "plain", "cell": "code@c64", "steps_at_k": None})
+    result = {"baseline": "plain", "arms": ["plain", "k0"], "cells": ["code@c64", "docs@c64"], "bursts": bursts}
+    (tmp_path / "paired.json").write_text(json.dumps(result))
+    steps = bst.read_trace(tmp_path / "steps.csv")
+    windows, off = bst.paired_windows(steps, result, "k0")
+    assert [w.label for w in windows] == ["code@c64", "docs@c64", "code@c64"] and off == []
+    intervals = bst.busy_intervals(steps, 0.05)
+    table = bst.paired_cell_table(intervals, windows, (33, 64), min_steps=5)
+    assert table[2] == "| code@c64 | 58 | 0:4.000(58) |"  # two bursts of 29 intervals each
+    assert table[3] == "| docs@c64 | 29 | 4:6.000(29) |"
+    assert bst.paired_cell_table(intervals, windows, (1, 32), min_steps=5)[2:] == []  # no step at 1-32
+    result["bursts"][0]["steps_at_k"] = [10]
+    assert bst.paired_windows(steps, result, "k0")[1] == [0]
+    with pytest.raises(ValueError, match="no bursts of arm"):
+        bst.paired_windows(steps, result, "k4")
+    assert (
+        bst.main(
+            [str(tmp_path / "steps.csv"), "--paired", str(tmp_path / "paired.json"), "--arm", "k0", "--min-steps", "5"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "| cell | steps at 33-64 requests |" in out and "| docs@c64 | 29 | 4:6.000(29) |" in out
+    with pytest.raises(SystemExit):  # --paired without --arm
+        bst.main([str(tmp_path / "steps.csv"), "--paired", str(tmp_path / "paired.json")])
