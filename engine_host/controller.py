@@ -900,6 +900,12 @@ class Policy:
         """``steps`` steps were scheduled at K = 0 without :meth:`k_for_batch` (within
         :meth:`rest_steps`); default: nothing to count."""
 
+    def steps_to_explore(self) -> int:
+        """Steps (>= 0) that may be scheduled without :meth:`k_for_batch` before this policy
+        would start an exploration: 0 while one runs. Default: unbounded (``2**62``), a policy
+        that does not explore."""
+        return 1 << 62
+
     def drained(self) -> None:
         """The engine ran out of requests; the next ones may be of another kind
         (default: nothing to do)."""
@@ -1151,6 +1157,13 @@ class AdaptivePolicy(Policy):
     def skip(self, steps: int) -> None:
         self.steps += steps
 
+    def steps_to_explore(self) -> int:
+        if self.explore_left > 0:
+            return 0
+        if not (self.p.explore_every and self.k_hi > self.k_lo):
+            return 1 << 62
+        return max(self.next_explore - self.steps - 1, 0)
+
     def drained(self) -> None:
         """The engine drained: at the first later step with ``DRAIN_EXPLORE_MIN_BATCH``
         requests or more, the next exploration comes within ``explore_every`` steps,
@@ -1275,6 +1288,12 @@ class SpeculationController:
         if self.static_k() == 0:
             return 1 << 62
         return max(int(self.policy.rest_steps()), 0)
+
+    def steps_to_explore(self) -> int:
+        """Steps (>= 0) the scheduler hook may schedule without :meth:`k_for_batch` before the
+        active policy would start an exploration (:meth:`Policy.steps_to_explore`; ``2**62``
+        for a policy that never explores)."""
+        return max(int(self.policy.steps_to_explore()), 0)
 
     def may_rest(self) -> bool:
         """Whether the active policy can hold K at 0 without being asked every step

@@ -360,18 +360,33 @@ class _SpecPilotHook:
         (``_any_request_wants_drafts``), and it is taken also while the policy's own K is
         above 0: the gate held this step at K = 0 because the request's drafts do not pay,
         and until its next probe it holds every step there, so asking the policy meanwhile
-        only costs the hook's time (the policy counts the steps, ``Policy.skip``)."""
+        only costs the hook's time (the policy counts the steps, ``Policy.skip``). Under async
+        scheduling the same holds for several requests whose batch the gate held at K = 0
+        (``RequestDraftGate.batch_pays``), the span then at most ``GATE_COST_EVERY`` steps and
+        ending before the policy's next exploration; a request that joins ends either span at
+        its first step."""
         self._lean_probe_count = False
         span = self.controller.rest_steps()
         if span >= 1 << 62:
             return span
-        lone = self._gate_on and len(self.running) == 1  # type: ignore[attr-defined]
-        if not lone:
-            return max(min(span, self.LEAN_SPAN), 0)
-        self._lean_probe_count = True
-        to_probe = self._probe_interval - self._steps_planned_out - 1
-        span = to_probe if span <= 0 else min(span, to_probe)
-        return max(span, 0)
+        b = len(self.running)  # type: ignore[attr-defined]
+        lone = self._gate_on and b == 1
+        if lone:
+            self._lean_probe_count = True
+            to_probe = self._probe_interval - self._steps_planned_out - 1
+            span = to_probe if span <= 0 else min(span, to_probe)
+            return max(span, 0)
+        if span <= 0 and self._gate_on and not self.GATE_DRAFTS and b > 1:
+            # async, several requests: the batch rule held this step at K = 0 while the policy's K
+            # is above 0 (the policy's own rests take the branch below). Until the all-request
+            # probe the batch is held there unless it changes; the span also ends within
+            # GATE_COST_EVERY steps, so that requests that finished are priced out as often as
+            # the kept answer allows (_any_request_wants_drafts), and before the policy's next
+            # exploration, which runs past the gate (EXPLORE_PAST_GATE_MIN_BATCH)
+            self._lean_probe_count = True
+            to_probe = self._probe_interval - self._steps_planned_out - 1
+            return max(min(to_probe, self.GATE_COST_EVERY, self.controller.steps_to_explore()), 0)
+        return max(min(span, self.LEAN_SPAN), 0)
 
     def _enter_lean(self, span: int) -> None:
         self._lean = True

@@ -569,6 +569,45 @@ def test_a_lone_request_whose_drafts_do_not_pay_rests_even_where_the_policy_hold
     assert 0 < spec_rest <= 3 + 600 // 64 + 6
 
 
+def test_a_batch_whose_drafts_do_not_pay_rests_between_probes_under_async_scheduling(tmp_path, monkeypatch):
+    """Async scheduling, 8 requests whose drafts are all rejected, the policy's own K held at 4:
+    the gate's batch rule holds the steps at K = 0 but its all-request probes. The hook rests on
+    the lean path between them (spans of at most GATE_COST_EVERY steps) instead of running its
+    full path at every step, with about as many steps at K > 0 as on the full path
+    (``SPECPILOT_HOOK_LEAN=0``). A request that joins ends the rest at its first step."""
+    import types
+
+    runs = {}
+    for name, lean in (("rest", "1"), ("full", "0")):
+        monkeypatch.setenv("SPECPILOT_HOOK_LEAN", lean)
+        with _standin("adaptive", 8, tmp_path / name, async_scheduling=True) as hook:
+            monkeypatch.setattr(hook.controller.policy, "k_for_batch", lambda b: 4)
+            monkeypatch.setattr(hook.controller.policy, "rest_steps", lambda: 0)
+            monkeypatch.setattr(hook.controller, "exploring", lambda: False)
+            decided = []  # the steps the hook decided on its full path
+            decide = hook._decide_k
+            monkeypatch.setattr(hook, "_decide_k", lambda b, d=decide, seen=decided: seen.append(b) or d(b))
+            ks = _run(hook, 800, async_order=True)
+            hook._publish(time.monotonic())
+            assert sum(hook.controller.steps_at_k) == hook._step_index  # every step counted
+            runs[name] = (ks, len(decided))
+            if name == "rest":
+                while not hook._lean:
+                    _run(hook, 1, start=800, async_order=True)
+                joined = types.SimpleNamespace(request_id="joined", spec_token_ids=[], num_output_tokens=1)
+                hook.running.append(joined)
+                hook.requests["joined"] = joined
+                _run(hook, 1, start=900, async_order=True)
+                assert not hook._lean  # decided afresh at the joined request's first step
+    (ks_rest, full_rest), (ks_full, full_full) = runs["rest"], runs["full"]
+    assert full_full == 800  # (the stand-in's first step is decided too)
+    # at least one step in GATE_COST_EVERY + 1 decided on the full path, and few more
+    every = scheduler_module._SpecPilotHook.GATE_COST_EVERY + 1
+    assert 800 // every <= full_rest <= 0.2 * 800
+    spec_rest, spec_full = sum(k > 0 for k in ks_rest), sum(k > 0 for k in ks_full)
+    assert 0 < spec_full and abs(spec_rest - spec_full) <= 3
+
+
 def test_an_accepted_draft_token_starts_the_async_probes_wait_again(tmp_path):
     """Under async scheduling probes that accept nothing back off to 4 x probe_every steps;
     a verification with an accepted token brings the wait back to probe_every."""
