@@ -857,3 +857,21 @@ def test_a_borrowed_premium_gives_way_to_the_bucket_own():
                 m.observe(64, 128 if k else 64, t, k, k, now)
     assert m.predict(64, 4, 1.0) / m.predict(64, 0, 0.0) == pytest.approx(1.1, abs=0.03)
     assert SpeculationController(4, SpeculationConfig(mode="adaptive")).step_time.premium_borrow
+
+
+def test_the_adaptive_policy_says_how_many_steps_remain_before_its_next_exploration():
+    """``steps_to_explore``: the steps the scheduler hook may leave the policy unasked before
+    :meth:`AdaptivePolicy.k_for_batch` would start an exploration; 0 while one runs; unbounded
+    for a policy that does not explore."""
+    ctl = SpeculationController(4, SpeculationConfig(mode="adaptive"))
+    policy = ctl.policy
+    assert ctl.steps_to_explore() == policy.next_explore - policy.steps - 1 > 0
+    policy.skip(policy.next_explore - policy.steps - 1)
+    assert ctl.steps_to_explore() == 0
+    ctl.k_for_batch(8)  # the exploration starts here
+    assert policy.explore_left > 0 and ctl.steps_to_explore() == 0
+    while policy.explore_left > 0:
+        ctl.k_for_batch(8)
+    assert ctl.steps_to_explore() > 0  # the next one is an interval away
+    fixed = SpeculationController(4, SpeculationConfig(mode="fixed", k=2))
+    assert fixed.steps_to_explore() == 1 << 62

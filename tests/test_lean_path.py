@@ -584,6 +584,7 @@ def test_a_batch_whose_drafts_do_not_pay_rests_between_probes_under_async_schedu
             monkeypatch.setattr(hook.controller.policy, "k_for_batch", lambda b: 4)
             monkeypatch.setattr(hook.controller.policy, "rest_steps", lambda: 0)
             monkeypatch.setattr(hook.controller, "exploring", lambda: False)
+            monkeypatch.setattr(hook.controller.policy, "steps_to_explore", lambda: 1 << 62)  # (k_for_batch is fixed)
             decided = []  # the steps the hook decided on its full path
             decide = hook._decide_k
             monkeypatch.setattr(hook, "_decide_k", lambda b, d=decide, seen=decided: seen.append(b) or d(b))
@@ -592,8 +593,11 @@ def test_a_batch_whose_drafts_do_not_pay_rests_between_probes_under_async_schedu
             assert sum(hook.controller.steps_at_k) == hook._step_index  # every step counted
             runs[name] = (ks, len(decided))
             if name == "rest":
-                while not hook._lean:
-                    _run(hook, 1, start=800, async_order=True)
+                for i in range(2 * hook.GATE_COST_EVERY):
+                    if hook._lean:
+                        break
+                    _run(hook, 1, start=800 + i, async_order=True)
+                assert hook._lean
                 joined = types.SimpleNamespace(request_id="joined", spec_token_ids=[], num_output_tokens=1)
                 hook.running.append(joined)
                 hook.requests["joined"] = joined
@@ -601,6 +605,19 @@ def test_a_batch_whose_drafts_do_not_pay_rests_between_probes_under_async_schedu
                 assert not hook._lean  # decided afresh at the joined request's first step
     (ks_rest, full_rest), (ks_full, full_full) = runs["rest"], runs["full"]
     assert full_full == 800  # (the stand-in's first step is decided too)
+    # the spans end before the policy's next exploration (SpeculationController.steps_to_explore)
+    monkeypatch.setenv("SPECPILOT_HOOK_LEAN", "1")
+    for to_explore, most in ((1 << 62, scheduler_module._SpecPilotHook.GATE_COST_EVERY), (3, 3)):
+        with _standin("adaptive", 8, tmp_path / f"explore{most}", async_scheduling=True) as hook:
+            monkeypatch.setattr(hook.controller.policy, "k_for_batch", lambda b: 4)
+            monkeypatch.setattr(hook.controller.policy, "rest_steps", lambda: 0)
+            monkeypatch.setattr(hook.controller, "exploring", lambda: False)
+            monkeypatch.setattr(hook.controller.policy, "steps_to_explore", lambda n=to_explore: n)
+            spans: list[int] = []
+            enter = hook._enter_lean
+            monkeypatch.setattr(hook, "_enter_lean", lambda span, e=enter, seen=spans: seen.append(span) or e(span))
+            _run(hook, 300, async_order=True)
+            assert spans and max(spans) <= most and max(spans) == most
     # at least one step in GATE_COST_EVERY + 1 decided on the full path, and few more
     every = scheduler_module._SpecPilotHook.GATE_COST_EVERY + 1
     assert 800 // every <= full_rest <= 0.2 * 800
