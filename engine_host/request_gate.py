@@ -636,15 +636,9 @@ class RequestDraftGate:
         net = 0.0
         ids = req_ids if isinstance(req_ids, list) else list(req_ids)
         n = len(ids)
-        accs, rates = self.batch_terms(ids)
-        for a, r in zip(accs, rates):  # r * (x(k) - k c), x(k) = expected_gain(a, k) inlined
-            if a <= 0.0:
-                x = 0.0
-            elif a >= 1.0:
-                x = float(k)
-            else:
-                x = a * (1.0 - a**k) / (1.0 - a)
-            net += r * (x - kc)
+        gain = self.expected_gain
+        for a, r in zip(*self.batch_terms(ids)):
+            net += r * (gain(a, k) - kc)
         return n > 0 and net > 0.0 and net >= (1.0 + self.margin) * n * max(step_cost, 0.0)
 
     def begin_step(self) -> None:

@@ -569,6 +569,16 @@ def test_a_lone_request_whose_drafts_do_not_pay_rests_even_where_the_policy_hold
     assert 0 < spec_rest <= 3 + 600 // 64 + 6
 
 
+def _hold_policy_at_k4(hook, monkeypatch, steps_to_explore: int = 1 << 62) -> None:
+    """The adaptive policy's own K held at 4, never resting or exploring by itself; its next
+    exploration ``steps_to_explore`` steps away (its ``k_for_batch`` would never start one)."""
+    policy = hook.controller.policy
+    monkeypatch.setattr(policy, "k_for_batch", lambda b: 4)
+    monkeypatch.setattr(policy, "rest_steps", lambda: 0)
+    monkeypatch.setattr(policy, "steps_to_explore", lambda: steps_to_explore)
+    monkeypatch.setattr(hook.controller, "exploring", lambda: False)
+
+
 def test_a_batch_whose_drafts_do_not_pay_rests_between_probes_under_async_scheduling(tmp_path, monkeypatch):
     """Async scheduling, 8 requests whose drafts are all rejected, the policy's own K held at 4:
     the gate's batch rule holds the steps at K = 0 but its all-request probes. The hook rests on
@@ -581,10 +591,7 @@ def test_a_batch_whose_drafts_do_not_pay_rests_between_probes_under_async_schedu
     for name, lean in (("rest", "1"), ("full", "0")):
         monkeypatch.setenv("SPECPILOT_HOOK_LEAN", lean)
         with _standin("adaptive", 8, tmp_path / name, async_scheduling=True) as hook:
-            monkeypatch.setattr(hook.controller.policy, "k_for_batch", lambda b: 4)
-            monkeypatch.setattr(hook.controller.policy, "rest_steps", lambda: 0)
-            monkeypatch.setattr(hook.controller, "exploring", lambda: False)
-            monkeypatch.setattr(hook.controller.policy, "steps_to_explore", lambda: 1 << 62)  # (k_for_batch is fixed)
+            _hold_policy_at_k4(hook, monkeypatch)
             decided = []  # the steps the hook decided on its full path
             decide = hook._decide_k
             monkeypatch.setattr(hook, "_decide_k", lambda b, d=decide, seen=decided: seen.append(b) or d(b))
@@ -605,24 +612,26 @@ def test_a_batch_whose_drafts_do_not_pay_rests_between_probes_under_async_schedu
                 assert not hook._lean  # decided afresh at the joined request's first step
     (ks_rest, full_rest), (ks_full, full_full) = runs["rest"], runs["full"]
     assert full_full == 800  # (the stand-in's first step is decided too)
-    # the spans end before the policy's next exploration (SpeculationController.steps_to_explore)
-    monkeypatch.setenv("SPECPILOT_HOOK_LEAN", "1")
-    for to_explore, most in ((1 << 62, scheduler_module._SpecPilotHook.GATE_COST_EVERY), (3, 3)):
-        with _standin("adaptive", 8, tmp_path / f"explore{most}", async_scheduling=True) as hook:
-            monkeypatch.setattr(hook.controller.policy, "k_for_batch", lambda b: 4)
-            monkeypatch.setattr(hook.controller.policy, "rest_steps", lambda: 0)
-            monkeypatch.setattr(hook.controller, "exploring", lambda: False)
-            monkeypatch.setattr(hook.controller.policy, "steps_to_explore", lambda n=to_explore: n)
-            spans: list[int] = []
-            enter = hook._enter_lean
-            monkeypatch.setattr(hook, "_enter_lean", lambda span, e=enter, seen=spans: seen.append(span) or e(span))
-            _run(hook, 300, async_order=True)
-            assert spans and max(spans) <= most and max(spans) == most
     # at least one step in GATE_COST_EVERY + 1 decided on the full path, and few more
     every = scheduler_module._SpecPilotHook.GATE_COST_EVERY + 1
     assert 800 // every <= full_rest <= 0.2 * 800
     spec_rest, spec_full = sum(k > 0 for k in ks_rest), sum(k > 0 for k in ks_full)
     assert 0 < spec_full and abs(spec_rest - spec_full) <= 3
+
+
+@pytest.mark.parametrize("to_explore", [1 << 62, 3])
+def test_a_batchs_rest_ends_before_the_policys_next_exploration(tmp_path, monkeypatch, to_explore):
+    """The spans of a batch's rest (above) are at most GATE_COST_EVERY steps long and end before
+    the policy's next exploration (``SpeculationController.steps_to_explore``), which runs past
+    the gate."""
+    most = min(to_explore, scheduler_module._SpecPilotHook.GATE_COST_EVERY)
+    with _standin("adaptive", 8, tmp_path, async_scheduling=True) as hook:
+        _hold_policy_at_k4(hook, monkeypatch, steps_to_explore=to_explore)
+        spans: list[int] = []
+        enter = hook._enter_lean
+        monkeypatch.setattr(hook, "_enter_lean", lambda span, e=enter, seen=spans: seen.append(span) or e(span))
+        _run(hook, 300, async_order=True)
+        assert spans and max(spans) == most
 
 
 def test_an_accepted_draft_token_starts_the_async_probes_wait_again(tmp_path):
