@@ -378,8 +378,10 @@ def paired_windows(
 ) -> tuple[list[CellWindow], list[int]]:
     """The bursts of arm ``arm`` in a ``bench paired`` result (``result``, as
     ``bench.paired.load_result`` reads it; ``bursts`` in the order they ran) matched, in order, to
-    the last bursts of one engine's trace (``steps``: runs of steps separated by more than
-    ``gap_s`` s with no step; between its bursts an arm's engine waits while the others run).
+    a run of consecutive bursts of one engine's trace (``steps``: runs of steps separated by more
+    than ``gap_s`` s with no step; between its bursts an arm's engine waits while the others run):
+    the run whose step counts agree with the result's ``steps_at_k`` in the most bursts, the
+    latest of those (a trace also holds earlier runs and whatever ran after, e.g. a profile).
 
     Returns:
         One :class:`CellWindow` per burst, labelled with its cell (``docs@c64``), and the index
@@ -398,13 +400,22 @@ def paired_windows(
         runs[-1].append(st)
     if len(runs) < len(mine):
         raise ValueError(f"the trace has {len(runs)} bursts, the result {len(mine)} of arm {arm!r}")
-    windows, off = [], []
-    for i, (burst, run) in enumerate(zip(mine, runs[-len(mine) :])):
-        windows.append(CellWindow(str(burst.get("cell")), run[0].t_output, run[-1].t_output))
-        counted = burst.get("steps_at_k")
-        if counted is not None and abs(sum(counted) - len(run)) > 3:
-            off.append(i)
-    return windows, off
+
+    def mismatches(start: int) -> list[int]:
+        out = []
+        for i, (burst, run) in enumerate(zip(mine, runs[start : start + len(mine)])):
+            counted = burst.get("steps_at_k")
+            if counted is not None and abs(sum(counted) - len(run)) > 3:
+                out.append(i)
+        return out
+
+    starts = range(len(runs) - len(mine), -1, -1)  # latest first: ties keep the latest
+    best = min(starts, key=lambda s: len(mismatches(s)))
+    windows = [
+        CellWindow(str(burst.get("cell")), run[0].t_output, run[-1].t_output)
+        for burst, run in zip(mine, runs[best : best + len(mine)])
+    ]
+    return windows, mismatches(best)
 
 
 def paired_cell_table(
@@ -462,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         "--paired",
         metavar="RESULT",
         help="a `bench paired` result (paired.json, .xz too) the traced engine ran in: also one row per cell of "
-        "--arm, its bursts matched in order to the trace's last bursts (one trace file)",
+        "--arm, its bursts matched in order to the trace's run of bursts whose step counts agree (one trace file)",
     )
     ap.add_argument("--arm", help="with --paired: the arm that was the traced engine (e.g. adaptive, k0)")
     ap.add_argument(

@@ -257,6 +257,7 @@ class _SpecPilotHook:
         self._lean_outputs = 0  # outputs on the lean path (every LEAN_SAMPLE-th is observed)
         self._lean_left = 0  # steps the lean path may still schedule (a rest span; huge at a static K = 0)
         self._lean_probe_count = False  # the span's steps count toward the gate's async probe
+        self._lean_join_ends = False  # a request that joins ends the span at its first step
         self._resting = False  # the lean path runs a rest span of the adaptive policy
         self._publish_due = 0.0  # perf_counter() when the next state publish is due
         if self._k_engine > 0:
@@ -363,16 +364,17 @@ class _SpecPilotHook:
         only costs the hook's time (the policy counts the steps, ``Policy.skip``). Under async
         scheduling the same holds for several requests whose batch the gate held at K = 0
         (``RequestDraftGate.batch_pays``), the span then at most ``GATE_COST_EVERY`` steps and
-        ending before the policy's next exploration; a request that joins ends either span at
-        its first step."""
-        self._lean_probe_count = False
+        ending before the policy's next exploration. A request that joins ends the lone
+        request's span at its first step, and the batch's below ``2 * BATCH_PAYS_REQUESTS``
+        requests (above, the full path keeps the batch's answer through a join too)."""
+        self._lean_probe_count = self._lean_join_ends = False
         span = self.controller.rest_steps()
         if span >= 1 << 62:
             return span
         b = len(self.running)  # type: ignore[attr-defined]
         lone = self._gate_on and b == 1
         if lone:
-            self._lean_probe_count = True
+            self._lean_probe_count = self._lean_join_ends = True
             to_probe = self._probe_interval - self._steps_planned_out - 1
             span = to_probe if span <= 0 else min(span, to_probe)
             return max(span, 0)
@@ -382,8 +384,13 @@ class _SpecPilotHook:
             # probe the batch is held there unless it changes; the span also ends within
             # GATE_COST_EVERY steps, so that requests that finished are priced out as often as
             # the kept answer allows (_any_request_wants_drafts), and before the policy's next
-            # exploration, which runs past the gate (EXPLORE_PAST_GATE_MIN_BATCH)
+            # exploration, which runs past the gate (EXPLORE_PAST_GATE_MIN_BATCH). A request that
+            # joins ends the span below 2 * BATCH_PAYS_REQUESTS requests; above, the full path
+            # itself keeps the batch's answer for B // BATCH_PAYS_REQUESTS steps after a join, and
+            # one request among 32 or more seldom turns it, so the span runs on (under closed-loop
+            # load a request joins every few steps: ending there, few spans would outlast a step)
             self._lean_probe_count = True
+            self._lean_join_ends = b < 2 * self.BATCH_PAYS_REQUESTS
             to_probe = self._probe_interval - self._steps_planned_out - 1
             return max(min(to_probe, self.GATE_COST_EVERY, self.controller.steps_to_explore()), 0)
         return max(min(span, self.LEAN_SPAN), 0)
@@ -513,8 +520,8 @@ class _SpecPilotHook:
             if (
                 (view is None or view[0] == self._config_seq)
                 and self._lean_left > 0
-                # a lone request's span: a request that joined is decided at its first step
-                and (not self._lean_probe_count or (self.running and self.running[-1] is self._lean_newest))  # type: ignore[attr-defined]
+                # a lone request's span (or a small batch's): a request that joined is decided at its first step
+                and (not self._lean_join_ends or (self.running and self.running[-1] is self._lean_newest))  # type: ignore[attr-defined]
             ):  # (view None: no channel)
                 self._lean_left -= 1
                 if not self._caps_steady:  # a cap below the start-up limits, followed down

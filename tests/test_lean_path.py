@@ -619,6 +619,33 @@ def test_a_batch_whose_drafts_do_not_pay_rests_between_probes_under_async_schedu
     assert 0 < spec_full and abs(spec_rest - spec_full) <= 3
 
 
+def test_a_large_batchs_rest_runs_on_when_a_request_joins(tmp_path, monkeypatch):
+    """At 2 * BATCH_PAYS_REQUESTS requests or more a request that joins does not end the batch's
+    rest (the full path keeps the batch's answer through a join there too); the span still ends
+    within GATE_COST_EVERY steps, and the joined request is priced at the next full-path step."""
+    import types
+
+    cls = scheduler_module._SpecPilotHook
+    with _standin("adaptive", 2 * cls.BATCH_PAYS_REQUESTS, tmp_path, async_scheduling=True) as hook:
+        _hold_policy_at_k4(hook, monkeypatch)
+        _run(hook, 300, async_order=True)
+        for i in range(2 * cls.GATE_COST_EVERY):
+            if hook._lean and hook._lean_left >= 2:
+                break
+            _run(hook, 1, start=300 + i, async_order=True)
+        assert hook._lean and hook._lean_left >= 2
+        joined = types.SimpleNamespace(request_id="joined", spec_token_ids=[], num_output_tokens=1)
+        hook.running.append(joined)
+        hook.requests["joined"] = joined
+        _run(hook, 1, start=400, async_order=True)
+        assert hook._lean  # the span runs on
+        decided = []
+        decide = hook._decide_k
+        monkeypatch.setattr(hook, "_decide_k", lambda b, d=decide, seen=decided: seen.append(b) or d(b))
+        _run(hook, cls.GATE_COST_EVERY, start=401, async_order=True)
+        assert decided and decided[0] == 2 * cls.BATCH_PAYS_REQUESTS + 1  # the joined request is in the batch
+
+
 @pytest.mark.parametrize("to_explore", [1 << 62, 3])
 def test_a_batchs_rest_ends_before_the_policys_next_exploration(tmp_path, monkeypatch, to_explore):
     """The spans of a batch's rest (above) are at most GATE_COST_EVERY steps long and end before

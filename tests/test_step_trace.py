@@ -269,3 +269,24 @@ def test_a_paired_results_bursts_are_matched_to_the_traced_engines_bursts(tmp_pa
     assert "| cell | steps at 33-64 requests |" in out and "| docs@c64 | 29 | 4:6.000(29) |" in out
     with pytest.raises(SystemExit):  # --paired without --arm
         bst.main([str(tmp_path / "steps.csv"), "--paired", str(tmp_path / "paired.json")])
+
+
+def test_a_paired_result_is_matched_to_the_run_of_bursts_whose_step_counts_agree(tmp_path: Path) -> None:
+    """A trace that goes on after the paired run (a profile's bursts, here 50 and 70 steps) is
+    matched where the step counts agree, not to its last bursts; a trace that agrees nowhere keeps
+    the latest run and reports every burst."""
+    rows: list[tuple] = []
+    t = 100.0
+    for n in (30, 20, 30, 25, 50, 70):  # warm-up, the arm's three bursts, then two profile bursts
+        for _ in range(n):
+            rows.append((t, t + 0.004, 0, 0, 40, 40, 40, 40 * 500))
+            t += 0.004
+        t += 2.0
+    _write(tmp_path / "steps.csv", rows)
+    steps = bst.read_trace(tmp_path / "steps.csv")
+    result = {"bursts": [{"arm": "k0", "cell": c, "steps_at_k": [n]} for c, n in (("a", 20), ("b", 30), ("c", 25))]}
+    windows, off = bst.paired_windows(steps, result, "k0")
+    assert off == [] and [round(w.end - w.start, 3) for w in windows] == [0.076, 0.116, 0.096]
+    result["bursts"] = [{"arm": "k0", "cell": "a", "steps_at_k": [90]}]
+    windows, off = bst.paired_windows(steps, result, "k0")
+    assert off == [0] and round(windows[0].end - windows[0].start, 3) == 0.276  # the last burst, 70 steps

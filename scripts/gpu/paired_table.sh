@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The adaptive table of docs/gpu.md (hosts 32-33): five engines up together on one GPU, every
+# The adaptive table of docs/gpu.md (hosts 32-35): five engines (more with K0_FULL, K0_TWIN) up together on one GPU, every
 # arm on the same prompts in `bench paired`'s balanced order, at 1, 8 and 64 clients.
 #
 #   bash scripts/gpu/paired_table.sh MODEL RESULTS
@@ -15,10 +15,12 @@
 # RESULTS/start.log and RESULTS/overhead (start-up, first TTFT after warm-up), RESULTS/progress, and
 # RESULTS/DONE at the end. The engines are stopped on exit, whatever happened.
 # Environment: KV_BYTES (KV cache per engine, default 6 GiB), GPU_UTIL (0.14), K_MAX (4),
-# BUDGET_C1 / BUDGET_C8 / BUDGET_C64 (seconds of rounds per run: 300 / 200 / 250). K0_FULL=1 adds a sixth
+# BUDGET_C1 / BUDGET_C8 / BUDGET_C64 (seconds of rounds per run: 300 / 200 / 250; 0 skips the run). K0_FULL=1 adds a sixth
 # engine host, `k0full`: static K = 0 with SPECPILOT_HOOK_LEAN=0 (the hook's full per-step path, as an adaptive
 # engine host's steps at K = 0 run it), to tell what the full path costs from what drafting before leaves
-# behind. With a py-spy executable (PY_SPY, or the payload's in
+# behind. K0_TWIN=1 adds `k0b`, a second static K = 0 engine host like `k0`: an A/A control, what two engine
+# processes with the same arguments differ by on this host (their step times and tokens/s). POOLED=0 leaves out
+# the `pooled` engine host (its rounds then go to the others). With a py-spy executable (PY_SPY, or the payload's in
 # $SPECPILOT_SCRATCH/site/bin), after the tables: `bench profile-step --attach` samples the mixture engine host
 # and `k0` (and `k0full`) in turn at 64 clients of code, where the adaptive engine host switches K
 # (RESULTS/profile-c64-code.md and its folder).
@@ -30,6 +32,10 @@ KV_BYTES=${KV_BYTES:-6442450944}
 GPU_UTIL=${GPU_UTIL:-0.14}
 K_MAX=${K_MAX:-4}
 mkdir -p "$R"
+[ "${K0_FULL:-}" = 0 ] && K0_FULL=
+[ "${K0_TWIN:-}" = 0 ] && K0_TWIN=
+POOLED_ENGINE=1
+[ "${POOLED:-1}" = 0 ] && POOLED_ENGINE=
 progress() { echo "$(date +%T) $*" | tee -a "$R/progress"; }
 trap 'stop_engines "$M" "$R/state.json" "$R/stop"; touch "$R/DONE"' EXIT
 E="--speculative-method ngram_gpu --k-max $K_MAX --speculation-mode fixed --k 0 --no-prefix-caching --max-num-seqs 64"
@@ -37,37 +43,40 @@ E="$E --max-model-len 2048 --gpu-memory-utilization $GPU_UTIL --warmup quick -- 
 SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --parallel-start --keep \
   --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 3 \
   --engine "serve:plain:--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $KV_BYTES --no-enable-prefix-caching --max-num-seqs 64" \
-  --engine "host:a:$E" --engine "host:p:$E" --engine "host:f0:$E" --engine "host:f4:$E" \
-  ${K0_FULL:+--engine "host:f0x:SPECPILOT_HOOK_LEAN=0 $E"} > "$R/start.log" 2>&1
+  --engine "host:a:$E" ${POOLED_ENGINE:+--engine "host:p:$E"} --engine "host:f0:$E" --engine "host:f4:$E" \
+  ${K0_FULL:+--engine "host:f0x:SPECPILOT_HOOK_LEAN=0 $E"} ${K0_TWIN:+--engine "host:f0b:$E"} > "$R/start.log" 2>&1
 rc=$?
 progress "engines up (rc $rc)"
 [ $rc -eq 0 ] || exit $rc
 eval "$(engine_vars "$R/state.json")"
-export A_TOKEN P_TOKEN F0_TOKEN F4_TOKEN ${K0_FULL:+F0X_TOKEN}
-ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN"
-  --arm "pooled=$P_URL,mode=adaptive_pooled,token-env=P_TOKEN" --arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN"
-  --arm "k4=$F4_URL,mode=fixed:4,token-env=F4_TOKEN")
+export A_TOKEN F0_TOKEN F4_TOKEN ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN}
+ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN")
+[ -n "$POOLED_ENGINE" ] && ARMS+=(--arm "pooled=$P_URL,mode=adaptive_pooled,token-env=P_TOKEN")
+ARMS+=(--arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN" --arm "k4=$F4_URL,mode=fixed:4,token-env=F4_TOKEN")
 PROFILED=a,f0
 if [ -n "${K0_FULL:-}" ]; then
   ARMS+=(--arm "k0full=$F0X_URL,mode=fixed:0,token-env=F0X_TOKEN")
   PROFILED=a,f0,f0x
 fi
+[ -n "${K0_TWIN:-}" ] && ARMS+=(--arm "k0b=$F0B_URL,mode=fixed:0,token-env=F0B_TOKEN")
 PY_SPY=${PY_SPY:-}
 SPY=${SPECPILOT_SCRATCH:-/tmp/specpilot-gpu}/site/bin/py-spy
 [ -z "$PY_SPY" ] && [ -x "$SPY" ] && PY_SPY=$SPY
 states() {
   curl -s -H "Authorization: Bearer $A_TOKEN" "$A_URL/control/state" > "$R/mixture-state-$1.json"
-  curl -s -H "Authorization: Bearer $P_TOKEN" "$P_URL/control/state" > "$R/pooled-state-$1.json"
+  [ -z "$POOLED_ENGINE" ] || curl -s -H "Authorization: Bearer $P_TOKEN" "$P_URL/control/state" > "$R/pooled-state-$1.json"
 }
-python3 -m bench paired "${ARMS[@]}" --workloads chat,code,docs,mixed --clients 1 --rounds 400 \
-  --time-budget "${BUDGET_C1:-300}" --out "$R/c1" > "$R/c1.log" 2>&1
-progress "1 client (rc $?)"; states c1
-python3 -m bench paired "${ARMS[@]}" --workloads mixed,code,docs --clients 8 --per-client 4 --rounds 400 \
-  --time-budget "${BUDGET_C8:-200}" --out "$R/c8" > "$R/c8.log" 2>&1
-progress "8 clients (rc $?)"; states c8
-python3 -m bench paired "${ARMS[@]}" --workloads docs,code,shift --clients 64 --per-client 2 --rounds 400 \
-  --time-budget "${BUDGET_C64:-250}" --out "$R/c64" > "$R/c64.log" 2>&1
-progress "64 clients (rc $?)"; states c64
+# table NAME BUDGET WORKLOADS CLIENTS PER-CLIENT: one `bench paired` run (skipped at a budget of 0)
+table() {
+  if [ "$2" = 0 ]; then progress "$1: skipped (budget 0)"; return; fi
+  python3 -m bench paired "${ARMS[@]}" --workloads "$3" --clients "$4" --per-client "$5" --rounds 400 \
+    --time-budget "$2" --out "$R/$1" > "$R/$1.log" 2>&1
+  progress "$4 client(s) (rc $?)"
+  states "$1"
+}
+table c1 "${BUDGET_C1:-300}" chat,code,docs,mixed 1 1
+table c8 "${BUDGET_C8:-200}" mixed,code,docs 8 4
+table c64 "${BUDGET_C64:-250}" docs,code,shift 64 2
 if [ -n "$PY_SPY" ]; then
   python3 -m bench profile-step --attach "$R/state.json" --engines "$PROFILED" --clients 64 --workload code --seconds 12 \
     --py-spy "$PY_SPY" --out "$R/profile-c64-code" > "$R/profile-c64-code.md" 2> "$R/profile-c64-code.log"
