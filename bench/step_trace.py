@@ -14,8 +14,8 @@ shorter than ``--max-gap-ms``.
 With ``--cells`` (a ``bench matrix`` results folder, run on the engine's host: the cells record
 their window on the same clock) it first prints one row per cell. With ``--paired RESULT --arm
 ARM`` (a ``bench paired`` result whose arm ARM was the traced engine) the same per cell of the
-result, at ``--requests`` batch sizes: the arm's bursts are matched in order to the trace's last
-bursts of steps, and checked against each burst's ``steps_at_k``.
+result, at ``--requests`` batch sizes: the arm's bursts are matched in order to the run of the
+trace's bursts whose step counts agree with each burst's ``steps_at_k`` (the latest such run).
 
 Prints, per batch size (requests): steps, median, mean and 90th percentile ms per step by
 the K the step verified (``k_drafted``), by the K chosen in the step for the next drafts
@@ -23,7 +23,10 @@ the K the step verified (``k_drafted``), by the K chosen in the step for the nex
 range of batch sizes, every step of the trace: how many verified drafts (K > 0), and the
 median ms of a pure-decode step after another of the same batch (the rows above) against
 one right after a prefill or a change of batch (under async scheduling the new request's
-inputs are prepared then), each at K = 0 and K > 0. Where the trace records each step's CUDA
+inputs are prepared then), each at K = 0 and K > 0. Where the trace records them (``path``,
+``vllm_schedule_us``, ``vllm_update_us``), then per range and hook path (``lean``, ``full``) the
+median time of vLLM's own ``schedule()`` and ``update_from_output()`` (``vllm_table``): whether
+vLLM's work per step, outside the hook's clock, grows with the hook's path. Where the trace records each step's CUDA
 graph mode (the engine host runs vLLM with ``--cudagraph-metrics`` on a GPU while tracing), also
 by K verified and graph mode (``FULL``, ``PIECEWISE``, ``NONE``): a decode step that missed its
 FULL graph costs more at any K. With ``--lone N``, also each request that ran alone and drafted
@@ -69,6 +72,9 @@ class Step:
     prior: float | None = None  # a new request's start in the newest running request's class
     token_cost: float | None = None  # the gate's price of one verified draft token (fraction of a plain step)
     step_cost: float | None = None  # its price of a step at K > 0 that verifies no draft (fraction)
+    path: str = ""  # the hook's path that handled the output: lean, full ("": not in the trace)
+    vllm_schedule_us: float | None = None  # vLLM's own schedule() for the step (µs; None: not in the trace)
+    vllm_update_us: float | None = None  # vLLM's own update_from_output() for the output (µs)
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,9 @@ def read_trace(path: str | Path) -> list[Step]:
                 _fraction(r.get("prior")),
                 _fraction(r.get("token_cost")),
                 _fraction(r.get("step_cost")),
+                r.get("path") or "",
+                _fraction(r.get("vllm_schedule_us")),
+                _fraction(r.get("vllm_update_us")),
             )
             for r in reader
         ]
@@ -321,6 +330,41 @@ def table(intervals: Iterable[Interval], key: str, min_steps: int = 20) -> list[
     return lines
 
 
+def vllm_table(traces: Sequence[Sequence[Step]], since_s: float = 0.0) -> list[str]:
+    """Markdown rows, one per range of batch sizes (``BATCH_RANGES``) and hook path (``lean``,
+    ``full``), of the pure-decode steps (every request only decoded) whose trace records vLLM's
+    own times: steps, and the median µs of vLLM's ``schedule()`` for the step and of its
+    ``update_from_output()`` for the output (``engine_host.step_trace``). Empty when no row
+    records them (traces written before the columns). ``since_s`` as in :func:`busy_intervals`.
+
+    What it tells: whether vLLM's own work per step, outside the hook's clock, differs with the
+    hook's path (one engine's lean and full steps, or two engines side by side)."""
+    groups: dict[tuple[int, str], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for trace in traces:
+        if not trace:
+            continue
+        t0 = trace[0].t_output
+        for st in trace:
+            if st.vllm_update_us is None or st.requests <= 0 or st.decode != st.requests or st.t_output - t0 < since_s:
+                continue
+            j = next(i for i, (lo, hi) in enumerate(BATCH_RANGES) if lo <= st.requests <= hi)
+            sched, upd = groups[(j, st.path or "-")]
+            if st.vllm_schedule_us is not None:
+                sched.append(st.vllm_schedule_us)
+            upd.append(st.vllm_update_us)
+    if not groups:
+        return []
+    lines = [
+        "| requests | hook path | steps | vLLM schedule() median µs | vLLM update_from_output() median µs |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for (j, path), (sched, upd) in sorted(groups.items()):
+        lo, hi = BATCH_RANGES[j]
+        med_s = f"{statistics.median(sched):.1f}" if sched else "-"
+        lines.append(f"| {_range_label(lo, hi)} | {path} | {len(upd)} | {med_s} | {statistics.median(upd):.1f} |")
+    return lines
+
+
 @dataclass(frozen=True)
 class CellWindow:
     """A benchmark cell's measured window (``bench matrix`` cell JSON, ``window_perf_s``)."""
@@ -509,6 +553,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("\n".join(range_table(traces, args.max_gap_ms / 1e3, args.since)))
     print()
+    vllm_rows = vllm_table(traces, args.since)
+    if vllm_rows:
+        print("\n".join(vllm_rows))
+        print()
     if args.cells:
         cells = cell_windows(args.cells)
         if not cells:

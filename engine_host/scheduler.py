@@ -258,6 +258,7 @@ class _SpecPilotHook:
         self._lean_left = 0  # steps the lean path may still schedule (a rest span; huge at a static K = 0)
         self._lean_probe_count = False  # the span's steps count toward the gate's async probe
         self._lean_join_ends = False  # a request that joins ends the span at its first step
+        self._decide_s = 0.0  # the K decision's time inside vLLM's schedule() (the K lookup), this step
         self._resting = False  # the lean path runs a rest span of the adaptive policy
         self._publish_due = 0.0  # perf_counter() when the next state publish is due
         if self._k_engine > 0:
@@ -458,8 +459,10 @@ class _SpecPilotHook:
         self._k_decided = k
         if self._k_first_use_step is None:
             self._k_first_use_step = self._step_index
-        self._overhead_s += time.perf_counter() - t
         self._overhead_cpu_s += time.thread_time() - c
+        d = time.perf_counter() - t
+        self._overhead_s += d
+        self._decide_s += d  # (inside vLLM's schedule(), through the K lookup: not vLLM's own time)
         return k
 
     def _k_next(self, batch_size: int) -> int:
@@ -526,14 +529,16 @@ class _SpecPilotHook:
                 self._lean_left -= 1
                 if not self._caps_steady:  # a cap below the start-up limits, followed down
                     self._apply_caps()
-                self._clock.scheduled(t, 0, 0)
                 self._step_index += 1
                 self._lean_scheduled += 1
                 # wall time only: a thread-CPU clock read costs more than the rest of the span
-                d = time.perf_counter() - t
+                t1 = time.perf_counter()
+                d = t1 - t
                 self._overhead_s += d
                 self._overhead_cpu_s += d
-                return super().schedule(*args, **kwargs)  # type: ignore[misc]
+                out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+                self._clock.scheduled(t, 0, 0, time.perf_counter() - t1)  # (vLLM's own schedule(), for the trace)
+                return out
             if self._resting:  # the rest span is over (or a request joined): this step decides K again
                 self._leave_lean()
         c = time.thread_time()
@@ -549,13 +554,16 @@ class _SpecPilotHook:
         # with the gate off only its forgetting of finished requests is due (GATE_FORGET_EVERY)
         if self._k_engine > 0 and (self._gate_on or self._step_index >= self._gate_forget_at):
             self._gate_drafts()
-        self._overhead_s += time.perf_counter() - t
         self._overhead_cpu_s += time.thread_time() - c
+        t1 = time.perf_counter()
+        self._overhead_s += t1 - t
+        self._decide_s = 0.0
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        t2 = time.perf_counter() - self._decide_s  # vLLM's own schedule() ends at t2 - t1
         # the K the proposer runs with after this step (engine_host.vllm_patches reads it)
         k_sched = getattr(out, "num_spec_tokens_to_schedule", None)
         self.specpilot_last_scheduled_k = k_sched if isinstance(k_sched, int) else None
-        self._clock.scheduled(t, self._k_drafted, self._k_decided)
+        self._clock.scheduled(t, self._k_drafted, self._k_decided, t2 - t1)
         self._step_index += 1
         return out
 
@@ -796,6 +804,7 @@ class _SpecPilotHook:
         return drafted, accepted
 
     def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
+        t0 = time.perf_counter()
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         t = time.perf_counter()
         # under async scheduling the last schedule() is the *next* step: match outputs to
@@ -811,7 +820,9 @@ class _SpecPilotHook:
             ):
                 if self._trace is not None and step is not None:  # profiling: every step has its row
                     n_dec = sum(1 for m in scheduler_output.num_scheduled_tokens.values() if m == 1)
-                    self._trace_row(step, t, scheduler_output, 0, 0, n_dec, model_runner_output)
+                    self._trace_row(
+                        step, t, scheduler_output, 0, 0, n_dec, model_runner_output, path="lean", vllm_update_s=t - t0
+                    )
                 n_req = len(scheduler_output.num_scheduled_tokens)
                 self._stretch.step(n_req, scheduler_output.total_num_scheduled_tokens == n_req)
                 self._busy_s += step_time
@@ -854,6 +865,8 @@ class _SpecPilotHook:
                 model_runner_output,
                 step_drafted,
                 step_accepted,
+                path="lean" if self._lean else "full",
+                vllm_update_s=t - t0,
             )
         # a lone request's first decode steps do not teach the step-time model (their
         # cost is not what its later steps cost: DecodeStretch); warm-up steps always do
@@ -936,6 +949,8 @@ class _SpecPilotHook:
         runner_out: Any = None,
         draft_tokens: int = 0,
         accepted_tokens: int = 0,
+        path: str = "full",
+        vllm_update_s: float | None = None,
     ) -> None:
         """One row of the step trace (``engine_host.step_trace``): the step as scheduled,
         when its output came back (s), its K verified and proposed, its requests that only
@@ -945,7 +960,10 @@ class _SpecPilotHook:
         verified, and, with the per-request gate on, outside the lean path and at most
         ``TRACE_ESTIMATE_MAX_BATCH`` requests running (the profile's own cost grows with the
         batch), the highest acceptance estimate of the running requests, the newest one's
-        class prior, and the gate's last draft-token and step costs (``_gate_costs``)."""
+        class prior, and the gate's last draft-token and step costs (``_gate_costs``); the hook's
+        ``path`` that handled the output (``lean``: a lean step whose output is observed, one in
+        ``LEAN_SAMPLE``, is still ``lean``), and vLLM's own ``schedule()`` for the step and
+        ``update_from_output()`` for the output (s; ``vllm_update_s``)."""
         assert self._trace is not None
         estimate = prior = token_cost = step_cost = None
         running = self.running  # type: ignore[attr-defined]
@@ -976,6 +994,9 @@ class _SpecPilotHook:
             prior,
             token_cost,
             step_cost,
+            path,
+            step.vllm_schedule_s,
+            vllm_update_s,
         )
 
     def _observe_quiet(self) -> None:

@@ -28,6 +28,7 @@ class ScheduledStep(NamedTuple):
     t_scheduled: float
     k_drafted: int  # K of the drafts verified in this step
     k_proposed: int  # K chosen in this step for the next drafts
+    vllm_schedule_s: float = 0.0  # vLLM's own schedule() for this step (s; 0.0: not measured)
 
 
 class StepClock:
@@ -42,9 +43,10 @@ class StepClock:
         self._pending: deque[ScheduledStep] = deque(maxlen=depth)
         self._t_last_output = 0.0
 
-    def scheduled(self, t: float, k_drafted: int, k_proposed: int) -> None:
-        """Record a ``schedule()`` call made at ``t`` (s)."""
-        self._pending.append(ScheduledStep(t, k_drafted, k_proposed))
+    def scheduled(self, t: float, k_drafted: int, k_proposed: int, vllm_schedule_s: float = 0.0) -> None:
+        """Record a ``schedule()`` call made at ``t`` (s), in which vLLM's own scheduler took
+        ``vllm_schedule_s`` (s)."""
+        self._pending.append(ScheduledStep(t, k_drafted, k_proposed, vllm_schedule_s))
 
     @property
     def in_flight(self) -> int:

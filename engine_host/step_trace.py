@@ -30,8 +30,12 @@ what the gate last priced one verified draft token at) and ``step_cost`` (fracti
 step: what it last priced a step at K > 0 that verifies no draft at). These four are empty when the
 per-request gate is off, when more than ``TRACE_ESTIMATE_MAX_BATCH`` (8) requests are running
 (the scheduler hook's limit), and on the lean path's rows, where the two token columns are 0.
-Traces written before a column read as context 0, no graph mode, no draft or accepted tokens and
-no estimate or costs.
+``path`` (``lean`` or ``full``: the hook's path that handled the output, ``engine_host.scheduler``),
+``vllm_schedule_us`` and ``vllm_update_us`` (µs: vLLM's own ``schedule()`` for the step and its own
+``update_from_output()`` for the output, inside the hook's overrides and outside the hook's clock:
+whether vLLM's work per step differs with the hook's path). Traces written before a column read
+as context 0, no graph mode, no draft or accepted tokens, no estimate or costs, and no path or
+vLLM times.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from . import envs
 
 HEADER = (
     "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens,context,graph,"
-    "draft_tokens,accepted_tokens,estimate,prior,token_cost,step_cost\n"
+    "draft_tokens,accepted_tokens,estimate,prior,token_cost,step_cost,path,vllm_schedule_us,vllm_update_us\n"
 )
 
 
@@ -82,20 +86,27 @@ class StepTrace:
         prior: float | None = None,
         token_cost: float | None = None,
         step_cost: float | None = None,
+        path: str = "",
+        vllm_schedule_s: float | None = None,
+        vllm_update_s: float | None = None,
     ) -> None:
         """Record one step's output (times in s of ``time.perf_counter()``; K, tokens and
         context in tokens; ``graph``: the step's CUDA graph mode, "" when not known;
         ``estimate`` and ``prior``: fractions 0..1; ``token_cost`` and ``step_cost``: fractions
-        of a plain step; each None when not known)."""
+        of a plain step; each None when not known; ``path``: ``lean`` or ``full``, "" when not
+        known; ``vllm_schedule_s`` and ``vllm_update_s``: s, written in µs, None when not
+        measured)."""
         if len(self._rows) == self._rows.maxlen:
             self.dropped += 1
         est = "" if estimate is None else f"{estimate:.3f}"
         pri = "" if prior is None else f"{prior:.3f}"
         tc = "" if token_cost is None else f"{token_cost:.4f}"
         sc = "" if step_cost is None else f"{step_cost:.4f}"
+        vs = "" if not vllm_schedule_s else f"{vllm_schedule_s * 1e6:.1f}"
+        vu = "" if vllm_update_s is None else f"{vllm_update_s * 1e6:.1f}"
         self._rows.append(
             f"{t_scheduled:.6f},{t_output:.6f},{k_drafted},{k_proposed},{decode},{requests},{tokens},{context},{graph},"
-            f"{draft_tokens},{accepted_tokens},{est},{pri},{tc},{sc}\n"
+            f"{draft_tokens},{accepted_tokens},{est},{pri},{tc},{sc},{path},{vs},{vu}\n"
         )
 
     def flush(self) -> None:

@@ -163,6 +163,39 @@ def test_a_step_trace_keeps_the_lean_path_and_writes_a_row_for_every_step(tmp_pa
         assert {r.split(",")[7] for r in rows} == {"400"}
 
 
+@pytest.mark.parametrize("lean", ["1", "0"])
+def test_the_step_trace_names_each_outputs_hook_path_and_times_vllms_own_work(tmp_path, monkeypatch, lean):
+    """Each row names the hook's path (``lean`` at a static K = 0, ``full`` with
+    ``SPECPILOT_HOOK_LEAN=0``) and holds the time of vLLM's own ``schedule()`` for the step and
+    ``update_from_output()`` for the output, measured around the stand-in's (which here take 2 and
+    4 ticks of the module's 100 µs clock), so that ``bench step-trace`` can tell whether vLLM's work
+    per step differs with the hook's path."""
+    from bench.hook_cost import _SchedulerStandIn
+    from bench.step_trace import read_trace, vllm_table
+
+    def ticks(n):
+        for _ in range(n):
+            scheduler_module.time.perf_counter()
+
+    monkeypatch.setenv("SPECPILOT_HOOK_LEAN", lean)
+    monkeypatch.setenv("SPECPILOT_STEP_TRACE", str(tmp_path / "steps.csv"))
+    sched, upd = _SchedulerStandIn.schedule, _SchedulerStandIn.update_from_output
+    monkeypatch.setattr(_SchedulerStandIn, "schedule", lambda self, *a, **k: ticks(2) or sched(self, *a, **k))
+    monkeypatch.setattr(_SchedulerStandIn, "update_from_output", lambda self, *a, **k: ticks(4) or upd(self, *a, **k))
+    with _standin("fixed:0", 2, tmp_path) as hook:
+        _run(hook, 3 * hook.LEAN_SAMPLE)
+        hook._publish(time.monotonic())
+    steps = read_trace(next(tmp_path.glob("steps.csv.*")))[1:]  # (the first step is decided on the full path)
+    assert {st.path for st in steps} == {"lean" if lean == "1" else "full"}
+    # the clock read before and after each: one tick more than the stand-in's own. On the full path
+    # the hook decides K inside vLLM's schedule() (its K lookup), and that span is taken out; the
+    # read that opens it is left in (one tick here, a fraction of a microsecond in an engine)
+    sched_us = 300.0 if lean == "1" else 400.0
+    assert {(st.vllm_schedule_us, st.vllm_update_us) for st in steps} == {(sched_us, 500.0)}
+    table = vllm_table([steps])
+    assert table[2] == f"| 2-4 | {steps[0].path} | {len(steps)} | {sched_us} | 500.0 |"
+
+
 @pytest.mark.parametrize("mode", ["fixed:0", "fixed:2"])  # the lean path's rows and the full path's
 def test_the_step_trace_records_the_cuda_graph_mode_vllm_reports_for_each_step(tmp_path, monkeypatch, mode):
     from vllm.compilation.cuda_graph import CUDAGraphStat

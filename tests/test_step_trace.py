@@ -25,12 +25,19 @@ def test_trace_is_written_on_flush_only_and_appends(tmp_path: Path) -> None:
     t.add(1.0, 1.002, 0, 2, 1, 1, 1, 40)
     assert path.read_text() == HEADER  # buffered: no I/O in the step
     t.flush()
-    t.add(1.002, 1.005, 2, 2, 1, 1, 3, 41)
+    t.add(1.002, 1.005, 2, 2, 1, 1, 3, 41, path="full", vllm_schedule_s=250e-6, vllm_update_s=0.001)
     t.flush()
     t.flush()  # nothing buffered: nothing written
     lines = path.read_text().splitlines()
     assert lines[0] + "\n" == HEADER
-    assert lines[1:] == ["1.000000,1.002000,0,2,1,1,1,40,,0,0,,,,", "1.002000,1.005000,2,2,1,1,3,41,,0,0,,,,"]
+    assert lines[1:] == [
+        "1.000000,1.002000,0,2,1,1,1,40,,0,0,,,,,,,",
+        "1.002000,1.005000,2,2,1,1,3,41,,0,0,,,,,full,250.0,1000.0",
+    ]
+    steps = bst.read_trace(path)
+    assert (steps[0].path, steps[0].vllm_schedule_us, steps[0].vllm_update_us) == ("", None, None)
+    assert (steps[1].path, steps[1].vllm_schedule_us, steps[1].vllm_update_us) == ("full", 250.0, 1000.0)
+    assert bst.vllm_table([steps[:1]]) == []  # nothing recorded: no table
     # a second writer (engine restarted with the same file) appends, no second header
     StepTrace(str(path)).flush()
     assert path.read_text().count("t_scheduled_s") == 1

@@ -78,7 +78,7 @@ table c1 "${BUDGET_C1:-300}" chat,code,docs,mixed 1 1
 table c8 "${BUDGET_C8:-200}" mixed,code,docs 8 4
 table c64 "${BUDGET_C64:-250}" docs,code,shift 64 2
 if [ -n "$PY_SPY" ]; then
-  python3 -m bench profile-step --attach "$R/state.json" --engines "$PROFILED" --clients 64 --workload code --seconds 12 \
+  python3 -m bench profile-step --attach "$R/state.json" --engines "$PROFILED" --clients 64 --workload code --seconds 12 --rate 500 \
     --py-spy "$PY_SPY" --out "$R/profile-c64-code" > "$R/profile-c64-code.md" 2> "$R/profile-c64-code.log"
   progress "profile at 64 clients (rc $?)"
 fi
