@@ -145,6 +145,8 @@ class _SpecPilotHook:
     # --cold). Such a step carries no acceptance, only a step time, so the estimates lag by
     # at most QUIET_STEPS - 1 steps of step time.
     QUIET_STEPS = 8
+    # the K decision's time inside vLLM's schedule() (the K lookup) in the step being scheduled (s)
+    _decide_s = 0.0
     # the lean path: while the policy holds K at 0 and learns nothing from steps (off, fixed
     # at 0), with the gate off and no warm-up, a step only checks the config's sequence
     # number (and a batch cap below the start-up limits), keeps the step clock and counts
@@ -258,7 +260,6 @@ class _SpecPilotHook:
         self._lean_left = 0  # steps the lean path may still schedule (a rest span; huge at a static K = 0)
         self._lean_probe_count = False  # the span's steps count toward the gate's async probe
         self._lean_join_ends = False  # a request that joins ends the span at its first step
-        self._decide_s = 0.0  # the K decision's time inside vLLM's schedule() (the K lookup), this step
         self._resting = False  # the lean path runs a rest span of the adaptive policy
         self._publish_due = 0.0  # perf_counter() when the next state publish is due
         if self._k_engine > 0:
@@ -849,11 +850,15 @@ class _SpecPilotHook:
         total = 0
         if self._k_engine > 0:  # without speculation there is nothing for the controller to learn
             spec = scheduler_output.scheduled_spec_decode_tokens
-            for req_id, n in scheduler_output.num_scheduled_tokens.items():
-                total += 1
-                drafts = spec.get(req_id)
-                if n == 1 + (len(drafts) if drafts else 0):
-                    n_dec += 1
+            scheduled = scheduler_output.num_scheduled_tokens
+            if not spec and scheduler_output.total_num_scheduled_tokens == len(scheduled):
+                n_dec = total = len(scheduled)  # one token each, no drafts: every request only decoded
+            else:
+                for req_id, n in scheduled.items():
+                    total += 1
+                    drafts = spec.get(req_id)
+                    if n == 1 + (len(drafts) if drafts else 0):
+                        n_dec += 1
         if self._trace is not None and step is not None:
             self._trace_row(
                 step,
