@@ -1379,32 +1379,41 @@ class SpeculationController:
         The same as :meth:`observe` of a :class:`StepObservation` with no drafts for each
         step, without building one for a policy that does not learn from steps (every
         policy but the threshold and heuristic baselines): the scheduler hook keeps such
-        steps and hands them over a few at a time (``engine_host.scheduler``)."""
+        steps and hands them over a few at a time (``engine_host.scheduler``). For those
+        policies the acceptance estimates fade by the steps' request-steps in one go, as in
+        :meth:`skip_quiet` (the fade compounds; a position whose evidence falls below the
+        freshness threshold inside these steps returns toward the prior from the first of
+        them): one fade instead of one per step, the larger part of a quiet step's cost."""
         policy = self.policy
         learns = type(policy).observe is not Policy.observe
         tm_observe = self.step_time.observe
         acc_observe = self.acceptance.observe
         zeros = [0] * max(self.k_engine, 1)
+        request_steps = 0
         for batch_size, k_proposed, step_time_s, pure, now in steps:
             self.total_steps += 1
             if pure:
                 tm_observe(batch_size, batch_size, step_time_s, 0, k_proposed, now)
+            if not learns:
+                request_steps += batch_size
+                continue
             acc_observe(0, batch_size, zeros, zeros)
-            if learns:
-                policy.observe(
-                    StepObservation(
-                        batch_size=batch_size,
-                        k_drafted=0,
-                        num_draft_tokens=0,
-                        num_accepted_tokens=0,
-                        accepted_hist=zeros,
-                        draft_hist=zeros,
-                        step_time_s=step_time_s,
-                        pure_decode=pure,
-                        now=now,
-                        k_proposed=k_proposed,
-                    )
+            policy.observe(
+                StepObservation(
+                    batch_size=batch_size,
+                    k_drafted=0,
+                    num_draft_tokens=0,
+                    num_accepted_tokens=0,
+                    accepted_hist=zeros,
+                    draft_hist=zeros,
+                    step_time_s=step_time_s,
+                    pure_decode=pure,
+                    now=now,
+                    k_proposed=k_proposed,
                 )
+            )
+        if request_steps > 0:
+            acc_observe(0, request_steps, zeros, zeros)
 
     #: Batch sizes at which :meth:`snapshot` tabulates T(B, K) for the planner.
     PLANNER_BATCH_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)

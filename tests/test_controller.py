@@ -685,8 +685,9 @@ def test_the_proposer_cost_of_an_async_step_is_priced_where_it_is_paid():
 @pytest.mark.parametrize("mode", ["off", "fixed", "batch_table", "threshold", "heuristic", "adaptive"])
 def test_quiet_steps_folded_together_equal_one_observation_each(mode):
     """``observe_quiet`` (the hook hands over steps without drafts a few at a time) leaves the
-    controller exactly where one ``observe`` per step leaves it, for every policy, including
-    those that learn from steps (threshold, heuristic) and after steps with drafts."""
+    controller's state where one ``observe`` per step leaves it (to the snapshot's rounding: the
+    acceptance estimates fade once per group, which compounds to the same), for every policy,
+    including those that learn from steps (threshold, heuristic) and after steps with drafts."""
 
     def fed(quiet_together: bool) -> dict:
         table = [(1, 2, 2), (3, 64, 0)] if mode == "batch_table" else None
