@@ -876,3 +876,17 @@ def test_the_adaptive_policy_says_how_many_steps_remain_before_its_next_explorat
     assert ctl.steps_to_explore() > 0  # the next one is an interval away
     fixed = SpeculationController(4, SpeculationConfig(mode="fixed", k=2))
     assert fixed.steps_to_explore() == 1 << 62
+
+
+@pytest.mark.parametrize("mode, calls", [("adaptive", 1), ("threshold", 8)])
+def test_quiet_steps_fade_the_acceptance_estimates_once_per_group(mode, calls):
+    """For a policy that does not learn from steps, ``observe_quiet`` fades the acceptance
+    estimates once for the whole group, by its request-steps all together (the fade compounds);
+    a policy that learns from steps (threshold) still sees them step by step."""
+    ctl = SpeculationController(4, SpeculationConfig(mode=mode, k=2))
+    seen: list[int] = []
+    observe = ctl.acceptance.observe
+    ctl.acceptance.observe = lambda k, b, *a: (seen.append(b), observe(k, b, *a))  # type: ignore[method-assign]
+    ctl.observe_quiet([(b, 0, 0.002, True, 0.01 * i) for i, b in enumerate((1, 2, 3, 4, 5, 6, 7, 8))])
+    assert len(seen) == calls and sum(seen) == 36
+    assert ctl.total_steps == 8
