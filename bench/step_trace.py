@@ -245,6 +245,11 @@ def _range_label(lo: int, hi: int) -> str:
     return str(lo) if lo == hi else (f"{lo}+" if hi >= 1 << 30 else f"{lo}-{hi}")
 
 
+def _range_index(requests: int) -> int:
+    """The index in ``BATCH_RANGES`` of the range holding ``requests`` (>= 1)."""
+    return next(i for i, (lo, hi) in enumerate(BATCH_RANGES) if lo <= requests <= hi)
+
+
 def range_table(traces: Sequence[Sequence[Step]], max_gap_s: float = 0.05, since_s: float = 0.0) -> list[str]:
     """Markdown rows, one per range of batch sizes (``BATCH_RANGES``, requests) with steps:
     every step of every trace (``traces``: one engine core's rows each, in order), those
@@ -258,9 +263,6 @@ def range_table(traces: Sequence[Sequence[Step]], max_gap_s: float = 0.05, since
     drafted = [0] * n
     times: list[dict[tuple[bool, bool], list[float]]] = [defaultdict(list) for _ in range(n)]
 
-    def index(b: int) -> int:
-        return next(i for i, (lo, hi) in enumerate(BATCH_RANGES) if lo <= b <= hi)
-
     for trace in traces:
         if not trace:
             continue
@@ -268,7 +270,7 @@ def range_table(traces: Sequence[Sequence[Step]], max_gap_s: float = 0.05, since
         for i, cur in enumerate(trace):
             if cur.requests <= 0 or cur.t_output - t0 < since_s:
                 continue
-            j = index(cur.requests)
+            j = _range_index(cur.requests)
             steps[j] += 1
             drafted[j] += cur.k_drafted > 0
             if i == 0 or cur.decode != cur.requests:
@@ -347,8 +349,7 @@ def vllm_table(traces: Sequence[Sequence[Step]], since_s: float = 0.0) -> list[s
         for st in trace:
             if st.vllm_update_us is None or st.requests <= 0 or st.decode != st.requests or st.t_output - t0 < since_s:
                 continue
-            j = next(i for i, (lo, hi) in enumerate(BATCH_RANGES) if lo <= st.requests <= hi)
-            sched, upd = groups[(j, st.path or "-")]
+            sched, upd = groups[(_range_index(st.requests), st.path or "-")]
             if st.vllm_schedule_us is not None:
                 sched.append(st.vllm_schedule_us)
             upd.append(st.vllm_update_us)

@@ -560,11 +560,11 @@ class _SpecPilotHook:
         self._overhead_s += t1 - t
         self._decide_s = 0.0
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        t2 = time.perf_counter() - self._decide_s  # vLLM's own schedule() ends at t2 - t1
+        vllm_s = time.perf_counter() - t1 - self._decide_s  # vLLM's own schedule(), less the K decision in it
         # the K the proposer runs with after this step (engine_host.vllm_patches reads it)
         k_sched = getattr(out, "num_spec_tokens_to_schedule", None)
         self.specpilot_last_scheduled_k = k_sched if isinstance(k_sched, int) else None
-        self._clock.scheduled(t, self._k_drafted, self._k_decided, t2 - t1)
+        self._clock.scheduled(t, self._k_drafted, self._k_decided, vllm_s)
         self._step_index += 1
         return out
 
