@@ -44,6 +44,7 @@ Example (plain vLLM on :8100, the engine host on :8000)::
 
     python -m bench paired --report bench/results/paired/paired.json      # the table again (.json.xz too)
     python -m bench paired --report FILE --baseline k4                       # the same rounds against arm k4
+    python -m bench paired --report FILE --twin k0=k0b      # A/A: two engine hosts started alike, k0b against k0
 
 Results: ``--out/paired.json`` (rewritten after every round) and a Markdown table on stdout.
 """
@@ -54,6 +55,7 @@ import argparse
 import asyncio
 import json
 import lzma
+import math
 import os
 import statistics
 import sys
@@ -281,6 +283,90 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def twin_rows(res: dict[str, Any], arm: str, twin: str) -> list[dict[str, Any]]:
+    """An A/A control: per cell, arm ``twin`` against arm ``arm``, two servers started with the
+    same arguments, over the rounds both completed.
+
+    Returns:
+        dicts with ``cell``, ``rounds``, ``x`` (pooled ratio ``twin`` over ``arm``; None
+        without time), ``ci95`` ([lo, hi] or None) and ``faster`` (rounds the twin was faster).
+
+    Raises:
+        ValueError: ``arm`` or ``twin`` names no arm of the result, or both name the same one.
+    """
+    for name in (arm, twin):
+        if name not in res["arms"]:
+            raise ValueError(f"--twin names {name!r}, no arm of this result ({', '.join(res['arms'])})")
+    if arm == twin:
+        raise ValueError(f"--twin {arm}={twin}: an arm is no twin of itself")
+    rows = []
+    for cell in res["cells"]:
+        by: dict[str, dict[int, dict[str, Any]]] = {}
+        for b in res["bursts"]:
+            if b["cell"] == cell and b["arm"] in (arm, twin):
+                by.setdefault(b["arm"], {})[b["round"]] = b
+        rounds = sorted(set(by.get(arm, {})) & set(by.get(twin, {})))
+        a = [by[twin][r] for r in rounds]
+        b = [by[arm][r] for r in rounds]
+        ci = bootstrap_interval(a, b)
+        per = [x["tok_s"] / y["tok_s"] for x, y in zip(a, b) if x["tok_s"] and y["tok_s"]]
+        rows.append(
+            {
+                "cell": cell,
+                "rounds": len(rounds),
+                "x": pooled_ratio(a, b),
+                "ci95": list(ci) if ci else None,
+                "faster": sum(1 for x in per if x > 1.0),
+            }
+        )
+    return rows
+
+
+def render_twin(res: dict[str, Any], arm: str, twin: str) -> str:
+    """Markdown of :func:`twin_rows`: the A/A table and what it says about the other ratios.
+
+    The spread it reports, the largest ``|ln x|`` over the cells (as a percentage, ``exp - 1``),
+    is what two processes with the same arguments differ by on this host: a ratio between two
+    other servers of the same result is no more resolved than that, whatever its interval over
+    rounds says, for that interval resamples rounds and holds no process-to-process variation.
+
+    Raises:
+        ValueError: as :func:`twin_rows`.
+    """
+    rows = twin_rows(res, arm, twin)
+    lines = [
+        f"A/A control: `{twin}` against `{arm}` (two servers started alike; any difference is the processes', "
+        "not the configuration's).",
+        "",
+        f"| cell | rounds | x `{arm}` | 95 % interval | rounds faster |",
+        "|---|---:|---:|---|---:|",
+    ]
+    logs, outside = [], []
+    for r in rows:
+        x, ci = r["x"], r["ci95"]
+        lines.append(
+            f"| {r['cell']} | {r['rounds']} | {'-' if x is None else f'{x:.3f}'} | "
+            f"{'-' if not ci else f'[{ci[0]:.3f}, {ci[1]:.3f}]'} | {r['faster']} of {r['rounds']} |"
+        )
+        if x:
+            logs.append((abs(math.log(x)), r["cell"], x))
+        if ci and (ci[0] > 1.0 or ci[1] < 1.0):
+            outside.append(r["cell"])
+    if logs:
+        worst = max(logs)
+        gm = math.exp(statistics.fmean(math.log(x) for _, _, x in logs))
+        spread = math.exp(worst[0]) - 1.0
+        lines += [
+            "",
+            f"Geometric mean {gm:.3f} over {len(logs)} cells; the largest difference {spread:.1%} ({worst[1]}); "
+            f"intervals over rounds that leave out 1.000: {len(outside)} of {len(logs)}"
+            + (f" ({', '.join(outside)})" if outside else "")
+            + f". A ratio between two servers of this result differs from 1 by more than the processes do only "
+            f"beyond about ±{spread:.1%}.",
+        ]
+    return "\n".join(lines)
+
+
 def load_result(path: Path) -> dict[str, Any]:
     """A ``paired.json`` written by this benchmark, plain or ``xz``-compressed (``.xz``).
 
@@ -474,8 +560,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>-paired)")
     p.add_argument("--report", type=Path, help="print the table of an earlier paired.json (or .json.xz) and exit")
+    p.add_argument(
+        "--twin",
+        action="append",
+        default=[],
+        metavar="ARM=TWIN",
+        help="two arms started with the same arguments (an A/A control): also print TWIN against ARM per cell "
+        "and the spread two such processes show, which no ratio between servers resolves below",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def _twins(specs: list[str]) -> list[tuple[str, str]]:
+    """``--twin ARM=TWIN`` values as pairs.
+
+    Raises:
+        ValueError: a value is not of that form.
+    """
+    out = []
+    for spec in specs:
+        arm, sep, twin = spec.partition("=")
+        if not sep or not arm.strip() or not twin.strip():
+            raise ValueError(f"--twin takes ARM=TWIN (two arm names), got {spec!r}")
+        out.append((arm.strip(), twin.strip()))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -490,7 +599,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"--baseline {args.baseline!r} names no arm of {args.report} ({', '.join(res['arms'])})"
                     )
                 res["baseline"] = args.baseline
-            print(render(res))
+            twins = _twins(args.twin)
+            text = [render(res)] + [render_twin(res, a, t) for a, t in twins]
+            print("\n\n".join(text))
             return 0
         arms = [parse_arm(a) for a in args.arm]
         if len(arms) < 2:
@@ -499,6 +610,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("arm names must differ")
         if args.baseline and args.baseline not in {a.name for a in arms}:
             raise ValueError(f"--baseline {args.baseline!r} names no arm")
+        twins = _twins(args.twin)
+        for a, t in twins:
+            if a not in {x.name for x in arms} or t not in {x.name for x in arms} or a == t:
+                raise ValueError(f"--twin {a}={t} must name two different arms")
         args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
         for w in args.workloads:
             if w not in WORKLOADS:
@@ -527,6 +642,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot reach a server: {exc or type(exc).__name__}. Is every --arm URL up?", file=sys.stderr)
         return 2
     print(render(res))
+    for a, t in twins:
+        print()
+        print(render_twin(res, a, t))
     print(f"results: {args.out / 'paired.json'}")
     return 0
 

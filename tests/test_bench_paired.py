@@ -248,3 +248,30 @@ def test_a_burst_is_read_once_the_engine_host_shows_no_request_running():
     client.is_host = False  # a bare vLLM server: its counters only
     assert asyncio.run(client.settled_snapshot(0.0)) == ({}, {"draft_tokens": 0.0, "accepted_tokens": 0.0})
     asyncio.run(client.http.aclose())
+
+
+def test_an_a_a_control_reports_what_two_alike_servers_differ_by(tmp_path, capsys):
+    """``--twin k0=k0b``: k0b against k0 per cell, the spread, and the cells whose interval over
+    rounds leaves out 1 although the two servers were started alike."""
+    from bench.paired import main, twin_rows
+
+    bursts = []
+    for r in range(12):
+        level = 1.0 + 0.05 * (r % 3)  # the host's speed, shared by the round
+        for cell, skew in (("chat@c1", 1.0), ("code@c1", 1.08)):  # k0b's process 8 % faster on code
+            bursts.append({"cell": cell, "round": r, "arm": "plain", **_b(100, 1.0 * level)})
+            bursts.append({"cell": cell, "round": r, "arm": "k0", **_b(100, 1.0 * level * (1.01 if r % 2 else 0.99))})
+            bursts.append({"cell": cell, "round": r, "arm": "k0b", **_b(100, 1.0 * level / skew)})
+    res = {"baseline": "plain", "arms": ["plain", "k0", "k0b"], "cells": ["chat@c1", "code@c1"], "bursts": bursts}
+    rows = {r["cell"]: r for r in twin_rows(res, "k0", "k0b")}
+    assert rows["chat@c1"]["x"] == pytest.approx(1.0, abs=0.002) and rows["chat@c1"]["rounds"] == 12
+    lo, hi = rows["code@c1"]["ci95"]
+    assert rows["code@c1"]["x"] == pytest.approx(1.08, abs=0.002) and lo > 1.0  # resolved, yet only the processes
+    (tmp_path / "r.json").write_text(json.dumps(res))
+    assert main(["--report", str(tmp_path / "r.json"), "--twin", "k0=k0b"]) == 0
+    out = capsys.readouterr().out
+    assert "| code@c1 | 12 | 1.080 |" in out and "the largest difference 8.0% (code@c1)" in out
+    assert "leave out 1.000: 1 of 2 (code@c1)" in out and "±8.0%" in out
+    for bad, why in (("k0=k4", "no arm of this result"), ("k0", "takes ARM=TWIN"), ("k0=k0", "no twin of itself")):
+        assert main(["--report", str(tmp_path / "r.json"), "--twin", bad]) == 2
+        assert why in capsys.readouterr().err

@@ -58,7 +58,11 @@ if [ -n "${K0_FULL:-}" ]; then
   ARMS+=(--arm "k0full=$F0X_URL,mode=fixed:0,token-env=F0X_TOKEN")
   PROFILED=a,f0,f0x
 fi
-[ -n "${K0_TWIN:-}" ] && ARMS+=(--arm "k0b=$F0B_URL,mode=fixed:0,token-env=F0B_TOKEN")
+TWIN=()
+if [ -n "${K0_TWIN:-}" ]; then
+  ARMS+=(--arm "k0b=$F0B_URL,mode=fixed:0,token-env=F0B_TOKEN")
+  TWIN=(--twin k0=k0b)  # the A/A table under each run's table
+fi
 PY_SPY=${PY_SPY:-}
 SPY=${SPECPILOT_SCRATCH:-/tmp/specpilot-gpu}/site/bin/py-spy
 [ -z "$PY_SPY" ] && [ -x "$SPY" ] && PY_SPY=$SPY
@@ -69,7 +73,7 @@ states() {
 # table NAME BUDGET WORKLOADS CLIENTS PER-CLIENT: one `bench paired` run (skipped at a budget of 0)
 table() {
   if [ "$2" = 0 ]; then progress "$1: skipped (budget 0)"; return; fi
-  python3 -m bench paired "${ARMS[@]}" --workloads "$3" --clients "$4" --per-client "$5" --rounds 400 \
+  python3 -m bench paired "${ARMS[@]}" ${TWIN[@]+"${TWIN[@]}"} --workloads "$3" --clients "$4" --per-client "$5" --rounds 400 \
     --time-budget "$2" --out "$R/$1" > "$R/$1.log" 2>&1
   progress "$4 client(s) (rc $?)"
   states "$1"
