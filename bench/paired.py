@@ -326,9 +326,10 @@ def render_twin(res: dict[str, Any], arm: str, twin: str) -> str:
     """Markdown of :func:`twin_rows`: the A/A table and what it says about the other ratios.
 
     The spread it reports, the largest ``|ln x|`` over the cells (as a percentage, ``exp - 1``),
-    is what two processes with the same arguments differ by on this host: a ratio between two
-    other servers of the same result is no more resolved than that, whatever its interval over
-    rounds says, for that interval resamples rounds and holds no process-to-process variation.
+    is how far a ratio between two servers of this result moved with no difference between
+    them; and how many of the intervals over rounds left 1 out, against the 1 in 20 that
+    95 % intervals leave out by chance when they hold the noise (more than that: something
+    that differs between processes and not between rounds, which the intervals miss).
 
     Raises:
         ValueError: as :func:`twin_rows`.
@@ -358,11 +359,11 @@ def render_twin(res: dict[str, Any], arm: str, twin: str) -> str:
         spread = math.exp(worst[0]) - 1.0
         lines += [
             "",
-            f"Geometric mean {gm:.3f} over {len(logs)} cells; the largest difference {spread:.1%} ({worst[1]}); "
-            f"intervals over rounds that leave out 1.000: {len(outside)} of {len(logs)}"
+            f"Geometric mean {gm:.3f} over {len(logs)} cells; the largest difference {spread:.1%} ({worst[1]}): "
+            f"with no difference between the two, a cell's ratio moved by up to ±{spread:.1%}. Intervals over "
+            f"rounds that leave out 1.000: {len(outside)} of {len(logs)}"
             + (f" ({', '.join(outside)})" if outside else "")
-            + f". A ratio between two servers of this result differs from 1 by more than the processes do only "
-            f"beyond about ±{spread:.1%}.",
+            + ", against about 1 in 20 by chance when the intervals hold the noise.",
         ]
     return "\n".join(lines)
 
@@ -565,8 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="ARM=TWIN",
-        help="two arms started with the same arguments (an A/A control): also print TWIN against ARM per cell "
-        "and the spread two such processes show, which no ratio between servers resolves below",
+        help="two arms started with the same arguments (an A/A control): also print TWIN against ARM per cell, "
+        "how far a ratio moved with no difference behind it, and how many intervals left 1 out",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
