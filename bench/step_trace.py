@@ -31,13 +31,17 @@ graph mode (the engine host runs vLLM with ``--cudagraph-metrics`` on a GPU whil
 by K verified and graph mode (``FULL``, ``PIECEWISE``, ``NONE``): a decode step that missed its
 FULL graph costs more at any K. With ``--lone N``, also each request that ran alone and drafted
 (``lone_table``): how many of its steps drafted, what they had accepted, and where the trace
-records it the per-request gate's estimate.
+records it the per-request gate's estimate. With ``--against TRACE`` (engines side by side on one
+host), each other engine's K = 0 steps against the first file's burst by burst (``matched_table``):
+the host's speed moves between bursts by more than engines differ, and a median over a whole run
+mixes the two.
 
 Example::
 
     SPECPILOT_STEP_TRACE=/tmp/steps.csv python -m engine_host ...   # then load it
     python -m bench step-trace /tmp/steps.csv.* --since 30
     python -m bench step-trace steps-k0.csv.xz --paired c64.json.xz --arm k0 --requests 33-64
+    python -m bench step-trace steps-k0.csv.xz --against steps-k0b.csv.xz --against steps-mixture.csv.xz
 """
 
 from __future__ import annotations
@@ -367,6 +371,127 @@ def vllm_table(traces: Sequence[Sequence[Step]], since_s: float = 0.0) -> list[s
 
 
 @dataclass(frozen=True)
+class Burst:
+    """One busy spell of a trace: when its first output came (s, the engine core's clock, which
+    is the host's monotonic clock: traces of engines on one host share it), and per range of
+    batch sizes (``BATCH_RANGES`` index) the K = 0 pure-decode steps measured as
+    :func:`busy_intervals` does: wall ms, vLLM's ``schedule()`` µs and ``update_from_output()`` µs
+    (``nan`` where the trace does not record them)."""
+
+    t_start: float
+    steps: dict[int, list[tuple[float, float, float]]]
+
+
+def bursts(steps: Sequence[Step], max_gap_s: float = 0.05) -> list[Burst]:
+    """``steps`` (one engine core's rows, in order) cut into bursts at idle spells: an
+    output-to-output interval longer than ``max_gap_s`` (s) starts a new one. Only K = 0 steps
+    are kept (like against like across engines whose K differs)."""
+    out: list[Burst] = []
+    if not steps:
+        return out
+    cur = Burst(steps[0].t_output, defaultdict(list))
+    for prev, st in zip(steps, steps[1:]):
+        dt = st.t_output - prev.t_output
+        if dt > max_gap_s:
+            if cur.steps:
+                out.append(cur)
+            cur = Burst(st.t_output, defaultdict(list))
+            continue
+        if (
+            dt > 0.0
+            and st.k_drafted == 0
+            and st.requests
+            and st.decode == st.requests
+            and prev.decode == prev.requests == st.requests
+        ):
+            nan = float("nan")
+            cur.steps[_range_index(st.requests)].append(
+                (
+                    dt * 1e3,
+                    st.vllm_schedule_us if st.vllm_schedule_us is not None else nan,
+                    st.vllm_update_us if st.vllm_update_us is not None else nan,
+                )
+            )
+    if cur.steps:
+        out.append(cur)
+    return out
+
+
+def matched_table(
+    base: Sequence[Step],
+    others: Sequence[tuple[str, Sequence[Step]]],
+    max_gap_s: float = 0.05,
+    match_s: float = 10.0,
+    min_steps: int = 20,
+    resamples: int = 2000,
+) -> list[str]:
+    """Markdown rows: each of ``others`` (``(name, steps)``) against ``base``, burst by burst.
+
+    Engines side by side on one host (``bench paired``) take turns on the same prompts, and the
+    host's speed moves between bursts by more than the engines differ: a median over a whole
+    run mixes the engines' difference with how many of each one's bursts fell in slow
+    spells. Here each burst of an other engine is matched to the base engine's burst that
+    started nearest in time (within ``match_s``, s; the same round of ``bench paired``), and,
+    per range of batch sizes, with at least ``min_steps`` K = 0 pure-decode steps in both, the
+    difference of their median step (ms) and of vLLM's own ``schedule()`` and
+    ``update_from_output()`` (µs) is taken. Each row (ranges with 3 or more matched bursts) gives the median of those differences
+    with a 95 % percentile-bootstrap interval over the matched bursts (``resamples``
+    resamples; Efron, Ann. Statist. 7 (1979) 1-26), and the spread of the base engine's
+    per-burst median step (10th-90th percentile, ms): what the host's state alone moves."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    base_bursts = bursts(base, max_gap_s)
+    starts = np.array([b.t_start for b in base_bursts]) if base_bursts else np.array([])
+    lines = [
+        "| engine against base | requests | bursts matched | step ms: median difference [95 %] | vLLM schedule() µs "
+        "| vLLM update_from_output() µs | base's median step per burst, p10-p90 ms |",
+        "|---|---|---:|---|---|---|---|",
+    ]
+
+    def cell(values: list[float], fmt: str) -> str:
+        v = np.array([x for x in values if x == x])  # nan: not in the trace
+        if len(v) < 3:
+            return "-"
+        meds = np.median(v[rng.integers(0, len(v), size=(resamples, len(v)))], axis=1)
+        lo, hi = np.percentile(meds, [2.5, 97.5])
+        return f"{fmt.format(float(np.median(v)))} [{fmt.format(float(lo))}, {fmt.format(float(hi))}]"
+
+    for name, steps in others:
+        pairs: dict[int, list[tuple[tuple[float, float, float], tuple[float, float, float]]]] = defaultdict(list)
+        for b in bursts(steps, max_gap_s):
+            if not len(starts):
+                break
+            i = int(np.argmin(np.abs(starts - b.t_start)))
+            if abs(starts[i] - b.t_start) > match_s:
+                continue
+            for j, mine in b.steps.items():
+                theirs = base_bursts[i].steps.get(j, [])
+                if len(mine) >= min_steps and len(theirs) >= min_steps:
+                    pairs[j].append(
+                        (
+                            tuple(float(np.median([x[c] for x in mine])) for c in range(3)),  # type: ignore[misc]
+                            tuple(float(np.median([x[c] for x in theirs])) for c in range(3)),  # type: ignore[misc]
+                        )
+                    )
+        for j in sorted(pairs):
+            ps = pairs[j]
+            if len(ps) < 3:
+                continue
+            lo, hi = BATCH_RANGES[j]
+            base_meds = [t[0] for _, t in ps]
+            p10, p90 = np.percentile(base_meds, [10, 90])
+            lines.append(
+                f"| {name} | {_range_label(lo, hi)} | {len(ps)} | "
+                f"{cell([m[0] - t[0] for m, t in ps], '{:+.3f}')} | {cell([m[1] - t[1] for m, t in ps], '{:+.1f}')} | "
+                f"{cell([m[2] - t[2] for m, t in ps], '{:+.1f}')} | {p10:.2f}-{p90:.2f} |"
+            )
+    if len(lines) == 2:
+        return ["no burst matched the base engine's (within the time window, with enough K = 0 steps)"]
+    return lines
+
+
+@dataclass(frozen=True)
 class CellWindow:
     """A benchmark cell's measured window (``bench matrix`` cell JSON, ``window_perf_s``)."""
 
@@ -528,6 +653,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="LO-HI",
         help="with --paired: the batch sizes the per-cell rows count",
     )
+    ap.add_argument(
+        "--against",
+        action="append",
+        default=[],
+        metavar="TRACE",
+        help="another engine's trace on the same host (repeatable): its K = 0 steps against the first file's, "
+        "burst by burst (each burst matched to the first engine's nearest in time), per range of batch sizes",
+    )
+    ap.add_argument(
+        "--match-s", type=float, default=10.0, help="with --against: the farthest apart two matched bursts start, s"
+    )
     ap.add_argument("--min-steps", type=int, default=20, help="groups with fewer steps are not printed")
     ap.add_argument(
         "--lone",
@@ -540,6 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.paired and (not args.arm or len(args.files) != 1):
         ap.error("--paired needs --arm and exactly one trace file (the arm's engine)")
+    if args.against and len(args.files) != 1:
+        ap.error("--against needs exactly one trace file (the base engine's)")
     intervals: list[Interval] = []
     traces: list[list[Step]] = []
     for f in args.files:
@@ -574,6 +712,18 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(paired_cell_table(intervals, windows, args.requests, args.min_steps)))
         if off:
             print(f"\n{len(off)} of {len(windows)} bursts differ from the result's step counts: not matched")
+        print()
+    if args.against:
+        others = []
+        for f in args.against:
+            try:
+                others.append((Path(f).name, read_trace(f)))
+            except (OSError, ValueError) as exc:
+                ap.error(str(exc))
+        rows = matched_table(traces[0], others, args.max_gap_ms / 1e3, args.match_s, args.min_steps)
+        print(f"Against {Path(args.files[0]).name}, burst by burst (K = 0 pure-decode steps):")
+        print()
+        print("\n".join(rows))
         print()
     if args.lone > 0:
         print("\n".join(lone_table(traces, args.lone)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -297,3 +298,53 @@ def test_a_paired_result_is_matched_to_the_run_of_bursts_whose_step_counts_agree
     result["bursts"] = [{"arm": "k0", "cell": "a", "steps_at_k": [90]}]
     windows, off = bst.paired_windows(steps, result, "k0")
     assert off == [0] and round(windows[0].end - windows[0].start, 3) == 0.276  # the last burst, 70 steps
+
+
+def _burst_steps(t0: float, n: int, step_s: float, requests: int = 1, sched_us: float = 100.0) -> list[bst.Step]:
+    """``n`` pure-decode K = 0 steps of ``requests`` requests from ``t0`` (s), ``step_s`` apart."""
+    return [
+        bst.Step(
+            t0 + i * step_s,
+            t0 + (i + 1) * step_s,
+            0,
+            0,
+            requests,
+            requests,
+            requests,
+            vllm_schedule_us=sched_us,
+            vllm_update_us=50.0,
+        )  # fmt: skip
+        for i in range(n)
+    ]
+
+
+def test_engines_are_compared_burst_by_burst_where_the_hosts_state_moves_whole_run_medians(tmp_path, capsys) -> None:
+    """The host runs bursts fast (2.0 ms a step) or slow (2.8 ms), shared by the two engines in a
+    round; engine B is 0.1 ms slower in every burst but fell in fewer slow bursts, so its whole-run
+    median is lower than A's. Matched burst by burst, B is +0.1 ms."""
+    a: list[bst.Step] = []
+    b: list[bst.Step] = []
+    for r in range(12):
+        t = 100.0 + 10.0 * r  # a round every 10 s; A's burst, then B's 1 s later
+        slow_a = r % 2 == 0
+        slow_b = r % 4 == 0  # (B: only half of A's slow rounds were slow for it)
+        a += _burst_steps(t, 60, 0.0028 if slow_a else 0.0020)
+        b += _burst_steps(t + 1.0, 60, (0.0028 if slow_b else 0.0020) + 0.0001, sched_us=110.0)
+    whole_a = statistics.median(iv.seconds for iv in bst.busy_intervals(a))
+    whole_b = statistics.median(iv.seconds for iv in bst.busy_intervals(b))
+    assert whole_b < whole_a  # the whole-run medians point the wrong way
+    rows = bst.matched_table(a, [("b", b)], match_s=5.0)
+    (row,) = [r for r in rows if r.startswith("| b | 1 |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "12"  # every burst matched to the same round's
+    diff = float(cells[3].split()[0])
+    assert diff == pytest.approx(0.1, abs=0.01)  # pairs: 9 of 12 rounds alike (+0.1), 3 slow for A only (-0.7)
+    assert cells[4].startswith("+10.0")  # vLLM's schedule(): 110 against 100 µs in every burst
+    # bursts too far apart in time are not matched; the CLI prints the table
+    assert bst.matched_table(a, [("b", [s for s in b])], match_s=0.5)[0].startswith("no burst matched")
+    fa, fb = tmp_path / "a.csv", tmp_path / "b.csv"
+    for path, steps in ((fa, a), (fb, b)):
+        _write(path, [(s.t_scheduled, s.t_output, 0, 0, 1, 1, 1) for s in steps])
+    assert bst.main([str(fa), "--against", str(fb), "--match-s", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "burst by burst" in out and "| b.csv | 1 | 12 |" in out
