@@ -45,6 +45,7 @@ Example (plain vLLM on :8100, the engine host on :8000)::
     python -m bench paired --report bench/results/paired/paired.json      # the table again (.json.xz too)
     python -m bench paired --report FILE --baseline k4                       # the same rounds against arm k4
     python -m bench paired --report FILE --twin k0=k0b      # A/A: two engine hosts started alike, k0b against k0
+    python -m bench paired --report c1.json.xz c64.json.xz   # both tables, then each arm over all their cells
 
 Results: ``--out/paired.json`` (rewritten after every round) and a Markdown table on stdout.
 """
@@ -187,6 +188,86 @@ def bootstrap_interval(
     ratios = num / np.where(den > 0, den, np.nan)
     lo, hi = np.nanpercentile(ratios, [2.5, 97.5])
     return float(lo), float(hi)
+
+
+def _cell_pairs(res: dict[str, Any], arm: str, base: str) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """Per cell of ``res``, the bursts of ``arm`` and ``base`` over the rounds both completed
+    (cells with fewer than 3 such rounds left out)."""
+    out = []
+    for cell in res["cells"]:
+        by: dict[str, dict[int, dict[str, Any]]] = {}
+        for b in res["bursts"]:
+            if b["cell"] == cell and b["arm"] in (arm, base):
+                by.setdefault(b["arm"], {})[b["round"]] = b
+        rounds = sorted(set(by.get(arm, {})) & set(by.get(base, {})))
+        if len(rounds) >= 3:
+            out.append(([by[arm][r] for r in rounds], [by[base][r] for r in rounds]))
+    return out
+
+
+def geomean_over_cells(
+    pairs: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+) -> tuple[float, tuple[float, float]] | None:
+    """The geometric mean over cells of :func:`pooled_ratio` (arm over base, per cell), with a
+    95 % percentile-bootstrap interval that resamples each cell's rounds independently (Efron,
+    Ann. Statist. 7 (1979) 1-26). ``pairs``: per cell, the arm's and the base's bursts of the
+    same rounds. A target stated per cell that one cell's rounds cannot resolve can be read over
+    all cells at once: n cells narrow the interval by about the square root of n.
+
+    Returns:
+        ``(geometric mean, (lo, hi))``, or None without a cell.
+    """
+    if not pairs:
+        return None
+    rng = np.random.default_rng(seed)
+    logs = np.zeros(resamples)
+    point = 0.0
+    for arm, base in pairs:
+        ta = np.array([b["tokens"] for b in arm], float)
+        wa = np.array([b["wall_s"] for b in arm], float)
+        tb = np.array([b["tokens"] for b in base], float)
+        wb = np.array([b["wall_s"] for b in base], float)
+        point += float(np.log((ta.sum() / wa.sum()) / (tb.sum() / wb.sum())))
+        idx = rng.integers(0, len(arm), size=(resamples, len(arm)))
+        logs += np.log((ta[idx].sum(1) / wa[idx].sum(1)) / (tb[idx].sum(1) / wb[idx].sum(1)))
+    n = len(pairs)
+    lo, hi = np.percentile(logs / n, [2.5, 97.5])
+    return float(np.exp(point / n)), (float(np.exp(lo)), float(np.exp(hi)))
+
+
+def render_over_cells(results: list[dict[str, Any]]) -> str:
+    """Markdown: per arm of the first result, :func:`geomean_over_cells` against each result's
+    baseline over every cell of ``results`` (one or more results with the same arms, e.g. the
+    1- and 64-client runs of one table).
+
+    Raises:
+        ValueError: the results' baselines differ, or a result lacks an arm of the first.
+    """
+    base = results[0]["baseline"]
+    arms = [a for a in results[0]["arms"] if a != base]
+    for res in results[1:]:
+        if res["baseline"] != base:
+            raise ValueError(f"the results' baselines differ ({base!r}, {res['baseline']!r})")
+        missing = [a for a in arms if a not in res["arms"]]
+        if missing:
+            raise ValueError(f"a result has no arm {', '.join(missing)}")
+    lines = [
+        f"Over the cells: geometric mean of each cell's x `{base}`, 95 % bootstrap interval resampling each cell's "
+        "rounds.",
+        "",
+        "| arm | cells | x base, geometric mean | 95 % interval |",
+        "|---|---:|---:|---|",
+    ]
+    for arm in arms:
+        pairs = [p for res in results for p in _cell_pairs(res, arm, base)]
+        got = geomean_over_cells(pairs)
+        if got is None:
+            continue
+        gm, (lo, hi) = got
+        lines.append(f"| `{arm}` | {len(pairs)} | {gm:.3f} | [{lo:.3f}, {hi:.3f}] |")
+    return "\n".join(lines)
 
 
 def summarize(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -560,7 +641,14 @@ def build_parser() -> argparse.ArgumentParser:
         "spins a core for 1 s after its last step, docs/benchmarks.md)",
     )
     p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<time>-paired)")
-    p.add_argument("--report", type=Path, help="print the table of an earlier paired.json (or .json.xz) and exit")
+    p.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        metavar="RESULT",
+        help="print the table of earlier paired.json files (or .json.xz) and, over all their cells, each arm's "
+        "geometric mean with its interval, and exit",
+    )
     p.add_argument(
         "--twin",
         action="append",
@@ -593,15 +681,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.report:
-            res = load_result(args.report)
-            if args.baseline:  # the same rounds read against another arm (e.g. the best static K)
-                if args.baseline not in res["arms"]:
-                    raise ValueError(
-                        f"--baseline {args.baseline!r} names no arm of {args.report} ({', '.join(res['arms'])})"
-                    )
-                res["baseline"] = args.baseline
+            results = []
+            for path in args.report:
+                res = load_result(path)
+                if args.baseline:  # the same rounds read against another arm (e.g. the best static K)
+                    if args.baseline not in res["arms"]:
+                        raise ValueError(
+                            f"--baseline {args.baseline!r} names no arm of {path} ({', '.join(res['arms'])})"
+                        )
+                    res["baseline"] = args.baseline
+                results.append(res)
             twins = _twins(args.twin)
-            text = [render(res)] + [render_twin(res, a, t) for a, t in twins]
+            text = []
+            for res in results:
+                text += [render(res)] + [render_twin(res, a, t) for a, t in twins]
+            text.append(render_over_cells(results))
             print("\n\n".join(text))
             return 0
         arms = [parse_arm(a) for a in args.arm]
@@ -646,6 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     for a, t in twins:
         print()
         print(render_twin(res, a, t))
+    print()
+    print(render_over_cells([res]))
     print(f"results: {args.out / 'paired.json'}")
     return 0
 

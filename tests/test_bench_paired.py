@@ -275,3 +275,41 @@ def test_an_a_a_control_reports_what_two_alike_servers_differ_by(tmp_path, capsy
     for bad, why in (("k0=k4", "no arm of this result"), ("k0", "takes ARM=TWIN"), ("k0=k0", "no twin of itself")):
         assert main(["--report", str(tmp_path / "r.json"), "--twin", bad]) == 2
         assert why in capsys.readouterr().err
+
+
+def test_the_report_reads_several_results_and_gives_each_arm_over_all_their_cells(tmp_path, capsys):
+    """Two results (two cells each): k0 is 10 % faster than plain in every cell of both; over the
+    four cells its geometric mean is 1.10 and its interval, resampling each cell's rounds,
+    is narrower than one cell's."""
+    from bench.paired import _cell_pairs, geomean_over_cells, main
+
+    rng = __import__("random").Random(3)
+
+    def result(cells: list[str]) -> dict:
+        bursts = []
+        for cell in cells:
+            for r in range(20):
+                level = rng.uniform(0.8, 1.25)
+                bursts.append({"cell": cell, "round": r, "arm": "plain", **_b(100, level * rng.uniform(0.9, 1.1))})
+                bursts.append({"cell": cell, "round": r, "arm": "k0", **_b(110, level * rng.uniform(0.9, 1.1))})
+        return {"baseline": "plain", "arms": ["plain", "k0"], "cells": cells, "bursts": bursts}
+
+    r1, r2 = result(["chat@c1", "code@c1"]), result(["docs@c64", "code@c64"])
+    pairs = _cell_pairs(r1, "k0", "plain") + _cell_pairs(r2, "k0", "plain")
+    gm, (lo, hi) = geomean_over_cells(pairs)
+    assert gm == pytest.approx(1.10, abs=0.03) and lo < gm < hi
+    one = bootstrap_interval(*pairs[0])
+    assert hi - lo < one[1] - one[0]
+    for i, res in enumerate((r1, r2)):
+        (tmp_path / f"r{i}.json").write_text(json.dumps(res))
+    assert main(["--report", str(tmp_path / "r0.json"), str(tmp_path / "r1.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| chat@c1 | `k0` |" in out and "| docs@c64 | `k0` |" in out
+    assert f"| `k0` | 4 | {gm:.3f} | [{lo:.3f}, {hi:.3f}] |" in out
+    # read against k0: plain over the four cells
+    assert main(["--report", str(tmp_path / "r0.json"), str(tmp_path / "r1.json"), "--baseline", "k0"]) == 0
+    assert "| `plain` | 4 | 0.9" in capsys.readouterr().out
+    bad = dict(r2, baseline="k0")
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    assert main(["--report", str(tmp_path / "r0.json"), str(tmp_path / "bad.json")]) == 2
+    assert "baselines differ" in capsys.readouterr().err
