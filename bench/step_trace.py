@@ -34,7 +34,8 @@ FULL graph costs more at any K. With ``--lone N``, also each request that ran al
 records it the per-request gate's estimate. With ``--against TRACE`` (engines side by side on one
 host), each other engine's K = 0 steps against the first file's burst by burst (``matched_table``):
 the host's speed moves between bursts by more than engines differ, and a median over a whole run
-mixes the two.
+mixes the two. Where the trace records the CPU the engine core ran on (``cpu``), each burst's median
+step by the CPU most of it ran on (``cpu_table``).
 
 Example::
 
@@ -52,7 +53,7 @@ import json
 import lzma
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -79,6 +80,7 @@ class Step:
     path: str = ""  # the hook's path that handled the output: lean, full ("": not in the trace)
     vllm_schedule_us: float | None = None  # vLLM's own schedule() for the step (µs; None: not in the trace)
     vllm_update_us: float | None = None  # vLLM's own update_from_output() for the output (µs)
+    cpu: int | None = None  # the CPU the engine core's thread ran on (None: not in the trace)
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ def read_trace(path: str | Path) -> list[Step]:
                 r.get("path") or "",
                 _fraction(r.get("vllm_schedule_us")),
                 _fraction(r.get("vllm_update_us")),
+                _count(r.get("cpu")),
             )
             for r in reader
         ]
@@ -380,6 +383,11 @@ class Burst:
 
     t_start: float
     steps: dict[int, list[tuple[float, float, float]]]
+    cpus: dict[int, int] = field(default_factory=dict)  # CPU -> rows of the burst on it (traces with the column)
+
+    def cpu(self) -> int | None:
+        """The CPU most of the burst's rows ran on (None: not in the trace)."""
+        return max(self.cpus, key=lambda c: self.cpus[c]) if self.cpus else None
 
 
 def bursts(steps: Sequence[Step], max_gap_s: float = 0.05) -> list[Burst]:
@@ -397,6 +405,8 @@ def bursts(steps: Sequence[Step], max_gap_s: float = 0.05) -> list[Burst]:
                 out.append(cur)
             cur = Burst(st.t_output, defaultdict(list))
             continue
+        if st.cpu is not None:
+            cur.cpus[st.cpu] = cur.cpus.get(st.cpu, 0) + 1
         if (
             dt > 0.0
             and st.k_drafted == 0
@@ -415,6 +425,38 @@ def bursts(steps: Sequence[Step], max_gap_s: float = 0.05) -> list[Burst]:
     if cur.steps:
         out.append(cur)
     return out
+
+
+def cpu_table(traces: Sequence[Sequence[Step]], max_gap_s: float = 0.05, min_steps: int = 20) -> list[str]:
+    """Markdown rows, one per range of batch sizes and CPU: the bursts (:func:`bursts`, K = 0
+    pure-decode steps) whose rows ran mostly on that CPU (the trace's ``cpu`` column), and the
+    median and 10th-90th percentile of their median step (ms). Empty when no row records the
+    CPU. What it tells: whether a burst's speed follows the core the engine core ran on (on a
+    host of several NUMA nodes, map CPUs to nodes with ``lscpu``)."""
+    import numpy as np
+
+    groups: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for trace in traces:
+        for b in bursts(trace, max_gap_s):
+            cpu = b.cpu()
+            if cpu is None:
+                continue
+            for j, rows in b.steps.items():
+                if len(rows) >= min_steps:
+                    groups[(j, cpu)].append(float(np.median([r[0] for r in rows])))
+    if not groups:
+        return []
+    lines = [
+        "| requests | CPU (most of the burst) | bursts | median step ms (median of bursts) | p10-p90 ms |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for (j, cpu), meds in sorted(groups.items()):
+        lo, hi = BATCH_RANGES[j]
+        p10, p90 = np.percentile(meds, [10, 90])
+        lines.append(
+            f"| {_range_label(lo, hi)} | {cpu} | {len(meds)} | {float(np.median(meds)):.3f} | {p10:.3f}-{p90:.3f} |"
+        )
+    return lines
 
 
 def matched_table(
@@ -695,6 +737,10 @@ def main(argv: list[str] | None = None) -> int:
     vllm_rows = vllm_table(traces, args.since)
     if vllm_rows:
         print("\n".join(vllm_rows))
+        print()
+    cpu_rows = cpu_table(traces, args.max_gap_ms / 1e3, args.min_steps)
+    if cpu_rows:
+        print("\n".join(cpu_rows))
         print()
     if args.cells:
         cells = cell_windows(args.cells)

@@ -33,23 +33,39 @@ per-request gate is off, when more than ``TRACE_ESTIMATE_MAX_BATCH`` (8) request
 ``path`` (``lean`` or ``full``: the hook's path that handled the output, ``engine_host.scheduler``),
 ``vllm_schedule_us`` and ``vllm_update_us`` (µs: vLLM's own ``schedule()`` for the step and its own
 ``update_from_output()`` for the output, inside the hook's overrides and outside the hook's clock:
-whether vLLM's work per step differs with the hook's path). Traces written before a column read
-as context 0, no graph mode, no draft or accepted tokens, no estimate or costs, and no path or
-vLLM times.
+whether vLLM's work per step differs with the hook's path), ``cpu`` (the CPU the engine core's
+thread ran on when the row was added, from the C library's ``sched_getcpu``; empty where it is
+not available: a step's speed can follow the core it runs on, and on a host of several NUMA nodes
+the node's distance from the GPU). Traces written before a column read as context 0, no graph
+mode, no draft or accepted tokens, no estimate or costs, no path or vLLM times, and no CPU.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 from collections import deque
+from typing import Callable
 
 from . import envs
 
 HEADER = (
     "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens,context,graph,"
-    "draft_tokens,accepted_tokens,estimate,prior,token_cost,step_cost,path,vllm_schedule_us,vllm_update_us\n"
+    "draft_tokens,accepted_tokens,estimate,prior,token_cost,step_cost,path,vllm_schedule_us,vllm_update_us,cpu\n"
 )
+
+
+def _cpu_reader() -> Callable[[], int] | None:
+    """The C library's ``sched_getcpu`` (the CPU the calling thread runs on, a vDSO call on
+    Linux), or None where the library has none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sched_getcpu
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = []
+    return fn
 
 
 class StepTrace:
@@ -65,6 +81,7 @@ class StepTrace:
         self.path = path
         self._rows: deque[str] = deque(maxlen=max_rows)
         self.dropped = 0  # rows that fell out of a full buffer
+        self._cpu = _cpu_reader()
         if not os.path.exists(path):
             with open(path, "w", encoding="utf-8") as f:
                 f.write(HEADER)
@@ -104,9 +121,10 @@ class StepTrace:
         sc = "" if step_cost is None else f"{step_cost:.4f}"
         vs = "" if not vllm_schedule_s else f"{vllm_schedule_s * 1e6:.1f}"
         vu = "" if vllm_update_s is None else f"{vllm_update_s * 1e6:.1f}"
+        cpu = self._cpu() if self._cpu is not None else -1
         self._rows.append(
             f"{t_scheduled:.6f},{t_output:.6f},{k_drafted},{k_proposed},{decode},{requests},{tokens},{context},{graph},"
-            f"{draft_tokens},{accepted_tokens},{est},{pri},{tc},{sc},{path},{vs},{vu}\n"
+            f"{draft_tokens},{accepted_tokens},{est},{pri},{tc},{sc},{path},{vs},{vu},{cpu if cpu >= 0 else ''}\n"
         )
 
     def flush(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -31,13 +32,16 @@ def test_trace_is_written_on_flush_only_and_appends(tmp_path: Path) -> None:
     t.flush()  # nothing buffered: nothing written
     lines = path.read_text().splitlines()
     assert lines[0] + "\n" == HEADER
-    assert lines[1:] == [
+    cpus = [ln.rsplit(",", 1)[1] for ln in lines[1:]]
+    assert all(c.isdigit() for c in cpus)  # the CPU the writer's thread ran on (Linux)
+    assert [ln.rsplit(",", 1)[0] for ln in lines[1:]] == [
         "1.000000,1.002000,0,2,1,1,1,40,,0,0,,,,,,,",
         "1.002000,1.005000,2,2,1,1,3,41,,0,0,,,,,full,250.0,1000.0",
     ]
     steps = bst.read_trace(path)
     assert (steps[0].path, steps[0].vllm_schedule_us, steps[0].vllm_update_us) == ("", None, None)
     assert (steps[1].path, steps[1].vllm_schedule_us, steps[1].vllm_update_us) == ("full", 250.0, 1000.0)
+    assert steps[1].cpu == int(cpus[1]) and steps[1].cpu in os.sched_getaffinity(0)
     assert bst.vllm_table([steps[:1]]) == []  # nothing recorded: no table
     # a second writer (engine restarted with the same file) appends, no second header
     StepTrace(str(path)).flush()
@@ -348,3 +352,16 @@ def test_engines_are_compared_burst_by_burst_where_the_hosts_state_moves_whole_r
     assert bst.main([str(fa), "--against", str(fb), "--match-s", "5"]) == 0
     out = capsys.readouterr().out
     assert "burst by burst" in out and "| b.csv | 1 | 12 |" in out
+
+
+def test_bursts_are_grouped_by_the_cpu_the_engine_core_ran_on() -> None:
+    """Bursts mostly on CPU 3 run 2.8 ms a step, those on CPU 0 2.0 ms: the CPU table says so;
+    a trace without the column prints no such table."""
+    steps: list[bst.Step] = []
+    for r in range(6):
+        cpu, step_s = (3, 0.0028) if r % 2 else (0, 0.0020)
+        for s in _burst_steps(100.0 + 10 * r, 40, step_s):
+            steps.append(bst.Step(**{**s.__dict__, "cpu": cpu if s.t_output < 100.0 + 10 * r + 0.1 else 7}))
+    rows = bst.cpu_table([steps])
+    assert rows[2].startswith("| 1 | 0 | 3 | 2.000 |") and rows[3].startswith("| 1 | 3 | 3 | 2.800 |")
+    assert bst.cpu_table([_burst_steps(100.0, 40, 0.002)]) == []

@@ -12,8 +12,8 @@
 # engine host writing a step trace (RESULTS/steps.csv.<engine-core pid>, xz-compressed at the end).
 # Writes RESULTS/c1, c8, c64 (`paired.json`; `python -m bench paired --report FILE [--baseline ARM]`),
 # RESULTS/{mixture,pooled}-state-cN.json (the adaptive engine hosts' /control/state after each run),
-# RESULTS/start.log and RESULTS/overhead (start-up, first TTFT after warm-up), RESULTS/progress, and
-# RESULTS/DONE at the end. The engines are stopped on exit, whatever happened.
+# RESULTS/start.log and RESULTS/overhead (start-up, first TTFT after warm-up), RESULTS/progress,
+# RESULTS/topology.txt (CPUs, NUMA nodes, the GPU's CPU affinity) and RESULTS/DONE at the end. The engines are stopped on exit, whatever happened.
 # Environment: KV_BYTES (KV cache per engine, default 6 GiB), GPU_UTIL (0.14), K_MAX (4),
 # BUDGET_C1 / BUDGET_C8 / BUDGET_C64 (seconds of rounds per run: 300 / 200 / 250; 0 skips the run). K0_FULL=1 adds a sixth
 # engine host, `k0full`: static K = 0 with SPECPILOT_HOOK_LEAN=0 (the hook's full per-step path, as an adaptive
@@ -37,6 +37,9 @@ mkdir -p "$R"
 POOLED_ENGINE=1
 [ "${POOLED:-1}" = 0 ] && POOLED_ENGINE=
 progress() { echo "$(date +%T) $*" | tee -a "$R/progress"; }
+# the host's CPUs, NUMA nodes and the GPU's place among them (the step trace's `cpu` column reads against these)
+{ lscpu; for n in /sys/devices/system/node/node[0-9]*; do [ -e "$n/cpulist" ] && echo "$(basename "$n") cpus $(cat "$n/cpulist")"; done
+  nvidia-smi topo -m; } > "$R/topology.txt" 2>&1
 trap 'stop_engines "$M" "$R/state.json" "$R/stop"; touch "$R/DONE"' EXIT
 E="--speculative-method ngram_gpu --k-max $K_MAX --speculation-mode fixed --k 0 --no-prefix-caching --max-num-seqs 64"
 E="$E --max-model-len 2048 --gpu-memory-utilization $GPU_UTIL --warmup quick -- --kv-cache-memory-bytes $KV_BYTES"
