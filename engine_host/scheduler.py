@@ -240,6 +240,7 @@ class _SpecPilotHook:
         self._verified: list[tuple[str | None, int, int]] = []  # (request id, drafted, accepted) this step
         self._quiet: list[tuple[int, int | None, float, bool, float]] = []  # kept quiet steps (QUIET_STEPS)
         self._overhead_s = 0.0  # wall time inside the hook's spans (s)
+        self._trace_s = 0.0  # of which the step trace's rows and writes, taken out of the clocks (s)
         self._overhead_cpu_s = 0.0  # this thread's CPU time inside the same spans (s)
         self._busy_s = 0.0
         self._t_output_done = 0.0  # perf_counter() when the hook last handed back a step's outputs
@@ -820,9 +821,8 @@ class _SpecPilotHook:
                 and not self._verified  # drafts verified (a probe's, in flight when the rest began): observed
             ):
                 if self._trace is not None and step is not None:  # profiling: every step has its row
-                    n_dec = sum(1 for m in scheduler_output.num_scheduled_tokens.values() if m == 1)
                     self._trace_row(
-                        step, t, scheduler_output, 0, 0, n_dec, model_runner_output, path="lean", vllm_update_s=t - t0
+                        step, t, scheduler_output, 0, 0, None, model_runner_output, path="lean", vllm_update_s=t - t0
                     )
                 n_req = len(scheduler_output.num_scheduled_tokens)
                 self._stretch.step(n_req, scheduler_output.total_num_scheduled_tokens == n_req)
@@ -950,7 +950,7 @@ class _SpecPilotHook:
         out: Any,
         k_drafted: int,
         k_proposed: int,
-        n_dec: int,
+        n_dec: int | None,
         runner_out: Any = None,
         draft_tokens: int = 0,
         accepted_tokens: int = 0,
@@ -968,8 +968,12 @@ class _SpecPilotHook:
         class prior, and the gate's last draft-token and step costs (``_gate_costs``); the hook's
         ``path`` that handled the output (``lean``: a lean step whose output is observed, one in
         ``LEAN_SAMPLE``, is still ``lean``), and vLLM's own ``schedule()`` for the step and
-        ``update_from_output()`` for the output (s; ``vllm_update_s``)."""
+        ``update_from_output()`` for the output (s; ``vllm_update_s``). ``n_dec`` None: counted
+        here (the lean path's rows). Its time is taken out of the hook's clocks (:meth:`_untime_trace`)."""
         assert self._trace is not None
+        t0 = time.perf_counter()
+        if n_dec is None:
+            n_dec = sum(1 for m in out.num_scheduled_tokens.values() if m == 1)
         estimate = prior = token_cost = step_cost = None
         running = self.running  # type: ignore[attr-defined]
         if self._gate_on and running and not self._lean and len(running) <= self.TRACE_ESTIMATE_MAX_BATCH:
@@ -1003,6 +1007,16 @@ class _SpecPilotHook:
             step.vllm_schedule_s,
             vllm_update_s,
         )
+        self._untime_trace(time.perf_counter() - t0)
+
+    def _untime_trace(self, d: float) -> None:
+        """Take ``d`` (s) spent on the step trace out of the hook's clocks: the trace is a
+        profiling aid the operator turns on, not the hook's cost, and a row per step (its
+        context sum and formatting) would otherwise be most of what the lean path's clock holds.
+        Kept as ``overhead.trace_seconds`` (wall time; the same taken out of the CPU clock)."""
+        self._trace_s += d
+        self._overhead_s -= d
+        self._overhead_cpu_s -= d
 
     def _observe_quiet(self) -> None:
         """Fold the kept quiet steps into the controller, oldest first, as the observations
@@ -1029,11 +1043,13 @@ class _SpecPilotHook:
         if self._quiet:
             self._observe_quiet()
         self._flush_lean()
-        if self._trace is not None:
+        if self._trace is not None and len(self._trace):
+            t0 = time.perf_counter()
             try:
                 self._trace.flush()
             except OSError:  # never let profiling break scheduling
                 logger.exception("could not write the step trace")
+            self._untime_trace(time.perf_counter() - t0)
         if self._channel is None:
             return
         running = len(self.running)  # type: ignore[attr-defined]
@@ -1077,6 +1093,7 @@ class _SpecPilotHook:
                 "hook_seconds": round(self._overhead_s, 6),
                 "hook_cpu_seconds": round(self._overhead_cpu_s, 6),
                 "busy_seconds": round(self._busy_s, 6),
+                "trace_seconds": round(self._trace_s, 6),
                 "fraction": (self._overhead_s / self._busy_s) if self._busy_s > 0 else None,
                 "cpu_fraction": (self._overhead_cpu_s / self._busy_s) if self._busy_s > 0 else None,
             },

@@ -127,6 +127,10 @@ class StepTrace:
             f"{draft_tokens},{accepted_tokens},{est},{pri},{tc},{sc},{path},{vs},{vu},{cpu if cpu >= 0 else ''}\n"
         )
 
+    def __len__(self) -> int:
+        """Rows buffered, not yet written."""
+        return len(self._rows)
+
     def flush(self) -> None:
         """Append the buffered rows to the file. Raises ``OSError`` when it cannot be written
         (the rows are kept for the next try)."""

@@ -874,3 +874,32 @@ def test_at_k_above_zero_a_step_with_a_prefill_hands_the_controller_only_its_dec
         hook.make_spec_decoding_stats(None, 2, 1, request_id=ids[1])
         hook.update_from_output(out, None)
         assert seen == [4, 1]  # the cut one's 1 + 1 tokens make it a decode; the others not
+
+
+@pytest.mark.parametrize("mode", ["fixed:0", "fixed:2"])  # the lean path's rows and the full path's
+def test_the_step_trace_is_kept_out_of_the_hooks_clock(tmp_path, monkeypatch, mode):
+    """A trace row that takes 50 ticks of the module's clock: with the trace on, the hook's clock
+    holds what it holds without it (the two reads that time each row aside), and the trace's time
+    is reported on its own (``overhead.trace_seconds``)."""
+    from engine_host.step_trace import StepTrace
+
+    add = StepTrace.add
+
+    def slow_add(self, *a, **k):
+        for _ in range(50):
+            scheduler_module.time.perf_counter()
+        return add(self, *a, **k)
+
+    monkeypatch.setattr(StepTrace, "add", slow_add)
+    seconds = {}
+    for traced in (False, True):
+        if traced:
+            monkeypatch.setenv("SPECPILOT_STEP_TRACE", str(tmp_path / "steps.csv"))
+        with _standin(mode, 2, tmp_path / str(traced)) as hook:
+            n = 3 * hook.LEAN_SAMPLE
+            _run(hook, n)
+            hook._publish(time.monotonic())
+            seconds[traced] = (hook._overhead_s, hook._trace_s)
+    (base, none), (with_trace, traced_s) = seconds[False], seconds[True]
+    assert none == 0.0 and traced_s >= n * 50e-4  # every row's 50 ticks, counted apart
+    assert with_trace - base <= n * 2e-4 + 1e-9  # at most the two reads per row that time it
