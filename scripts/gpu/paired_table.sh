@@ -20,7 +20,10 @@
 # engine host's steps at K = 0 run it), to tell what the full path costs from what drafting before leaves
 # behind. K0_TWIN=1 adds `k0b`, a second static K = 0 engine host like `k0`: an A/A control, what two engine
 # processes with the same arguments differ by on this host (their step times and tokens/s). POOLED=0 leaves out
-# the `pooled` engine host (its rounds then go to the others). With a py-spy executable (PY_SPY, or the payload's in
+# the `pooled` engine host (its rounds then go to the others), K4=0 the `k4` one. C1_WORKLOADS, C8_WORKLOADS and
+# C64_WORKLOADS replace a table's workloads (defaults chat,code,docs,mixed / mixed,code,docs / docs,code,shift): a
+# per-cell target resolved at 2 % takes 100-460 rounds on the offline H200 hosts (docs/gpu.md, host 36), so spend
+# a run's rounds on the arms and cells it is about. With a py-spy executable (PY_SPY, or the payload's in
 # $SPECPILOT_SCRATCH/site/bin), after the tables: `bench profile-step --attach` samples the mixture engine host
 # and `k0` (and `k0full`) in turn at 64 clients of code, where the adaptive engine host switches K
 # (RESULTS/profile-c64-code.md and its folder).
@@ -36,6 +39,8 @@ mkdir -p "$R"
 [ "${K0_TWIN:-}" = 0 ] && K0_TWIN=
 POOLED_ENGINE=1
 [ "${POOLED:-1}" = 0 ] && POOLED_ENGINE=
+K4_ENGINE=1
+[ "${K4:-1}" = 0 ] && K4_ENGINE=
 progress() { echo "$(date +%T) $*" | tee -a "$R/progress"; }
 # the host's CPUs, NUMA nodes and the GPU's place among them (the step trace's `cpu` column reads against these)
 { lscpu; for n in /sys/devices/system/node/node[0-9]*; do [ -e "$n/cpulist" ] && echo "$(basename "$n") cpus $(cat "$n/cpulist")"; done
@@ -46,16 +51,17 @@ E="$E --max-model-len 2048 --gpu-memory-utilization $GPU_UTIL --warmup quick -- 
 SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --parallel-start --keep \
   --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 3 \
   --engine "serve:plain:--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $KV_BYTES --no-enable-prefix-caching --max-num-seqs 64" \
-  --engine "host:a:$E" ${POOLED_ENGINE:+--engine "host:p:$E"} --engine "host:f0:$E" --engine "host:f4:$E" \
+  --engine "host:a:$E" ${POOLED_ENGINE:+--engine "host:p:$E"} --engine "host:f0:$E" ${K4_ENGINE:+--engine "host:f4:$E"} \
   ${K0_FULL:+--engine "host:f0x:SPECPILOT_HOOK_LEAN=0 $E"} ${K0_TWIN:+--engine "host:f0b:$E"} > "$R/start.log" 2>&1
 rc=$?
 progress "engines up (rc $rc)"
 [ $rc -eq 0 ] || exit $rc
 eval "$(engine_vars "$R/state.json")"
-export A_TOKEN F0_TOKEN F4_TOKEN ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN}
+export A_TOKEN F0_TOKEN ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN}
 ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN")
 [ -n "$POOLED_ENGINE" ] && ARMS+=(--arm "pooled=$P_URL,mode=adaptive_pooled,token-env=P_TOKEN")
-ARMS+=(--arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN" --arm "k4=$F4_URL,mode=fixed:4,token-env=F4_TOKEN")
+ARMS+=(--arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN")
+[ -n "$K4_ENGINE" ] && ARMS+=(--arm "k4=$F4_URL,mode=fixed:4,token-env=F4_TOKEN")
 PROFILED=a,f0
 if [ -n "${K0_FULL:-}" ]; then
   ARMS+=(--arm "k0full=$F0X_URL,mode=fixed:0,token-env=F0X_TOKEN")
@@ -81,9 +87,9 @@ table() {
   progress "$4 client(s) (rc $?)"
   states "$1"
 }
-table c1 "${BUDGET_C1:-300}" chat,code,docs,mixed 1 1
-table c8 "${BUDGET_C8:-200}" mixed,code,docs 8 4
-table c64 "${BUDGET_C64:-250}" docs,code,shift 64 2
+table c1 "${BUDGET_C1:-300}" "${C1_WORKLOADS:-chat,code,docs,mixed}" 1 1
+table c8 "${BUDGET_C8:-200}" "${C8_WORKLOADS:-mixed,code,docs}" 8 4
+table c64 "${BUDGET_C64:-250}" "${C64_WORKLOADS:-docs,code,shift}" 64 2
 if [ -n "$PY_SPY" ]; then
   python3 -m bench profile-step --attach "$R/state.json" --engines "$PROFILED" --clients 64 --workload code --seconds 12 --rate 500 \
     --py-spy "$PY_SPY" --out "$R/profile-c64-code" > "$R/profile-c64-code.md" 2> "$R/profile-c64-code.log"
