@@ -23,7 +23,8 @@
 # the `pooled` engine host (its rounds then go to the others), K4=0 the `k4` one. C1_WORKLOADS, C8_WORKLOADS and
 # C64_WORKLOADS replace a table's workloads (defaults chat,code,docs,mixed / mixed,code,docs / docs,code,shift): a
 # per-cell target resolved at 2 % takes 100-460 rounds on the offline H200 hosts (docs/gpu.md, host 36), so spend
-# a run's rounds on the arms and cells it is about. With a py-spy executable (PY_SPY, or the payload's in
+# a run's rounds on the arms and cells it is about. PIN_GPU_NODE=1 runs every process on the CPUs local to the GPU
+# (its PCI device's local_cpulist; RESULTS/topology.txt says what was done). With a py-spy executable (PY_SPY, or the payload's in
 # $SPECPILOT_SCRATCH/site/bin), after the tables: `bench profile-step --attach` samples the mixture engine host
 # and `k0` (and `k0full`) in turn at 64 clients of code, where the adaptive engine host switches K
 # (RESULTS/profile-c64-code.md and its folder).
@@ -45,6 +46,17 @@ progress() { echo "$(date +%T) $*" | tee -a "$R/progress"; }
 # the host's CPUs, NUMA nodes and the GPU's place among them (the step trace's `cpu` column reads against these)
 { lscpu; for n in /sys/devices/system/node/node[0-9]*; do [ -e "$n/cpulist" ] && echo "$(basename "$n") cpus $(cat "$n/cpulist")"; done
   nvidia-smi topo -m; } > "$R/topology.txt" 2>&1
+if [ "${PIN_GPU_NODE:-0}" = 1 ]; then
+  # every process of the run (engines, API servers, the client) on the CPUs local to the GPU, inherited from here
+  bus=$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader 2>/dev/null | head -1 | tr 'A-F' 'a-f')
+  bus=${bus: -12}  # 00000000:19:00.0 -> 0000:19:00.0, as sysfs names it
+  cpus=$(cat "/sys/bus/pci/devices/$bus/local_cpulist" 2>/dev/null || true)
+  if [ -n "$cpus" ] && taskset -cp "$cpus" $$ > /dev/null; then
+    echo "pinned to the GPU's local CPUs $cpus (bus ${bus})" >> "$R/topology.txt"
+  else
+    echo "PIN_GPU_NODE=1: the GPU's local CPUs not found (bus '${bus}'); not pinned" >> "$R/topology.txt"
+  fi
+fi
 trap 'stop_engines "$M" "$R/state.json" "$R/stop"; touch "$R/DONE"' EXIT
 E="--speculative-method ngram_gpu --k-max $K_MAX --speculation-mode fixed --k 0 --no-prefix-caching --max-num-seqs 64"
 E="$E --max-model-len 2048 --gpu-memory-utilization $GPU_UTIL --warmup quick -- --kv-cache-memory-bytes $KV_BYTES"
