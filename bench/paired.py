@@ -440,7 +440,7 @@ def render_twin(res: dict[str, Any], arm: str, twin: str) -> str:
         spread = math.exp(worst[0]) - 1.0
         lines += [
             "",
-            f"Geometric mean {gm:.3f} over {len(logs)} cells; the largest difference {spread:.1%} ({worst[1]}): "
+            f"Geometric mean {gm:.3f} over {len(logs)} cell{'s' if len(logs) != 1 else ''}; the largest difference {spread:.1%} ({worst[1]}): "
             f"with no difference between the two, a cell's ratio moved by up to ±{spread:.1%}. Intervals over "
             f"rounds that leave out 1.000: {len(outside)} of {len(logs)}"
             + (f" ({', '.join(outside)})" if outside else "")
