@@ -190,19 +190,23 @@ def bootstrap_interval(
     return float(lo), float(hi)
 
 
+def _same_rounds(
+    res: dict[str, Any], cell: str, arm: str, base: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The bursts of ``arm`` and of ``base`` in ``cell`` over the rounds both completed, in round order."""
+    by: dict[str, dict[int, dict[str, Any]]] = {}
+    for b in res["bursts"]:
+        if b["cell"] == cell and b["arm"] in (arm, base):
+            by.setdefault(b["arm"], {})[b["round"]] = b
+    rounds = sorted(set(by.get(arm, {})) & set(by.get(base, {})))
+    return [by[arm][r] for r in rounds], [by[base][r] for r in rounds]
+
+
 def _cell_pairs(res: dict[str, Any], arm: str, base: str) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
-    """Per cell of ``res``, the bursts of ``arm`` and ``base`` over the rounds both completed
-    (cells with fewer than 3 such rounds left out)."""
-    out = []
-    for cell in res["cells"]:
-        by: dict[str, dict[int, dict[str, Any]]] = {}
-        for b in res["bursts"]:
-            if b["cell"] == cell and b["arm"] in (arm, base):
-                by.setdefault(b["arm"], {})[b["round"]] = b
-        rounds = sorted(set(by.get(arm, {})) & set(by.get(base, {})))
-        if len(rounds) >= 3:
-            out.append(([by[arm][r] for r in rounds], [by[base][r] for r in rounds]))
-    return out
+    """Per cell of ``res``, :func:`_same_rounds` of ``arm`` and ``base`` (cells with fewer than 3
+    such rounds left out)."""
+    pairs = [_same_rounds(res, cell, arm, base) for cell in res["cells"]]
+    return [p for p in pairs if len(p[0]) >= 3]
 
 
 def geomean_over_cells(
@@ -382,19 +386,13 @@ def twin_rows(res: dict[str, Any], arm: str, twin: str) -> list[dict[str, Any]]:
         raise ValueError(f"--twin {arm}={twin}: an arm is no twin of itself")
     rows = []
     for cell in res["cells"]:
-        by: dict[str, dict[int, dict[str, Any]]] = {}
-        for b in res["bursts"]:
-            if b["cell"] == cell and b["arm"] in (arm, twin):
-                by.setdefault(b["arm"], {})[b["round"]] = b
-        rounds = sorted(set(by.get(arm, {})) & set(by.get(twin, {})))
-        a = [by[twin][r] for r in rounds]
-        b = [by[arm][r] for r in rounds]
+        a, b = _same_rounds(res, cell, twin, arm)
         ci = bootstrap_interval(a, b)
         per = [x["tok_s"] / y["tok_s"] for x, y in zip(a, b) if x["tok_s"] and y["tok_s"]]
         rows.append(
             {
                 "cell": cell,
-                "rounds": len(rounds),
+                "rounds": len(a),
                 "x": pooled_ratio(a, b),
                 "ci95": list(ci) if ci else None,
                 "faster": sum(1 for x in per if x > 1.0),
@@ -440,7 +438,8 @@ def render_twin(res: dict[str, Any], arm: str, twin: str) -> str:
         spread = math.exp(worst[0]) - 1.0
         lines += [
             "",
-            f"Geometric mean {gm:.3f} over {len(logs)} cell{'s' if len(logs) != 1 else ''}; the largest difference {spread:.1%} ({worst[1]}): "
+            f"Geometric mean {gm:.3f} over {len(logs)} cell{'s' if len(logs) != 1 else ''}; "
+            f"the largest difference {spread:.1%} ({worst[1]}): "
             f"with no difference between the two, a cell's ratio moved by up to ±{spread:.1%}. Intervals over "
             f"rounds that leave out 1.000: {len(outside)} of {len(logs)}"
             + (f" ({', '.join(outside)})" if outside else "")
