@@ -208,6 +208,12 @@ def lone_table(traces: Sequence[Sequence[Step]], limit: int = 40) -> list[str]:
     return rows
 
 
+def _same_decode_batch(prev: Step, cur: Step) -> bool:
+    """Both steps only decoded, with the same number of requests (``cur``'s interval from
+    ``prev`` is then one decode step of that batch)."""
+    return bool(cur.requests) and cur.decode == cur.requests and prev.decode == prev.requests == cur.requests
+
+
 def busy_intervals(steps: Sequence[Step], max_gap_s: float = 0.05, since_s: float = 0.0) -> list[Interval]:
     """Output-to-output intervals of consecutive pure-decode steps with the same batch.
 
@@ -226,7 +232,7 @@ def busy_intervals(steps: Sequence[Step], max_gap_s: float = 0.05, since_s: floa
     for prev, cur in zip(steps, steps[1:]):
         if cur.t_output - t0 < since_s:
             continue
-        if not (cur.requests and cur.decode == cur.requests and prev.decode == prev.requests == cur.requests):
+        if not _same_decode_batch(prev, cur):
             continue
         dt = cur.t_output - prev.t_output
         if 0.0 < dt <= max_gap_s:
@@ -397,6 +403,7 @@ def bursts(steps: Sequence[Step], max_gap_s: float = 0.05) -> list[Burst]:
     out: list[Burst] = []
     if not steps:
         return out
+    nan = float("nan")
     cur = Burst(steps[0].t_output, defaultdict(list))
     for prev, st in zip(steps, steps[1:]):
         dt = st.t_output - prev.t_output
@@ -407,14 +414,7 @@ def bursts(steps: Sequence[Step], max_gap_s: float = 0.05) -> list[Burst]:
             continue
         if st.cpu is not None:
             cur.cpus[st.cpu] = cur.cpus.get(st.cpu, 0) + 1
-        if (
-            dt > 0.0
-            and st.k_drafted == 0
-            and st.requests
-            and st.decode == st.requests
-            and prev.decode == prev.requests == st.requests
-        ):
-            nan = float("nan")
+        if dt > 0.0 and st.k_drafted == 0 and _same_decode_batch(prev, st):
             cur.steps[_range_index(st.requests)].append(
                 (
                     dt * 1e3,
@@ -500,7 +500,7 @@ def matched_table(
         return f"{fmt.format(float(np.median(v)))} [{fmt.format(float(lo))}, {fmt.format(float(hi))}]"
 
     for name, steps in others:
-        pairs: dict[int, list[tuple[tuple[float, float, float], tuple[float, float, float]]]] = defaultdict(list)
+        pairs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
         for b in bursts(steps, max_gap_s):
             if not len(starts):
                 break
@@ -510,12 +510,8 @@ def matched_table(
             for j, mine in b.steps.items():
                 theirs = base_bursts[i].steps.get(j, [])
                 if len(mine) >= min_steps and len(theirs) >= min_steps:
-                    pairs[j].append(
-                        (
-                            tuple(float(np.median([x[c] for x in mine])) for c in range(3)),  # type: ignore[misc]
-                            tuple(float(np.median([x[c] for x in theirs])) for c in range(3)),  # type: ignore[misc]
-                        )
-                    )
+                    # per column (step ms, schedule() µs, update µs): the burst's median
+                    pairs[j].append((np.median(mine, axis=0), np.median(theirs, axis=0)))
         for j in sorted(pairs):
             ps = pairs[j]
             if len(ps) < 3:

@@ -1043,7 +1043,7 @@ class _SpecPilotHook:
         if self._quiet:
             self._observe_quiet()
         self._flush_lean()
-        if self._trace is not None and len(self._trace):
+        if self._trace is not None and self._trace.pending:
             t0 = time.perf_counter()
             try:
                 self._trace.flush()

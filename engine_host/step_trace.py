@@ -127,7 +127,8 @@ class StepTrace:
             f"{draft_tokens},{accepted_tokens},{est},{pri},{tc},{sc},{path},{vs},{vu},{cpu if cpu >= 0 else ''}\n"
         )
 
-    def __len__(self) -> int:
+    @property
+    def pending(self) -> int:
         """Rows buffered, not yet written."""
         return len(self._rows)
 
