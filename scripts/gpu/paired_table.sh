@@ -27,7 +27,7 @@
 # (its PCI device's local_cpulist; RESULTS/topology.txt says what was done). With a py-spy executable (PY_SPY, or the payload's in
 # $SPECPILOT_SCRATCH/site/bin), after the tables: `bench profile-step --attach` samples the mixture engine host
 # and `k0` (and `k0full`) in turn at 64 clients of code, where the adaptive engine host switches K
-# (RESULTS/profile-c64-code.md and its folder).
+# (RESULTS/profile-c64-code.md and its folder); PROFILE=0 leaves the profile out.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 M=${1:?usage: paired_table.sh MODEL RESULTS}
@@ -85,6 +85,7 @@ if [ -n "${K0_TWIN:-}" ]; then
   TWIN=(--twin k0=k0b)  # the A/A table under each run's table
 fi
 PY_SPY=${PY_SPY:-}
+[ "${PROFILE:-1}" = 0 ] && PY_SPY=none  # PROFILE=0: no py-spy profile after the tables
 SPY=${SPECPILOT_SCRATCH:-/tmp/specpilot-gpu}/site/bin/py-spy
 [ -z "$PY_SPY" ] && [ -x "$SPY" ] && PY_SPY=$SPY
 states() {
@@ -102,7 +103,7 @@ table() {
 table c1 "${BUDGET_C1:-300}" "${C1_WORKLOADS:-chat,code,docs,mixed}" 1 1
 table c8 "${BUDGET_C8:-200}" "${C8_WORKLOADS:-mixed,code,docs}" 8 4
 table c64 "${BUDGET_C64:-250}" "${C64_WORKLOADS:-docs,code,shift}" 64 2
-if [ -n "$PY_SPY" ]; then
+if [ -n "$PY_SPY" ] && [ "$PY_SPY" != none ]; then
   python3 -m bench profile-step --attach "$R/state.json" --engines "$PROFILED" --clients 64 --workload code --seconds 12 --rate 500 \
     --py-spy "$PY_SPY" --out "$R/profile-c64-code" > "$R/profile-c64-code.md" 2> "$R/profile-c64-code.log"
   progress "profile at 64 clients (rc $?)"
