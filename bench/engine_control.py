@@ -36,6 +36,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine_host.http_keepalive import client_limits
+
 DEFAULT_BATCH_TABLE: list[list[int]] = [[1, 2, 6], [3, 8, 4], [9, 1024, 2]]
 
 
@@ -181,7 +183,7 @@ class EngineControl:
     def __init__(self, url: str, token: str | None, timeout_s: float = 30.0):
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s)
+        self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s, limits=client_limits())
 
     async def aclose(self) -> None:
         """Close the HTTP client."""

@@ -22,6 +22,8 @@ from typing import Callable
 
 import httpx
 
+from engine_host.http_keepalive import client_limits
+
 from .metrics import RequestRecord, poisson_arrivals
 from .workloads import Prompt, Workload
 
@@ -147,7 +149,7 @@ async def run_load(
     t0 = time.perf_counter() if t0 is None else t0
     records: list[RequestRecord] = []
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    limits = client_limits(max_connections=1024, max_keepalive_connections=256)
     timeout = httpx.Timeout(connect=10.0, read=None, write=30.0, pool=None)
     async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, limits=limits, timeout=timeout) as http:
 

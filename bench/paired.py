@@ -70,6 +70,7 @@ import numpy as np
 from tqdm import tqdm
 
 from engine_host import envs
+from engine_host.http_keepalive import client_limits
 
 from .engine_control import BenchError, EngineControl, overhead_delta, steps_at_k_delta
 from .loadgen import stream_request
@@ -242,21 +243,19 @@ def geomean_over_cells(
 
 
 def render_over_cells(results: list[dict[str, Any]]) -> str:
-    """Markdown: per arm of the first result, :func:`geomean_over_cells` against each result's
-    baseline over every cell of ``results`` (one or more results with the same arms, e.g. the
-    1- and 64-client runs of one table).
+    """Markdown: per arm, :func:`geomean_over_cells` against each result's baseline over every
+    cell of ``results`` that holds the arm (one or more results, e.g. the 1- and 64-client runs
+    of one table, or two runs of which one left an arm out: each arm's row counts its own cells).
 
     Raises:
-        ValueError: the results' baselines differ, or a result lacks an arm of the first.
+        ValueError: the results' baselines differ.
     """
     base = results[0]["baseline"]
-    arms = [a for a in results[0]["arms"] if a != base]
-    for res in results[1:]:
+    arms: list[str] = []
+    for res in results:
         if res["baseline"] != base:
             raise ValueError(f"the results' baselines differ ({base!r}, {res['baseline']!r})")
-        missing = [a for a in arms if a not in res["arms"]]
-        if missing:
-            raise ValueError(f"a result has no arm {', '.join(missing)}")
+        arms += [a for a in res["arms"] if a != base and a not in arms]
     lines = [
         f"Over the cells: geometric mean of each cell's x `{base}`, 95 % bootstrap interval resampling each cell's "
         "rounds.",
@@ -265,7 +264,7 @@ def render_over_cells(results: list[dict[str, Any]]) -> str:
         "|---|---:|---:|---|",
     ]
     for arm in arms:
-        pairs = [p for res in results for p in _cell_pairs(res, arm, base)]
+        pairs = [p for res in results if arm in res["arms"] for p in _cell_pairs(res, arm, base)]
         got = geomean_over_cells(pairs)
         if got is None:
             continue
@@ -469,7 +468,7 @@ class _Client:
 
     def __init__(self, arm: Arm, timeout_s: float):
         self.arm = arm
-        self.http = httpx.AsyncClient(base_url=arm.url, timeout=timeout_s)
+        self.http = httpx.AsyncClient(base_url=arm.url, timeout=timeout_s, limits=client_limits())
         self.control = EngineControl(arm.url, os.environ.get(arm.token_env))
         self.model = ""
         self.is_host = False

@@ -581,8 +581,14 @@ def cell_table(intervals: Sequence[Interval], cells: Sequence[CellWindow], min_s
     return lines
 
 
+# the idle spells, s, that may separate one arm's bursts in a trace, tried longest first: at 64
+# clients an arm's bursts are seconds apart, at one client two of them can follow within 0.1 s
+# (the arm last in one cell and first in the next), where a longer spell would join them
+PAIRED_GAPS_S = (0.5, 0.2, 0.05, 0.02)
+
+
 def paired_windows(
-    steps: Sequence[Step], result: dict, arm: str, gap_s: float = 0.5
+    steps: Sequence[Step], result: dict, arm: str, gap_s: float | None = None
 ) -> tuple[list[CellWindow], list[int]]:
     """The bursts of arm ``arm`` in a ``bench paired`` result (``result``, as
     ``bench.paired.load_result`` reads it; ``bursts`` in the order they ran) matched, in order, to
@@ -590,6 +596,8 @@ def paired_windows(
     than ``gap_s`` s with no step; between its bursts an arm's engine waits while the others run):
     the run whose step counts agree with the result's ``steps_at_k`` in the most bursts, the
     latest of those (a trace also holds earlier runs and whatever ran after, e.g. a profile).
+    With ``gap_s`` None each spell of :data:`PAIRED_GAPS_S` is tried and the one whose bursts
+    agree best is kept (the longest of equals).
 
     Returns:
         One :class:`CellWindow` per burst, labelled with its cell (``docs@c64``), and the index
@@ -601,13 +609,26 @@ def paired_windows(
     mine = [b for b in result.get("bursts", []) if b.get("arm") == arm]
     if not mine:
         raise ValueError(f"no bursts of arm {arm!r} in the result")
+    best: tuple[list[CellWindow], list[int]] | None = None
+    for gap in PAIRED_GAPS_S if gap_s is None else (gap_s,):
+        got = _windows_at_gap(steps, mine, gap)
+        if got is not None and (best is None or len(got[1]) < len(best[1])):
+            best = got
+    if best is None:
+        raise ValueError(f"the trace has fewer bursts than the result's {len(mine)} of arm {arm!r}")
+    return best
+
+
+def _windows_at_gap(steps: Sequence[Step], mine: list[dict], gap_s: float) -> tuple[list[CellWindow], list[int]] | None:
+    """:func:`paired_windows` with the trace cut into bursts at idle spells over ``gap_s`` s;
+    None when that leaves fewer bursts than ``mine``."""
     runs: list[list[Step]] = []
     for i, st in enumerate(steps):
         if not runs or st.t_scheduled - steps[i - 1].t_output > gap_s:
             runs.append([])
         runs[-1].append(st)
     if len(runs) < len(mine):
-        raise ValueError(f"the trace has {len(runs)} bursts, the result {len(mine)} of arm {arm!r}")
+        return None
 
     def mismatches(start: int) -> list[int]:
         out = []

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from engine_host.http_keepalive import client_limits
 from engine_host.schema import ApplyAnswer, ControlState, Sample
 
 from .store import DEFAULT_TOKEN_ENV, ControlError
@@ -116,6 +117,7 @@ class EngineClient:
             headers=headers,
             verify=_ssl_context(),
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)),
+            limits=client_limits(),
         )
 
     @classmethod

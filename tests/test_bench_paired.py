@@ -280,7 +280,7 @@ def test_an_a_a_control_reports_what_two_alike_servers_differ_by(tmp_path, capsy
 def test_the_report_reads_several_results_and_gives_each_arm_over_all_their_cells(tmp_path, capsys):
     """Two results (two cells each): k0 is 10 % faster than plain in every cell of both; over the
     four cells its geometric mean is 1.10 and its interval, resampling each cell's rounds,
-    is narrower than one cell's."""
+    is narrower than one cell's. A third result with other arms adds its arms over its cells."""
     from bench.paired import _cell_pairs, geomean_over_cells, main
 
     rng = __import__("random").Random(3)
@@ -309,6 +309,14 @@ def test_the_report_reads_several_results_and_gives_each_arm_over_all_their_cell
     # read against k0: plain over the four cells
     assert main(["--report", str(tmp_path / "r0.json"), str(tmp_path / "r1.json"), "--baseline", "k0"]) == 0
     assert "| `plain` | 4 | 0.9" in capsys.readouterr().out
+    # a third run without k0 but with an arm of its own: each arm over the cells that hold it
+    r3 = result(["chat@c1"])
+    for b in r3["bursts"]:
+        b["arm"] = "adaptive" if b["arm"] == "k0" else b["arm"]
+    (tmp_path / "r3.json").write_text(json.dumps(dict(r3, arms=["plain", "adaptive"])))
+    assert main(["--report", str(tmp_path / "r0.json"), str(tmp_path / "r1.json"), str(tmp_path / "r3.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"| `k0` | 4 | {gm:.3f} | [{lo:.3f}, {hi:.3f}] |" in out and "| `adaptive` | 1 | 1.1" in out
     bad = dict(r2, baseline="k0")
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     assert main(["--report", str(tmp_path / "r0.json"), str(tmp_path / "bad.json")]) == 2

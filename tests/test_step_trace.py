@@ -304,6 +304,29 @@ def test_a_paired_result_is_matched_to_the_run_of_bursts_whose_step_counts_agree
     assert off == [0] and round(windows[0].end - windows[0].start, 3) == 0.276  # the last burst, 70 steps
 
 
+def test_an_arms_bursts_that_follow_within_a_tenth_of_a_second_stay_apart(tmp_path: Path) -> None:
+    """At one client an arm's two bursts can follow 0.1 s apart (the arm last in one cell and
+    first in the next): they are matched as two bursts, not joined into one at the longest idle
+    spell; at that spell alone the trace has too few bursts."""
+    rows: list[tuple] = []
+    t = 100.0
+    for n, pause in ((30, 2.0), (20, 0.1), (25, 2.0), (40, 2.0)):
+        for _ in range(n):
+            rows.append((t, t + 0.004, 0, 0, 1, 1, 1, 500))
+            t += 0.004
+        t += pause
+    _write(tmp_path / "steps.csv", rows)
+    steps = bst.read_trace(tmp_path / "steps.csv")
+    result = {
+        "bursts": [{"arm": "k0", "cell": c, "steps_at_k": [n]} for c, n in (("a", 30), ("b", 20), ("c", 25), ("d", 40))]
+    }
+    windows, off = bst.paired_windows(steps, result, "k0")
+    assert off == [] and [w.label for w in windows] == ["a", "b", "c", "d"]
+    assert [round(w.end - w.start, 3) for w in windows] == [0.116, 0.076, 0.096, 0.156]
+    with pytest.raises(ValueError, match="fewer bursts"):
+        bst.paired_windows(steps, result, "k0", gap_s=0.5)
+
+
 def _burst_steps(t0: float, n: int, step_s: float, requests: int = 1, sched_us: float = 100.0) -> list[bst.Step]:
     """``n`` pure-decode K = 0 steps of ``requests`` requests from ``t0`` (s), ``step_s`` apart."""
     return [

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from .. import envs
+from ..http_keepalive import client_limits
 from .metrics import tpot_totals
 from .settings import RouterSettings
 from .split import TrafficSplit
@@ -75,7 +76,7 @@ class RouterState:
     async def start(self) -> None:
         """Open the HTTP client and start :func:`poll_loop` (in the running event loop)."""
         if self.client is None:
-            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+            limits = client_limits(max_connections=1024, max_keepalive_connections=256)
             self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
         if self._poll_task is None:
             self._poll_task = asyncio.create_task(poll_loop(self))
