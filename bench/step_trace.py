@@ -35,7 +35,9 @@ records it the per-request gate's estimate. With ``--against TRACE`` (engines si
 host), each other engine's K = 0 steps against the first file's burst by burst (``matched_table``):
 the host's speed moves between bursts by more than engines differ, and a median over a whole run
 mixes the two. Where the trace records the CPU the engine core ran on (``cpu``), each burst's median
-step by the CPU most of it ran on (``cpu_table``).
+step by the CPU most of it ran on (``cpu_table``). With ``--gpu-clocks FILE`` (``python -m bench
+gpu-clocks`` sampling the GPU meanwhile), each burst's median step by the GPU's SM clock during it
+(``clock_table``).
 
 Example::
 
@@ -43,6 +45,7 @@ Example::
     python -m bench step-trace /tmp/steps.csv.* --since 30
     python -m bench step-trace steps-k0.csv.xz --paired c64.json.xz --arm k0 --requests 33-64
     python -m bench step-trace steps-k0.csv.xz --against steps-k0b.csv.xz --against steps-mixture.csv.xz
+    python -m bench step-trace steps-k0.csv.xz --gpu-clocks gpu-clocks.csv
 """
 
 from __future__ import annotations
@@ -53,9 +56,11 @@ import json
 import lzma
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from .gpu_clocks import ClockSample, read_clocks
 
 
 @dataclass(frozen=True)
@@ -390,6 +395,7 @@ class Burst:
     t_start: float
     steps: dict[int, list[tuple[float, float, float]]]
     cpus: dict[int, int] = field(default_factory=dict)  # CPU -> rows of the burst on it (traces with the column)
+    t_end: float = 0.0  # when its last output came (s, the same clock)
 
     def cpu(self) -> int | None:
         """The CPU most of the burst's rows ran on (None: not in the trace)."""
@@ -409,7 +415,7 @@ def bursts(steps: Sequence[Step], max_gap_s: float = 0.05) -> list[Burst]:
         dt = st.t_output - prev.t_output
         if dt > max_gap_s:
             if cur.steps:
-                out.append(cur)
+                out.append(replace(cur, t_end=prev.t_output))
             cur = Burst(st.t_output, defaultdict(list))
             continue
         if st.cpu is not None:
@@ -423,7 +429,7 @@ def bursts(steps: Sequence[Step], max_gap_s: float = 0.05) -> list[Burst]:
                 )
             )
     if cur.steps:
-        out.append(cur)
+        out.append(replace(cur, t_end=steps[-1].t_output))
     return out
 
 
@@ -457,6 +463,91 @@ def cpu_table(traces: Sequence[Sequence[Step]], max_gap_s: float = 0.05, min_ste
             f"| {_range_label(lo, hi)} | {cpu} | {len(meds)} | {float(np.median(meds)):.3f} | {p10:.3f}-{p90:.3f} |"
         )
     return lines
+
+
+def clock_table(
+    traces: Sequence[Sequence[Step]],
+    clocks: Sequence[ClockSample],
+    max_gap_s: float = 0.05,
+    min_steps: int = 20,
+    band_mhz: float = 100.0,
+) -> list[str]:
+    """Markdown rows, one per range of batch sizes and band of the GPU's SM clock: the bursts
+    (:func:`bursts`, K = 0 pure-decode steps) whose median SM clock over their span (samples of
+    ``python -m bench gpu-clocks``, the same host's monotonic clock) falls in the band
+    (``band_mhz`` MHz wide), the median and 10th-90th percentile of their median step (ms), and
+    their median power (W) and P-state. Under each range, Spearman's rank correlation between a
+    burst's SM clock and its median step (Spearman, Am. J. Psychol. 15 (1904) 72-101): near -1
+    when bursts run slower at lower clocks. Empty without a burst that has samples.
+    """
+    import numpy as np
+
+    if not clocks:
+        return []
+    ts = np.array([c.t for c in clocks])
+    groups: dict[tuple[int, int], list[tuple[float, float, int]]] = defaultdict(list)
+    pairs: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for trace in traces:
+        for b in bursts(trace, max_gap_s):
+            lo, hi = (int(i) for i in np.searchsorted(ts, [b.t_start, b.t_end]))
+            inside = list(clocks[lo:hi])
+            if not inside and 0 < lo < len(clocks):  # a burst shorter than the sampling interval
+                inside = [clocks[lo - 1]]
+            if not inside:
+                continue
+            sm = float(np.median([c.sm_mhz for c in inside]))
+            power = float(np.median([c.power_w for c in inside]))
+            pstate = int(np.median([c.pstate for c in inside]))
+            for j, rows in b.steps.items():
+                if len(rows) >= min_steps:
+                    med = float(np.median([r[0] for r in rows]))
+                    groups[(j, int(sm // band_mhz))].append((med, power, pstate))
+                    pairs[j].append((sm, med))
+    if not groups:
+        return []
+    lines = [
+        "| requests | SM clock, MHz (burst median) | bursts | median step ms (median of bursts) | p10-p90 ms "
+        "| power W | P-state |",
+        "|---|---|---:|---:|---|---:|---:|",
+    ]
+    for (j, band), rows in sorted(groups.items()):
+        lo, hi = BATCH_RANGES[j]
+        meds = [r[0] for r in rows]
+        p10, p90 = np.percentile(meds, [10, 90])
+        lines.append(
+            f"| {_range_label(lo, hi)} | {band * band_mhz:.0f}-{(band + 1) * band_mhz:.0f} | {len(rows)} "
+            f"| {float(np.median(meds)):.3f} | {p10:.3f}-{p90:.3f} | {float(np.median([r[1] for r in rows])):.0f} "
+            f"| {int(np.median([r[2] for r in rows]))} |"
+        )
+    lines.append("")
+    for j, xy in sorted(pairs.items()):
+        if len(xy) < 3:
+            continue
+        lo, hi = BATCH_RANGES[j]
+        rho = _spearman([x for x, _ in xy], [y for _, y in xy])
+        lines.append(f"{_range_label(lo, hi)} requests: {len(xy)} bursts, Spearman's rho (SM clock, step) {rho:+.2f}")
+    return lines
+
+
+def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation of ``x`` and ``y`` (ties take their mean rank); 0.0 where
+    either is constant."""
+    import numpy as np
+
+    def ranks(v: Sequence[float]) -> np.ndarray:
+        a = np.asarray(v, float)
+        order = a.argsort(kind="mergesort")
+        r = np.empty(len(a))
+        r[order] = np.arange(len(a), dtype=float)
+        for value in np.unique(a):  # ties: their mean rank
+            tied = a == value
+            r[tied] = r[tied].mean()
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return 0.0
+    return float(np.corrcoef(rx, ry)[0, 1])
 
 
 def matched_table(
@@ -723,6 +814,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--match-s", type=float, default=10.0, help="with --against: the farthest apart two matched bursts start, s"
     )
+    ap.add_argument(
+        "--gpu-clocks",
+        metavar="FILE",
+        help="samples of `python -m bench gpu-clocks` taken while the traced engines ran (same host): each burst's "
+        "median step by the GPU's SM clock during it",
+    )
     ap.add_argument("--min-steps", type=int, default=20, help="groups with fewer steps are not printed")
     ap.add_argument(
         "--lone",
@@ -758,6 +855,16 @@ def main(argv: list[str] | None = None) -> int:
     cpu_rows = cpu_table(traces, args.max_gap_ms / 1e3, args.min_steps)
     if cpu_rows:
         print("\n".join(cpu_rows))
+        print()
+    if args.gpu_clocks:
+        try:
+            clocks = read_clocks(args.gpu_clocks)
+        except (OSError, ValueError) as exc:
+            ap.error(str(exc))
+        clock_rows = clock_table(traces, clocks, args.max_gap_ms / 1e3, args.min_steps)
+        print(
+            "\n".join(clock_rows) if clock_rows else f"no burst of the trace falls in the samples of {args.gpu_clocks}"
+        )
         print()
     if args.cells:
         cells = cell_windows(args.cells)

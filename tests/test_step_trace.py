@@ -388,3 +388,80 @@ def test_bursts_are_grouped_by_the_cpu_the_engine_core_ran_on() -> None:
     rows = bst.cpu_table([steps])
     assert rows[2].startswith("| 1 | 0 | 3 | 2.000 |") and rows[3].startswith("| 1 | 3 | 3 | 2.800 |")
     assert bst.cpu_table([_burst_steps(100.0, 40, 0.002)]) == []
+
+
+def test_bursts_are_read_against_the_gpus_clock_during_them(tmp_path: Path, capsys) -> None:
+    """Bursts of 2.0 ms steps while the GPU's SM clock read 1980 MHz and of 2.8 ms while it read
+    1100 MHz: ``--gpu-clocks`` puts them in two bands with their medians, and the rank correlation
+    of clock and step is strongly negative; a file that is not the sampler's is refused."""
+    rows: list[tuple] = []
+    samples = ["t_s,sm_mhz,mem_mhz,power_w,temp_c,util_pct,pstate"]
+    t = 100.0
+    for i in range(8):
+        fast = i % 2 == 0
+        dt, sm = (0.002, 1980) if fast else (0.0028 + 0.0001 * i, 1100)
+        start = t
+        for _ in range(60):
+            rows.append((t, t + dt, 0, 0, 1, 1, 1, 300))
+            t += dt
+        for k in range(int((t - start) / 0.05) + 1):  # a sample every 50 ms during the burst
+            samples.append(f"{start + 0.05 * k:.6f},{sm},2619,{150 if fast else 90},40,30,{0 if fast else 2}")
+        t += 1.0
+    samples.append("bad,row")  # a row cut short when the sampler stopped
+    _write(tmp_path / "steps.csv", rows)
+    (tmp_path / "clocks.csv").write_text("\n".join(samples) + "\n")
+    from bench.gpu_clocks import read_clocks
+
+    clocks = read_clocks(tmp_path / "clocks.csv")
+    assert len(clocks) == len(samples) - 2 and clocks[0].sm_mhz == 1980 and clocks[-1].pstate == 2
+    table = bst.clock_table([bst.read_trace(tmp_path / "steps.csv")], clocks, min_steps=20)
+    assert table[2] == "| 1 | 1100-1200 | 4 | 3.200 | 2.960-3.440 | 90 | 2 |"  # 2.9, 3.1, 3.3, 3.5 ms
+    assert table[3] == "| 1 | 1900-2000 | 4 | 2.000 | 2.000-2.000 | 150 | 0 |"
+    assert table[-1] == "1 requests: 8 bursts, Spearman's rho (SM clock, step) -0.93"  # ties take mean ranks
+    assert bst.main([str(tmp_path / "steps.csv"), "--gpu-clocks", str(tmp_path / "clocks.csv")]) == 0
+    assert "| 1 | 1100-1200 | 4 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bst.main([str(tmp_path / "steps.csv"), "--gpu-clocks", str(tmp_path / "steps.csv")])
+    assert "not a GPU clock file" in capsys.readouterr().err
+
+
+def test_the_clock_sampler_says_plainly_when_there_is_no_gpu_to_read(tmp_path: Path, capsys) -> None:
+    """On a host without an NVIDIA driver the sampler stops with a clear error and writes nothing."""
+    from bench.gpu_clocks import main
+
+    assert main(["--out", str(tmp_path / "c.csv"), "--seconds", "1"]) == 2
+    assert "cannot read the GPU through NVML" in capsys.readouterr().err
+    assert not (tmp_path / "c.csv").exists()
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "c.csv"), "--interval-ms", "1"])
+
+
+def test_the_clock_sampler_writes_what_the_reader_reads(tmp_path: Path, monkeypatch) -> None:
+    """With NVML answering (a stand-in), ``--seconds`` of samples are written on the host's
+    monotonic clock and read back by ``read_clocks``."""
+    import time
+    from types import SimpleNamespace
+
+    import bench.gpu_clocks as gc
+
+    calls = {"init": 0, "shutdown": 0}
+    fake = SimpleNamespace(
+        NVML_CLOCK_SM=1,
+        NVML_CLOCK_MEM=2,
+        NVML_TEMPERATURE_GPU=0,
+        nvmlInit=lambda: calls.__setitem__("init", calls["init"] + 1),
+        nvmlShutdown=lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1),
+        nvmlDeviceGetHandleByIndex=lambda i: ("gpu", i),
+        nvmlDeviceGetClockInfo=lambda h, which: 1980 if which == 1 else 3201,
+        nvmlDeviceGetPowerUsage=lambda h: 123456,  # mW
+        nvmlDeviceGetTemperature=lambda h, kind: 41,
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=37, memory=5),
+        nvmlDeviceGetPerformanceState=lambda h: 0,
+    )
+    monkeypatch.setattr(gc, "_nvml", lambda: fake)
+    before = time.perf_counter()
+    assert gc.main(["--out", str(tmp_path / "c.csv"), "--seconds", "0.3", "--interval-ms", "20"]) == 0
+    clocks = gc.read_clocks(tmp_path / "c.csv")
+    assert 5 <= len(clocks) <= 16 and calls == {"init": 1, "shutdown": 1}
+    assert before <= clocks[0].t < clocks[-1].t <= time.perf_counter()
+    assert (clocks[0].sm_mhz, clocks[0].mem_mhz, clocks[0].power_w, clocks[0].util_pct) == (1980, 3201, 123.5, 37)

@@ -27,7 +27,9 @@
 # (its PCI device's local_cpulist; RESULTS/topology.txt says what was done). With a py-spy executable (PY_SPY, or the payload's in
 # $SPECPILOT_SCRATCH/site/bin), after the tables: `bench profile-step --attach` samples the mixture engine host
 # and `k0` (and `k0full`) in turn at 64 clients of code, where the adaptive engine host switches K
-# (RESULTS/profile-c64-code.md and its folder); PROFILE=0 leaves the profile out.
+# (RESULTS/profile-c64-code.md and its folder); PROFILE=0 leaves the profile out. `bench gpu-clocks` samples the
+# GPU's clocks, power and P-state every 100 ms through the run (RESULTS/gpu-clocks.csv; GPU_CLOCKS=0 leaves it out):
+# `bench step-trace TRACE --gpu-clocks RESULTS/gpu-clocks.csv` reads each burst's median step against them.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 M=${1:?usage: paired_table.sh MODEL RESULTS}
@@ -57,7 +59,12 @@ if [ "${PIN_GPU_NODE:-0}" = 1 ]; then
     echo "PIN_GPU_NODE=1: the GPU's local CPUs not found (bus '${bus}'); not pinned" >> "$R/topology.txt"
   fi
 fi
-trap 'stop_engines "$M" "$R/state.json" "$R/stop"; touch "$R/DONE"' EXIT
+CLOCKS_PID=
+if [ "${GPU_CLOCKS:-1}" != 0 ]; then  # the GPU's clocks and power through the run, on the step traces' clock
+  python3 -m bench gpu-clocks --out "$R/gpu-clocks.csv" --interval-ms 100 2> "$R/gpu-clocks.log" &
+  CLOCKS_PID=$!
+fi
+trap '[ -n "$CLOCKS_PID" ] && kill "$CLOCKS_PID" 2>/dev/null; stop_engines "$M" "$R/state.json" "$R/stop"; touch "$R/DONE"' EXIT
 E="--speculative-method ngram_gpu --k-max $K_MAX --speculation-mode fixed --k 0 --no-prefix-caching --max-num-seqs 64"
 E="$E --max-model-len 2048 --gpu-memory-utilization $GPU_UTIL --warmup quick -- --kv-cache-memory-bytes $KV_BYTES"
 SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --parallel-start --keep \
@@ -109,8 +116,9 @@ if [ -n "$PY_SPY" ] && [ "$PY_SPY" != none ]; then
   progress "profile at 64 clients (rc $?)"
 fi
 stop_engines "$M" "$R/state.json" "$R/stop"
+[ -n "$CLOCKS_PID" ] && kill "$CLOCKS_PID" 2>/dev/null && wait "$CLOCKS_PID"
 trap - EXIT
-for f in "$R"/steps.csv.*; do [ -e "$f" ] && xz -T4 "$f"; done
+for f in "$R"/steps.csv.* "$R/gpu-clocks.csv"; do [ -e "$f" ] && xz -T4 "$f"; done
 grep -o "EngineCore pid=[0-9]*" "$R"/overhead/logs/*.log 2>/dev/null | sort -u > "$R/engine-pids.txt"
 progress "done"
 touch "$R/DONE"
