@@ -738,6 +738,54 @@ def _windows_at_gap(steps: Sequence[Step], mine: list[dict], gap_s: float) -> tu
     return windows, mismatches(best)
 
 
+def step_kind(st: Step) -> str:
+    """What a step did, for :func:`burst_time_table`: ``prefill`` (it did not only decode),
+    ``drafting`` (it verified drafts or proposed them for the next step), else the hook's path
+    at K = 0 (``lean``, ``full``; ``-`` in a trace without the column)."""
+    if st.decode != 1:
+        return "prefill"
+    if st.k_drafted > 0 or st.k_proposed > 0:
+        return "drafting"
+    return st.path or "-"
+
+
+STEP_KINDS = ("lean", "full", "-", "drafting", "prefill")
+
+
+def burst_time_table(steps: Sequence[Step], windows: Sequence[CellWindow]) -> list[str]:
+    """Markdown rows, one per cell of ``windows`` (:func:`paired_windows`): where a burst's time
+    went, per burst on average: its time from first to last output (ms), and per kind of step
+    (:func:`step_kind`) the steps, their output-to-output time (ms) and ms per step. Two engines'
+    tables of the same result tell what a cell's difference in tokens/s is made of (e.g. the
+    adaptive engine's drafting steps against the K = 0 steps they replace)."""
+    per: dict[str, dict[str, list[float]]] = {}
+    spans: dict[str, list[float]] = defaultdict(list)
+    t_out = [st.t_output for st in steps]
+    import bisect
+
+    for w in windows:
+        lo, hi = bisect.bisect_left(t_out, w.start), bisect.bisect_right(t_out, w.end)
+        rows = steps[lo:hi]
+        if len(rows) < 2:
+            continue
+        spans[w.label].append((rows[-1].t_output - rows[0].t_output) * 1e3)
+        kinds = per.setdefault(w.label, defaultdict(lambda: [0.0, 0.0]))
+        for prev, st in zip(rows, rows[1:]):
+            k = kinds[step_kind(st)]
+            k[0] += 1
+            k[1] += (st.t_output - prev.t_output) * 1e3
+    head = " | ".join(f"{k}: steps, ms" for k in STEP_KINDS)
+    lines = [f"| cell | bursts | ms first to last output | {head} |", "|---|---:|---:|" + "---|" * len(STEP_KINDS)]
+    for label, kinds in per.items():
+        n = len(spans[label])
+        cells = []
+        for k in STEP_KINDS:
+            steps_n, ms = kinds.get(k, [0.0, 0.0])
+            cells.append(f"{steps_n / n:.2f}, {ms / n:.2f} ({ms / steps_n:.3f}/step)" if steps_n else "-")
+        lines.append(f"| {label} | {n} | {sum(spans[label]) / n:.2f} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def paired_cell_table(
     intervals: Sequence[Interval], windows: Sequence[CellWindow], requests: tuple[int, int], min_steps: int = 20
 ) -> list[str]:
@@ -882,6 +930,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(paired_cell_table(intervals, windows, args.requests, args.min_steps)))
         if off:
             print(f"\n{len(off)} of {len(windows)} bursts differ from the result's step counts: not matched")
+        print()
+        print("Where a burst's time went, per burst (steps by kind: output-to-output ms):")
+        print()
+        print("\n".join(burst_time_table(traces[0], windows)))
         print()
     if args.against:
         others = []

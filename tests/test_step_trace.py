@@ -465,3 +465,33 @@ def test_the_clock_sampler_writes_what_the_reader_reads(tmp_path: Path, monkeypa
     assert 5 <= len(clocks) <= 16 and calls == {"init": 1, "shutdown": 1}
     assert before <= clocks[0].t < clocks[-1].t <= time.perf_counter()
     assert (clocks[0].sm_mhz, clocks[0].mem_mhz, clocks[0].power_w, clocks[0].util_pct) == (1980, 3201, 123.5, 37)
+
+
+def test_a_cells_burst_time_is_split_by_what_its_steps_did() -> None:
+    """A burst: a prefill, 10 lean K = 0 steps of 2 ms, a full-path step of 2.5 ms, a step that
+    proposed (3 ms) and one that verified (3 ms), 5 lean steps of 2 ms: per burst, its span and
+    each kind's steps and time; a second burst of the cell averages in."""
+
+    def burst(t0: float, scale: float) -> list[bst.Step]:
+        plan = [("prefill", 0.001)] + [("lean", 0.002)] * 10 + [("full", 0.0025), ("propose", 0.003)]
+        plan += [("verify", 0.003)] + [("lean", 0.002)] * 5
+        out, t = [], t0
+        for kind, dt in plan:
+            dt *= scale
+            k_drafted, k_proposed = (2, 0) if kind == "verify" else (0, 2) if kind == "propose" else (0, 0)
+            path = "full" if kind in ("full", "propose", "verify") else "lean"
+            out.append(bst.Step(t, t + dt, k_drafted, k_proposed, 0 if kind == "prefill" else 1, 1, 1, path=path))
+            t += dt
+        return out
+
+    steps = burst(10.0, 1.0) + burst(20.0, 2.0)
+    windows = [bst.CellWindow("chat@c1", steps[0].t_output, steps[18].t_output)]
+    windows.append(bst.CellWindow("chat@c1", steps[19].t_output, steps[-1].t_output))
+    table = bst.burst_time_table(steps, windows)
+    assert table[0].startswith("| cell | bursts | ms first to last output | lean: steps, ms |")
+    # per burst: span 38.5 / 77 ms, lean 15 steps (2 / 4 ms each), full 1 (2.5 / 5), drafting 2 (6 / 12 ms);
+    # the prefill is where the span starts
+    assert table[2] == (
+        "| chat@c1 | 2 | 57.75 | 15.00, 45.00 (3.000/step) | 1.00, 3.75 (3.750/step) | - "
+        "| 2.00, 9.00 (4.500/step) | - |"
+    )
