@@ -51,6 +51,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import bisect
 import csv
 import json
 import lzma
@@ -761,8 +762,6 @@ def burst_time_table(steps: Sequence[Step], windows: Sequence[CellWindow]) -> li
     per: dict[str, dict[str, list[float]]] = {}
     spans: dict[str, list[float]] = defaultdict(list)
     t_out = [st.t_output for st in steps]
-    import bisect
-
     for w in windows:
         lo, hi = bisect.bisect_left(t_out, w.start), bisect.bisect_right(t_out, w.end)
         rows = steps[lo:hi]
