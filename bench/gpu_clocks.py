@@ -137,25 +137,35 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal stop
         stop = True
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    before = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     end = time.perf_counter() + args.seconds if args.seconds > 0 else float("inf")
     parent = os.getppid()  # the sampler does not outlive the run that started it
     period = args.interval_ms / 1e3
-    with open(args.out, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(FIELDS)
-        flushed = time.perf_counter()
-        while not stop and time.perf_counter() < end and os.getppid() == parent:
-            s = sample(nvml, handle)
-            w.writerow(
-                (f"{s.t:.6f}", f"{s.sm_mhz:.0f}", f"{s.mem_mhz:.0f}", f"{s.power_w:.1f}", f"{s.temp_c:.0f}")
-                + (f"{s.util_pct:.0f}", s.pstate)
-            )
-            if s.t - flushed >= 1.0:
-                f.flush()
-                flushed = s.t
-            time.sleep(max(period - (time.perf_counter() - s.t), 0.0))
+    try:
+        with open(args.out, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(FIELDS)
+            flushed = time.perf_counter()
+            while not stop and time.perf_counter() < end and os.getppid() == parent:
+                s = sample(nvml, handle)
+                w.writerow(
+                    (
+                        f"{s.t:.6f}",
+                        f"{s.sm_mhz:.0f}",
+                        f"{s.mem_mhz:.0f}",
+                        f"{s.power_w:.1f}",
+                        f"{s.temp_c:.0f}",
+                        f"{s.util_pct:.0f}",
+                        s.pstate,
+                    )
+                )
+                if s.t - flushed >= 1.0:
+                    f.flush()
+                    flushed = s.t
+                time.sleep(max(period - (time.perf_counter() - s.t), 0.0))
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
     nvml.nvmlShutdown()
     return 0
 

@@ -438,7 +438,9 @@ def test_the_clock_sampler_says_plainly_when_there_is_no_gpu_to_read(tmp_path: P
 
 def test_the_clock_sampler_writes_what_the_reader_reads(tmp_path: Path, monkeypatch) -> None:
     """With NVML answering (a stand-in), ``--seconds`` of samples are written on the host's
-    monotonic clock and read back by ``read_clocks``."""
+    monotonic clock and read back by ``read_clocks``; the process's signal handlers are its own again
+    afterwards."""
+    import signal
     import time
     from types import SimpleNamespace
 
@@ -460,7 +462,9 @@ def test_the_clock_sampler_writes_what_the_reader_reads(tmp_path: Path, monkeypa
     )
     monkeypatch.setattr(gc, "_nvml", lambda: fake)
     before = time.perf_counter()
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     assert gc.main(["--out", str(tmp_path / "c.csv"), "--seconds", "0.3", "--interval-ms", "20"]) == 0
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # given back
     clocks = gc.read_clocks(tmp_path / "c.csv")
     assert 5 <= len(clocks) <= 16 and calls == {"init": 1, "shutdown": 1}
     assert before <= clocks[0].t < clocks[-1].t <= time.perf_counter()

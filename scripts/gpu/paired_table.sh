@@ -92,7 +92,6 @@ if [ -n "${K0_TWIN:-}" ]; then
   TWIN=(--twin k0=k0b)  # the A/A table under each run's table
 fi
 PY_SPY=${PY_SPY:-}
-[ "${PROFILE:-1}" = 0 ] && PY_SPY=none  # PROFILE=0: no py-spy profile after the tables
 SPY=${SPECPILOT_SCRATCH:-/tmp/specpilot-gpu}/site/bin/py-spy
 [ -z "$PY_SPY" ] && [ -x "$SPY" ] && PY_SPY=$SPY
 states() {
@@ -110,7 +109,7 @@ table() {
 table c1 "${BUDGET_C1:-300}" "${C1_WORKLOADS:-chat,code,docs,mixed}" 1 1
 table c8 "${BUDGET_C8:-200}" "${C8_WORKLOADS:-mixed,code,docs}" 8 4
 table c64 "${BUDGET_C64:-250}" "${C64_WORKLOADS:-docs,code,shift}" 64 2
-if [ -n "$PY_SPY" ] && [ "$PY_SPY" != none ]; then
+if [ -n "$PY_SPY" ] && [ "${PROFILE:-1}" != 0 ]; then  # PROFILE=0: no profile after the tables
   python3 -m bench profile-step --attach "$R/state.json" --engines "$PROFILED" --clients 64 --workload code --seconds 12 --rate 500 \
     --py-spy "$PY_SPY" --out "$R/profile-c64-code" > "$R/profile-c64-code.md" 2> "$R/profile-c64-code.log"
   progress "profile at 64 clients (rc $?)"
