@@ -480,6 +480,7 @@ class StepTimeModel:
         self.prior_steps = prior_steps
         self.spec_step_cost_ratio = spec_step_cost_ratio
         self.buckets: dict[int, list[float]] = {}  # bucket -> [correction, n]
+        self._lean_at: dict[int, int] = {}  # bucket -> self.steps at its last lean observation
         # (bucket, K) -> [mean step time (s), n, last step, mean tokens x, mean P,
         #                 premium over a plain step of the same batch (ratio), its n,
         #                 mean batch size (requests)]
@@ -519,46 +520,67 @@ class StepTimeModel:
         k: int | None = None,
         k_proposed: int | None = None,
         now: float | None = None,
+        weight: int = 1,
+        lean: bool = False,
     ) -> None:
         """Fold in one pure-decode step of ``batch_size`` requests verifying ``tokens``
         (drafts proposed at depth ``k``; None: no per-depth correction). ``k_proposed``:
         the depth the drafter ran at in this step (default ``k``). ``step_time_s`` includes
         the fetch of the step's drafts (:attr:`StepObservation.draft_fetch_s`). ``now``:
-        when the step ended (monotonic s), used with ``premium_window_s``."""
-        if batch_size <= 0 or tokens <= 0 or step_time_s <= 0 or not math.isfinite(step_time_s):
+        when the step ended (monotonic s), used with ``premium_window_s``. ``weight``: the
+        observation stands for this many steps alike (>= 1; the scheduler hook's lean path
+        hands over its steps' mean time), folded in as that many observations of it would
+        be, at the cost of one. ``lean``: the steps ran on the hook's lean path at K = 0;
+        while such steps were observed at this batch-size bucket within ``fresh_steps``
+        steps, K = 0's cell (``T(B, 0)`` and the premium of every K > 0 over it) learns from
+        them only: a step at K = 0 on the hook's full path (where the policy decides, or
+        right after drafts were verified) takes longer than the lean steps that stand where
+        drafting would not, and drafting is worth what it costs over those (docs/engine_host.md).
+        Such a step still teaches the fit and the bucket's correction."""
+        if batch_size <= 0 or tokens <= 0 or step_time_s <= 0 or not math.isfinite(step_time_s) or weight < 1:
             return
-        self.steps += 1
+        self.steps += weight
         f = self.forget
+        if weight == 1:
+            fw, g = f, 1.0
+        else:  # weight observations alike: every sum fades by f^w and gains 1 + f + ... + f^(w-1) of them
+            fw = f**weight
+            g = (1.0 - fw) / (1.0 - f) if f < 1.0 else float(weight)
         s = self._s
         x = float(tokens)
-        s[0] = f * s[0] + 1.0
-        s[1] = f * s[1] + x
-        s[2] = f * s[2] + step_time_s
-        s[3] = f * s[3] + x * x
-        s[4] = f * s[4] + x * step_time_s
+        s[0] = fw * s[0] + g
+        s[1] = fw * s[1] + g * x
+        s[2] = fw * s[2] + g * step_time_s
+        s[3] = fw * s[3] + g * x * x
+        s[4] = fw * s[4] + g * x * step_time_s
         p = float(self.extra(k, k_proposed))
         sp = self._sp
-        sp[0] = f * sp[0] + p
-        sp[1] = f * sp[1] + p * p
-        sp[2] = f * sp[2] + x * p
-        sp[3] = f * sp[3] + p * step_time_s
+        sp[0] = fw * sp[0] + g * p
+        sp[1] = fw * sp[1] + g * p * p
+        sp[2] = fw * sp[2] + g * x * p
+        sp[3] = fw * sp[3] + g * p * step_time_s
         t0, t1, td = self.coefficients3()
         ratio = step_time_s / max(t0 + t1 * x + td * p, 1e-9)
         b = batch_bucket(batch_size)
         cell = self.buckets.setdefault(b, [1.0, 0.0])
         a = max(self.alpha, 1.0 / (cell[1] + 1.0))
-        cell[0] += a * (ratio - cell[0])
-        cell[1] += 1.0
+        cell[0] += (a if weight == 1 else 1.0 - (1.0 - a) ** weight) * (ratio - cell[0])
+        cell[1] += weight
         # a (bucket, K) cell learns from steps that verified and proposed at one depth: one
-        # where K changed pays for one depth's verification and another's proposal
+        # where K changed pays for one depth's verification and another's proposal; K = 0's
+        # from lean steps only while there are any (``lean``)
+        if lean:
+            self._lean_at[b] = self.steps
+        elif k == 0 and self.steps - self._lean_at.get(b, -(1 << 62)) <= self.fresh_steps:
+            return
         if k is not None and (k_proposed is None or k_proposed == k):
             kc = self.cells.get((b, k))
-            if kc is None or self.steps - kc[2] > self.fresh_steps:
+            if kc is None or self.steps - weight + 1 - kc[2] > self.fresh_steps:  # (the first of weight steps)
                 # a stale cell starts again from this step; its premium over K = 0 is kept
                 premium, n_premium = (kc[5], kc[6]) if kc is not None else (1.0, 0.0)
                 kc = self.cells[(b, k)] = [
                     step_time_s,
-                    1.0,
+                    float(weight),
                     float(self.steps),
                     x,
                     p,
@@ -568,11 +590,13 @@ class StepTimeModel:
                 ]
             else:
                 a = max(self.alpha, 1.0 / (kc[1] + 1.0))
+                if weight > 1:
+                    a = 1.0 - (1.0 - a) ** weight
                 kc[0] += a * (step_time_s - kc[0])
                 kc[3] += a * (x - kc[3])
                 kc[4] += a * (p - kc[4])
                 kc[7] += a * (batch_size - kc[7])
-                kc[1] += 1.0
+                kc[1] += weight
                 kc[2] = float(self.steps)
             if self.premium_window_s is not None and now is not None:
                 self._premium_near(b, k, batch_size, step_time_s, now, t0, t1)
@@ -1316,24 +1340,38 @@ class SpeculationController:
             self.k_current = 0
             self.policy.skip(steps)
 
-    def skip_quiet(self, steps: int, request_steps: int) -> None:
+    def skip_quiet(self, steps: int, request_steps: int, timed: tuple[int, float, float] | None = None) -> None:
         """Fold in ``steps`` quiet steps at K = 0 that the scheduler hook handed back without
         observing them one by one (its lean path), with ``request_steps`` requests in them
         all together: they count in :attr:`total_steps`, and the acceptance estimates fade
         by ``request_steps`` request-steps, as they would have one step at a time (the fade
         compounds: :meth:`AcceptanceEstimator._fade`; a position whose evidence falls below
         the freshness threshold inside these steps returns toward the prior from the first
-        of them rather than from the step it fell). The step-time model learns only from
-        the steps the hook still observes, and counts the others toward the age of its
-        per-depth measurements (:meth:`StepTimeModel.skip`).
+        of them rather than from the step it fell).
+
+        ``timed``: ``(n, batch_size, step_time_s)``, the ``n`` of those steps that may teach
+        the step-time model (pure decode, past a lone request's first steps), their mean
+        requests and mean time (s). They teach it as one observation of weight ``n`` at K = 0
+        (:meth:`StepTimeModel.observe`): while the policy rests at K = 0 its steps run on the
+        hook's lean path, and a step on the full path (where the policy decides, or right
+        after drafts were verified) takes longer than those, so a model that saw only the full
+        path's steps at K = 0 would price a step at K > 0 against a plain step slower than the
+        one it replaces (docs/engine_host.md). The other steps count toward the age of the
+        model's per-depth measurements (:meth:`StepTimeModel.skip`).
 
         Raises:
-            ValueError: a negative count.
+            ValueError: a negative count, or ``timed`` with more steps than ``steps``.
         """
         if steps < 0 or request_steps < 0:
             raise ValueError(f"negative step counts: steps={steps}, request_steps={request_steps}")
+        n = timed[0] if timed is not None else 0
+        if not 0 <= n <= steps:
+            raise ValueError(f"timed steps {n} not within 0..{steps}")
         self.total_steps += steps
-        self.step_time.skip(steps)
+        self.step_time.skip(steps - n)
+        if timed is not None and n > 0:
+            b = max(1, round(timed[1]))
+            self.step_time.observe(b, b, timed[2], 0, 0, weight=n, lean=True)
         if request_steps > 0:
             zeros = [0] * max(self.k_engine, 1)
             self.acceptance.observe(0, request_steps, zeros, zeros)

@@ -29,6 +29,8 @@ VLLM_PATCHES = "SPECPILOT_VLLM_PATCHES"
 DRAFT_DECODE_GRAPHS = "SPECPILOT_DRAFT_DECODE_GRAPHS"
 K0_LEAN = "SPECPILOT_K0_LEAN"
 HOOK_LEAN = "SPECPILOT_HOOK_LEAN"
+PROBE_PRIOR = "SPECPILOT_PROBE_PRIOR"
+LEAN_STEP_TIMES = "SPECPILOT_LEAN_STEP_TIMES"
 DB_URL = "SPECPILOT_DB_URL"
 DB_URL_DEPRECATED = "SPECPILOT_DB"
 USERS_FILE = "SPECPILOT_USERS_FILE"
@@ -57,6 +59,8 @@ VARIABLES: dict[str, str] = {
     VLLM_PATCHES: "0 leaves vLLM's behaviour at K = 0 unpatched (engine_host/vllm_patches.py; for side-by-side benchmarks), default 1",
     K0_LEAN: "0 keeps the engine on its full per-step path at K = 0: the scheduler hook's lean path (speculation off, and the adaptive policy's rests at K = 0) and Model Runner V2's draft bookkeeping at K = 0 (GPU, ngram_gpu) stay as they were (for side-by-side benchmarks), default 1",
     HOOK_LEAN: f"0 keeps only the scheduler hook on its full per-step path at K = 0, Model Runner V2's draft bookkeeping at K = 0 still skipped: a static K = 0 engine then runs its steps on the path an adaptive engine host's steps at K = 0 take, less the policy's decisions (side-by-side benchmarks; {K0_LEAN}=0 turns off both), default 1",
+    PROBE_PRIOR: "0 restarts the adaptive engine's all-request probe wait (async scheduling) at every new request and at any accepted draft token, as before the wait read the new request's class (side-by-side benchmarks), default 1",
+    LEAN_STEP_TIMES: "0 keeps the lean path's step times out of the step-time model, which then learns a step at K = 0 only from steps on the hook's full path (side-by-side benchmarks), default 1",
     DRAFT_DECODE_GRAPHS: "0 keeps the draft model's single-token decode passes out of full CUDA graphs (GPU, draft_model; for side-by-side benchmarks), default 1",
     DB_URL: "store URL (SQLAlchemy), default sqlite:///$SPECPILOT_HOME/specpilot.db",
     DB_URL_DEPRECATED: f"deprecated alias of {DB_URL} (read with a warning when {DB_URL} is unset)",
@@ -138,6 +142,18 @@ def hook_lean_on(environ: Mapping[str, str] | None = None) -> bool:
     ``$SPECPILOT_K0_LEAN`` or ``$SPECPILOT_HOOK_LEAN`` is ``0``, else True."""
     env = _env(environ)
     return k0_lean_on(env) and env.get(HOOK_LEAN, "1").strip() != "0"
+
+
+def probe_prior_on(environ: Mapping[str, str] | None = None) -> bool:
+    """False when ``$SPECPILOT_PROBE_PRIOR`` is ``0`` (every new request and any accepted draft
+    token restart the async probes' wait), else True."""
+    return _env(environ).get(PROBE_PRIOR, "1").strip() != "0"
+
+
+def lean_step_times_on(environ: Mapping[str, str] | None = None) -> bool:
+    """False when ``$SPECPILOT_LEAN_STEP_TIMES`` is ``0`` (the lean path's step times do not
+    teach the step-time model), else True."""
+    return _env(environ).get(LEAN_STEP_TIMES, "1").strip() != "0"
 
 
 def draft_decode_graphs_on(environ: Mapping[str, str] | None = None) -> bool:

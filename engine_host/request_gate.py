@@ -641,6 +641,30 @@ class RequestDraftGate:
             net += r * (gain(a, k) - kc)
         return n > 0 and net > 0.0 and net >= (1.0 + self.margin) * n * max(step_cost, 0.0)
 
+    def paying_share(self, cls: str | None, k: int, draft_token_cost: float, step_cost: float = 0.0) -> float:
+        """The share (fraction 0..1) of class ``cls``'s requests whose k-token drafts pay: the
+        mass of its distribution of per-request acceptance (``prior="mixture"``, module doc)
+        at the grid points ``a`` where one request's drafting pays by :meth:`batch_pays`'s rule,
+        ``x(a, k) - k * c >= (1 + margin) * step_cost`` (``c`` and ``step_cost`` as there,
+        fractions of a plain step; a new request assumed to draft, ``r = 1``). The chance that a
+        new request of the class is one whose drafts would pay, before any of its drafts is
+        verified. 1.0 under the pooled prior and while the class has fewer than
+        ``MIXTURE_MIN_REQUESTS`` finished requests: no distribution over requests to read
+        (module doc); 0.0 at ``k <= 0``. Formula: the goodput law (Leviathan et al., arXiv
+        2211.17192) at each grid point. Raises nothing."""
+        if k <= 0:
+            return 0.0
+        if self.prior != "mixture" or not self._mixture_ready(cls):
+            return 1.0
+        kc = k * max(draft_token_cost, 0.0)
+        bar = (1.0 + self.margin) * max(step_cost, 0.0)
+        share = 0.0
+        for w, a in zip(self._mix[cls], MIXTURE_GRID):
+            surplus = self.expected_gain(a, k) - kc
+            if surplus > 0.0 and surplus >= bar:
+                share += w
+        return min(share, 1.0)
+
     def begin_step(self) -> None:
         """Reset the per-step counts (called before the step's decisions)."""
         self.last_total = 0

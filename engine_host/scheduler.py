@@ -108,8 +108,18 @@ class _SpecPilotHook:
     # drafts``) after which still no request's drafts pay doubles the steps at K = 0 before
     # the next, up to PROBE_BACKOFF times ``probe_every``: in traffic whose probes accept
     # nothing (sampled chat), a probe step at K > 0 is paid about every 4 * 16 steps instead
-    # of 16; an accepted draft token starts the wait from ``probe_every`` again
+    # of 16; a verification that accepted at least half its drafts starts the wait from
+    # ``probe_every`` again
     PROBE_BACKOFF = 4
+    # a request that joins starts the async probes' wait from ``probe_every`` again only when
+    # at least this share of its class's finished requests had drafts that would pay
+    # (``RequestDraftGate.paying_share``, under the mixture prior); else the wait runs on as
+    # backed off. On sampled chat at one client every request restarted the wait at 16 steps
+    # and any accepted draft token reset it, so the probes' backoff seldom took hold and
+    # they cost 1.5-2.2 % of a burst (docs/gpu.md, host 37); a request of a class whose
+    # drafts pay (docs after chat) is still probed at ``probe_every``, or drafted at once
+    # where its class's prior pays
+    PROBE_NEW_SHARE = 0.1
     # the adaptive policy's exploration at a batch of at least this many requests runs whatever
     # the per-request gate says (``_decide_k``), and on the synchronous path its drafts are
     # verified for every request (``_gate_drafts``): an exploration is then a probe of the
@@ -223,6 +233,9 @@ class _SpecPilotHook:
         self._wants_dirty = False  # drafts verified since that answer
         self._lean_newest: Any = None  # the newest running request when the rest span began
         self._probe_newest: Any = None  # the newest running request at the last async probe count
+        # $SPECPILOT_PROBE_PRIOR=0: every new request and any accepted draft token restart the
+        # async probes' wait (the schedule before PROBE_NEW_SHARE; side-by-side benchmarks)
+        self._probe_by_prior = envs.probe_prior_on()
         self._gate_forget_at = 0  # step index from which the gate forgets finished requests
         self._k_drafted = 0  # K of the drafts verified in the step being scheduled
         self._k_first_use_step: int | None = None
@@ -257,6 +270,12 @@ class _SpecPilotHook:
         self._lean_scheduled = 0  # steps scheduled on the lean path since the last flush
         self._lean_skipped = 0  # outputs handed back on it without an observation
         self._lean_request_steps = 0  # requests in those outputs, all together
+        # of those, the pure-decode ones past their batch's first steps (DecodeStretch.teaches):
+        # their count, requests and time (s), which teach the step-time model in one go
+        # (SpeculationController.skip_quiet); $SPECPILOT_LEAN_STEP_TIMES=0: not kept
+        self._lean_timed = self._lean_timed_requests = 0
+        self._lean_timed_s = 0.0
+        self._lean_times_on = envs.lean_step_times_on()
         self._lean_outputs = 0  # outputs on the lean path (every LEAN_SAMPLE-th is observed)
         self._lean_left = 0  # steps the lean path may still schedule (a rest span; huge at a static K = 0)
         self._lean_probe_count = False  # the span's steps count toward the gate's async probe
@@ -423,8 +442,14 @@ class _SpecPilotHook:
                 self._steps_planned_out += self._lean_scheduled
             self._lean_scheduled = 0
         if self._lean_skipped:
-            self.controller.skip_quiet(self._lean_skipped, self._lean_request_steps)
-            self._lean_skipped = self._lean_request_steps = 0
+            timed = self._lean_timed
+            self.controller.skip_quiet(
+                self._lean_skipped,
+                self._lean_request_steps,
+                timed=(timed, self._lean_timed_requests / timed, self._lean_timed_s / timed) if timed else None,
+            )
+            self._lean_skipped = self._lean_request_steps = self._lean_timed = self._lean_timed_requests = 0
+            self._lean_timed_s = 0.0
 
     def _apply_caps(self) -> None:
         if self._caps_steady:
@@ -683,8 +708,10 @@ class _SpecPilotHook:
         probes are taken together: after ``probe_every`` steps in a row at K = 0 one step
         runs at depth ``k`` for all. A probe after which the batch's drafts still do not pay
         doubles the steps to the next, up to ``PROBE_BACKOFF`` times ``probe_every``; drafts
-        that pay (after a probe's result or with a new request's prior), an accepted draft
-        token, or a request that joined since brings them back to ``probe_every``. There the
+        that pay (after a probe's result or with a new request's prior), a verification that
+        accepted at least half its drafts, or a request that joined since and whose class's
+        requests' drafts pay often enough (``PROBE_NEW_SHARE``) bring them back to
+        ``probe_every``. There the
         batch answers (``RequestDraftGate.batch_pays``: the requests' expected gains together
         against what every request's verification costs, since each verifies the step's
         drafts), and the answer is kept for ``GATE_COST_EVERY`` steps at the same K and batch
@@ -723,9 +750,13 @@ class _SpecPilotHook:
             wants = self._gate.batch_pays([req.request_id for req in running], k, cost, step_cost)
             self._wants_memo = (k, newest, b, self._step_index, wants)
             self._wants_dirty = False
-        if wants or newest is not self._probe_newest:  # (a new request has not been probed)
+        if wants:
             self._probe_newest = newest
             self._probe_interval = self._gate.probe_every
+        elif newest is not self._probe_newest:  # a new request, not yet probed
+            self._probe_newest = newest
+            if not self._probe_by_prior or self._new_request_may_pay(newest, b, k):
+                self._probe_interval = self._gate.probe_every
         if wants:
             self._steps_planned_out = 0
         else:
@@ -735,6 +766,16 @@ class _SpecPilotHook:
                 self._probe_interval = min(2 * self._probe_interval, self.PROBE_BACKOFF * self._gate.probe_every)
                 wants = True
         return wants
+
+    def _new_request_may_pay(self, req: Any, batch_size: int, k: int) -> bool:
+        """Whether request ``req``, new to a batch of ``batch_size`` whose drafts at depth ``k``
+        do not pay, may be one whose own drafts would: at least ``PROBE_NEW_SHARE`` of its
+        class's finished requests had drafts that pay at ``k`` (``RequestDraftGate.paying_share``
+        at the gate's current costs; always under the pooled prior)."""
+        gate = self._gate
+        cost, step_cost = self._gate_costs(batch_size, k)
+        share = gate.paying_share(gate.request_class(req.request_id), k, cost, step_cost)
+        return share >= self.PROBE_NEW_SHARE
 
     def _gate_drafts(self) -> None:
         """Draft length per request (``engine_host.request_gate``): before vLLM schedules
@@ -769,7 +810,8 @@ class _SpecPilotHook:
         # kept and folded in with the step's others (_fold_verified) when that returns
         if num_draft_tokens:
             self._wants_dirty = True  # drafts verified: whether drafts pay is asked again
-            if num_accepted_tokens:  # drafts accepted: the async probes' wait starts again from probe_every
+            if num_accepted_tokens and (2 * num_accepted_tokens >= num_draft_tokens or not self._probe_by_prior):
+                # at least half the drafts accepted: the async probes' wait starts again from probe_every
                 self._probe_interval = self._gate.probe_every
             self._verified.append((kwargs.get("request_id"), num_draft_tokens, num_accepted_tokens))
         return super().make_spec_decoding_stats(  # type: ignore[misc]
@@ -825,7 +867,12 @@ class _SpecPilotHook:
                         step, t, scheduler_output, 0, 0, None, model_runner_output, path="lean", vllm_update_s=t - t0
                     )
                 n_req = len(scheduler_output.num_scheduled_tokens)
-                self._stretch.step(n_req, scheduler_output.total_num_scheduled_tokens == n_req)
+                if self._stretch.teaches(n_req, scheduler_output.total_num_scheduled_tokens == n_req) and (
+                    self._lean_times_on
+                ):
+                    self._lean_timed += 1
+                    self._lean_timed_requests += n_req
+                    self._lean_timed_s += step_time
                 self._busy_s += step_time
                 self._lean_skipped += 1
                 self._lean_request_steps += n_req

@@ -890,3 +890,56 @@ def test_quiet_steps_fade_the_acceptance_estimates_once_per_group(mode, calls):
     ctl.observe_quiet([(b, 0, 0.002, True, 0.01 * i) for i, b in enumerate((1, 2, 3, 4, 5, 6, 7, 8))])
     assert len(seen) == calls and sum(seen) == 36
     assert ctl.total_steps == 8
+
+
+def test_an_observation_with_a_weight_is_folded_in_as_that_many_alike():
+    """``StepTimeModel.observe(..., weight=n)`` (the lean path's steps handed over as their mean)
+    leaves the fit, the bucket's correction and the depth's cell where n observations of the
+    same step would, at the cost of one."""
+    one, many = StepTimeModel(), StepTimeModel()
+    for m in (one, many):
+        for i in range(40):
+            m.observe(1, 1, 0.020 + 0.0001 * (i % 3), k=0)
+            m.observe(1, 5, 0.026, k=4)
+    for _ in range(30):
+        one.observe(1, 1, 0.015, k=0, k_proposed=0)
+    many.observe(1, 1, 0.015, k=0, k_proposed=0, weight=30)
+    assert many.steps == one.steps
+    assert many.coefficients3() == pytest.approx(one.coefficients3(), rel=1e-9)  # the fit's sums: exact
+    # the corrections are ratios to a fit that moved between the n observations: close
+    assert many.buckets[batch_bucket(1)][0] == pytest.approx(one.buckets[batch_bucket(1)][0], rel=0.05)
+    assert many.cells[(batch_bucket(1), 0)][0] == pytest.approx(one.cells[(batch_bucket(1), 0)][0], rel=1e-9)
+    assert many.predict(1, 0) == pytest.approx(one.predict(1, 0), rel=0.01)
+    assert many.predict(1, 4) == pytest.approx(one.predict(1, 4), rel=0.01)
+    before = many.steps
+    many.observe(1, 1, 0.015, k=0, weight=0)  # nothing
+    assert many.steps == before
+
+
+def test_lean_steps_handed_over_with_their_time_price_drafting_against_them():
+    """The scheduler hook's lean path hands its steps back as counts (``skip_quiet``) and, with
+    ``timed``, their mean time. A model that saw only the full path's steps at K = 0 (slower:
+    the policy decides there) priced a step at K > 0 at a few per cent over plain decoding;
+    taught by the lean steps too it prices it against the step it replaces."""
+    # s: a K = 0 step on the full path, one on the lean path; a step at K = 4 costs 2.70 ms
+    # with no draft found and 0.0125 ms more per draft token verified
+    plain_full, lean = 0.0025, 0.0022
+    ctl = {name: adaptive(k_max=4) for name in ("full only", "with lean")}
+    for name, c in ctl.items():
+        for _ in range(6):
+            for _ in range(3):
+                c.observe(StepObservation(1, 0, 0, 0, [0] * 8, plain_full, True, 0.0, k_proposed=0))
+            for i in range(4):
+                d = 4 * (i % 2)
+                c.observe(StepObservation(1, 4, d, 0, [0] * 8, 0.0027 + 0.0000125 * d, True, 0.0, k_proposed=4))
+            c.skip_quiet(30, 30, timed=(30, 1.0, lean) if name == "with lean" else None)
+    full_only, with_lean = (c.step_time for c in ctl.values())
+    # a step at K = 4 verifying every draft over a plain one (measured: 2.75 / 2.2 - 1 = 0.25)
+    cost = {name: c.step_time.predict(1, 4) / c.step_time.predict(1, 0) - 1.0 for name, c in ctl.items()}
+    assert with_lean.predict(1, 0) == pytest.approx(lean, rel=0.01)
+    assert full_only.predict(1, 0) == pytest.approx(plain_full, rel=0.01)
+    assert cost["full only"] < 0.12 < 0.2 < cost["with lean"] < 0.3
+    assert ctl["with lean"].total_steps == ctl["full only"].total_steps
+    assert full_only.steps == with_lean.steps  # the timed steps count once, not twice
+    with pytest.raises(ValueError):
+        ctl["with lean"].skip_quiet(3, 3, timed=(4, 1.0, lean))

@@ -7,8 +7,9 @@ scheduler of ``python -m bench hook-cost``.
 
 The stand-in schedules in microseconds, so the step-time model would learn from the wall
 clock's jitter, and on a machine whose cores are busy the hook's decisions (and these tests)
-would vary from run to run. The hook reads a clock that advances 0.1 ms per reading instead:
-a step that runs more of the hook's code takes longer, the same in every run."""
+would vary from run to run. The hook reads a clock that advances 0.1 ms per reading instead,
+and 2 ms more per step (``STEP_S``, the model's forward on a GPU): a step that runs more of the
+hook's code takes longer, the same in every run."""
 
 from __future__ import annotations
 
@@ -24,15 +25,20 @@ from bench.hook_cost import standin_hook
 from engine_host.config import LiveConfig
 from engine_host.step_clock import DecodeStretch
 
+# what a step takes outside the hook (s): :func:`_run` moves the clock by this much per step
+STEP_S = 2e-3
+_elapsed = [0.0]  # s the steps moved the clock by (``_run``)
+
 
 @pytest.fixture(autouse=True)
 def _steady_clock(monkeypatch):
     """The scheduler hook's clocks (wall, thread CPU, monotonic) as one counter that advances
-    0.1 ms per reading."""
+    0.1 ms per reading, plus ``STEP_S`` per step that :func:`_run` runs."""
     ticks = itertools.count()
+    _elapsed[0] = 0.0
 
     def now() -> float:
-        return 1000.0 + next(ticks) * 1e-4
+        return 1000.0 + next(ticks) * 1e-4 + _elapsed[0]
 
     monkeypatch.setattr(
         scheduler_module, "time", types.SimpleNamespace(perf_counter=now, thread_time=now, monotonic=now, time=now)
@@ -70,6 +76,7 @@ def _run(
     for i in range(start, start + n):
         hook.has_requests()
         out = hook.schedule()
+        _elapsed[0] += STEP_S  # the step's forward
         k = out.num_spec_tokens_to_schedule
         ks.append(k)
         step = (out, getattr(hook, "_test_prev_k", 0), i)  # (output, drafts it verifies, index)
@@ -694,18 +701,26 @@ def test_a_batchs_rest_ends_before_the_policys_next_exploration(tmp_path, monkey
         assert spans and max(spans) == most
 
 
-def test_an_accepted_draft_token_starts_the_async_probes_wait_again(tmp_path):
-    """Under async scheduling probes that accept nothing back off to 4 x probe_every steps;
-    a verification with an accepted token brings the wait back to probe_every."""
-    with _standin("adaptive", 1, tmp_path, async_scheduling=True) as hook:
-        _run(hook, 400, async_order=True)  # nothing accepted
-        every = hook._gate.probe_every
-        assert hook._probe_interval == hook.PROBE_BACKOFF * every
-        rid = hook.running[0].request_id
-        hook.make_spec_decoding_stats(None, 2, 0, request_id=rid)
-        assert hook._probe_interval == hook.PROBE_BACKOFF * every  # rejected: still backed off
-        hook.make_spec_decoding_stats(None, 2, 1, request_id=rid)
-        assert hook._probe_interval == every
+def test_a_verification_that_accepted_half_its_drafts_starts_the_async_probes_wait_again(tmp_path, monkeypatch):
+    """Under async scheduling probes that accept nothing back off to 4 x probe_every steps; a
+    verification that accepted at least half its drafts brings the wait back to probe_every,
+    one that accepted fewer leaves it backed off (on sampled chat, where a draft token is
+    accepted now and then, the wait otherwise seldom backed off: docs/gpu.md, host 37). With
+    ``SPECPILOT_PROBE_PRIOR=0`` any accepted token brings it back, as before."""
+    for prior in ("1", "0"):
+        monkeypatch.setenv("SPECPILOT_PROBE_PRIOR", prior)
+        with _standin("adaptive", 1, tmp_path / prior, async_scheduling=True) as hook:
+            _run(hook, 400, async_order=True)  # nothing accepted
+            every = hook._gate.probe_every
+            assert hook._probe_interval == hook.PROBE_BACKOFF * every
+            rid = hook.running[0].request_id
+            hook.make_spec_decoding_stats(None, 4, 0, request_id=rid)
+            assert hook._probe_interval == hook.PROBE_BACKOFF * every  # rejected: still backed off
+            hook.make_spec_decoding_stats(None, 4, 1, request_id=rid)
+            assert hook._probe_interval == (hook.PROBE_BACKOFF * every if prior == "1" else every)
+            hook._probe_interval = hook.PROBE_BACKOFF * every
+            hook.make_spec_decoding_stats(None, 4, 2, request_id=rid)
+            assert hook._probe_interval == every
 
 
 def test_a_lone_requests_first_decode_steps_do_not_teach_the_step_time_model(tmp_path, monkeypatch):
@@ -903,3 +918,24 @@ def test_the_step_trace_is_kept_out_of_the_hooks_clock(tmp_path, monkeypatch, mo
     (base, none), (with_trace, traced_s) = seconds[False], seconds[True]
     assert none == 0.0 and traced_s >= n * 50e-4  # every row's 50 ticks, counted apart
     assert with_trace - base <= n * 2e-4 + 1e-9  # at most the two reads per row that time it
+
+
+def test_the_lean_paths_steps_teach_the_step_time_model_what_a_plain_step_takes(tmp_path, monkeypatch):
+    """While the adaptive policy rests at K = 0 its steps run on the lean path, which hands
+    them back as counts and their mean time (``SpeculationController.skip_quiet``): a plain
+    step is then priced at what the lean steps take, below the full path's steps at K = 0
+    (where the policy decides, and which run more of the hook's code). With
+    ``SPECPILOT_LEAN_STEP_TIMES=0`` only the full path's steps teach it, as before."""
+    plain = {}
+    for times in ("1", "0"):
+        monkeypatch.setenv("SPECPILOT_LEAN_STEP_TIMES", times)
+        with _standin("adaptive", 1, tmp_path / times, async_scheduling=True) as hook:
+            _run(hook, 400, async_order=True)  # nothing accepted: resting at K = 0
+            hook._publish(time.monotonic())  # the lean path's counts reach the controller
+            model = hook.controller.step_time
+            steps = hook.controller.total_steps
+            assert steps >= 390 and model.steps <= steps  # every step counted once
+            assert bool(model._lean_at) == (times == "1")  # K = 0's cell learns from the lean steps
+            plain[times] = model.predict(1, 0)
+    # the stand-in's clock: 2 ms a step and 0.1 ms per clock reading of the hook's
+    assert STEP_S < plain["1"] < plain["0"] - 2e-4

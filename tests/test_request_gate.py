@@ -194,6 +194,7 @@ def _hook(
     h._steps_planned_out = 0
     h._probe_interval = probe_every
     h._probe_newest = None
+    h._probe_by_prior = True
     h._batch_k_memo = (0, -(1 << 62))
     h._wants_memo = h._WANTS_STALE
     h._config = LiveConfig()
@@ -878,3 +879,52 @@ def test_a_batch_of_estimates_at_once_equals_them_one_at_a_time(prior, monkeypat
     assert [g.acceptance(rid) for rid in ids] == pytest.approx([one.acceptance(rid) for rid in ids], rel=1e-12)
     if prior == "mixture":
         assert 0.7 < g.acceptance_many(["r4"])[0] < 0.8  # 3 of 4 accepted for 1500 steps: underflow handled
+
+
+def test_the_share_of_a_classs_finished_requests_whose_drafts_would_pay():
+    """``paying_share``: the mass of a class's distribution of per-request acceptance (the
+    mixture prior) where a k-token draft pays by the batch rule: near 0 for sampled chat whose
+    drafts were all rejected, about the quoting share of a greedy class where one request in
+    five quotes; 1.0 before the class has a distribution and under the pooled prior; 0.0 at
+    K = 0 and where a step at K > 0 costs more than any draft can return."""
+    g = RequestDraftGate(prior="mixture")
+    assert g.paying_share("sampled", 4, 0.01, 0.25) == 1.0  # no finished request of the class yet
+    for i in range(20):
+        _finish(g, f"chat-{i}", "sampled", 0, steps=3)
+        _finish(g, f"code-{i}", "greedy", 4 if i % 5 == 0 else 0, steps=6)  # one in five quotes
+    chat = g.paying_share("sampled", 4, 0.01, 0.25)
+    code = g.paying_share("greedy", 4, 0.01, 0.25)
+    assert chat < 0.1 < 0.15 < code < 0.35
+    assert g.paying_share("greedy", 0, 0.01, 0.25) == 0.0
+    assert g.paying_share("greedy", 4, 0.01, 5.0) == 0.0  # a step that costs five plain ones
+    assert RequestDraftGate().paying_share("sampled", 4, 0.01, 0.25) == 1.0  # the pooled prior
+
+
+def test_a_new_request_restarts_the_async_probes_wait_only_where_its_class_may_pay():
+    """Under async scheduling a request that joins restarts the probes' wait at probe_every
+    when at least ``PROBE_NEW_SHARE`` of its class's finished requests had drafts that pay: a
+    new sampled chat request after chat whose drafts were all rejected waits out the backed-off
+    wait, a greedy request of a class where one request in six quotes is probed after
+    probe_every steps. Under the pooled prior (or with ``SPECPILOT_PROBE_PRIOR=0``) every new
+    request restarts it, as before."""
+    for by_prior in (True, False):
+        h = _hook(_step_time(idle_step_cost=True), 8, 4, ["chat-1"], gate_drafts=False)
+        h._probe_by_prior = by_prior
+        g = h._gate
+        g.prior = "mixture"
+        for i in range(24):
+            _finish(g, f"chat-{i}", "sampled", 0, steps=3)
+            _finish(g, f"code-{i}", "greedy", 4 if i % 6 == 0 else 0, steps=6)  # one in six quotes
+        g.set_class("chat-1", "sampled")
+        _feed(g, "chat-1", 0.0, k=8)
+        ks = [h._decide_k(1) for _ in range(60)]
+        assert [i for i, k in enumerate(ks) if k] == [3, 11, 27, 43, 59]  # backed off to 16
+        h.running = [_req("chat-2")]
+        g.set_class("chat-2", "sampled")
+        ks = [h._decide_k(1) for _ in range(20)]
+        assert [i for i, k in enumerate(ks) if k] == ([15] if by_prior else [3, 11])
+        h.running = [_req("code-new")]
+        g.set_class("code-new", "greedy")
+        assert not g.batch_pays(["code-new"], 8, *h._gate_costs(1, 8))  # its prior alone does not draft
+        ks = [h._decide_k(1) for _ in range(8)]
+        assert [i for i, k in enumerate(ks) if k][0] < 4  # probed within probe_every steps

@@ -19,7 +19,9 @@
 # engine host, `k0full`: static K = 0 with SPECPILOT_HOOK_LEAN=0 (the hook's full per-step path, as an adaptive
 # engine host's steps at K = 0 run it), to tell what the full path costs from what drafting before leaves
 # behind. K0_TWIN=1 adds `k0b`, a second static K = 0 engine host like `k0`: an A/A control, what two engine
-# processes with the same arguments differ by on this host (their step times and tokens/s). POOLED=0 leaves out
+# processes with the same arguments differ by on this host (their step times and tokens/s). MIX_OLD=1 adds
+# `adaptive_old`, an adaptive engine host with the probe schedule and the step-time model of before host 38
+# (SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0), beside the adaptive one on the same prompts. POOLED=0 leaves out
 # the `pooled` engine host (its rounds then go to the others), K4=0 the `k4` one. C1_WORKLOADS, C8_WORKLOADS and
 # C64_WORKLOADS replace a table's workloads (defaults chat,code,docs,mixed / mixed,code,docs / docs,code,shift): a
 # per-cell target resolved at 2 % takes 100-460 rounds on the offline H200 hosts (docs/gpu.md, host 36), so spend
@@ -40,6 +42,7 @@ K_MAX=${K_MAX:-4}
 mkdir -p "$R"
 [ "${K0_FULL:-}" = 0 ] && K0_FULL=
 [ "${K0_TWIN:-}" = 0 ] && K0_TWIN=
+[ "${MIX_OLD:-}" = 0 ] && MIX_OLD=
 POOLED_ENGINE=1
 [ "${POOLED:-1}" = 0 ] && POOLED_ENGINE=
 K4_ENGINE=1
@@ -71,13 +74,15 @@ SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --
   --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 3 \
   --engine "serve:plain:--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $KV_BYTES --no-enable-prefix-caching --max-num-seqs 64" \
   --engine "host:a:$E" ${POOLED_ENGINE:+--engine "host:p:$E"} --engine "host:f0:$E" ${K4_ENGINE:+--engine "host:f4:$E"} \
-  ${K0_FULL:+--engine "host:f0x:SPECPILOT_HOOK_LEAN=0 $E"} ${K0_TWIN:+--engine "host:f0b:$E"} > "$R/start.log" 2>&1
+  ${K0_FULL:+--engine "host:f0x:SPECPILOT_HOOK_LEAN=0 $E"} ${K0_TWIN:+--engine "host:f0b:$E"} \
+  ${MIX_OLD:+--engine "host:ao:SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0 $E"} > "$R/start.log" 2>&1
 rc=$?
 progress "engines up (rc $rc)"
 [ $rc -eq 0 ] || exit $rc
 eval "$(engine_vars "$R/state.json")"
-export A_TOKEN F0_TOKEN ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN}
+export A_TOKEN F0_TOKEN ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN}
 ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN")
+[ -n "${MIX_OLD:-}" ] && ARMS+=(--arm "adaptive_old=$AO_URL,mode=adaptive,token-env=AO_TOKEN")
 [ -n "$POOLED_ENGINE" ] && ARMS+=(--arm "pooled=$P_URL,mode=adaptive_pooled,token-env=P_TOKEN")
 ARMS+=(--arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN")
 [ -n "$K4_ENGINE" ] && ARMS+=(--arm "k4=$F4_URL,mode=fixed:4,token-env=F4_TOKEN")
@@ -96,6 +101,7 @@ SPY=${SPECPILOT_SCRATCH:-/tmp/specpilot-gpu}/site/bin/py-spy
 [ -z "$PY_SPY" ] && [ -x "$SPY" ] && PY_SPY=$SPY
 states() {
   curl -s -H "Authorization: Bearer $A_TOKEN" "$A_URL/control/state" > "$R/mixture-state-$1.json"
+  [ -z "${MIX_OLD:-}" ] || curl -s -H "Authorization: Bearer $AO_TOKEN" "$AO_URL/control/state" > "$R/mixture-old-state-$1.json"
   [ -z "$POOLED_ENGINE" ] || curl -s -H "Authorization: Bearer $P_TOKEN" "$P_URL/control/state" > "$R/pooled-state-$1.json"
 }
 # table NAME BUDGET WORKLOADS CLIENTS PER-CLIENT: one `bench paired` run (skipped at a budget of 0)
