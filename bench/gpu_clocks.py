@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import lzma
 import os
 import signal
 import sys
@@ -66,13 +67,15 @@ def _nvml() -> Any:
 
 
 def read_clocks(path: str | Path) -> list[ClockSample]:
-    """The samples of a file written by :func:`main`, in time order.
+    """The samples of a file written by :func:`main`, in time order (``.xz``: compressed, as
+    ``scripts/gpu/paired_table.sh`` leaves it).
 
     Raises:
         OSError: the file cannot be read.
         ValueError: it is not such a file (its header lacks a column of :data:`FIELDS`).
     """
-    with open(path, newline="") as f:
+    opener = lzma.open if str(path).endswith(".xz") else open
+    with opener(path, "rt", newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         missing = [c for c in FIELDS if c not in (reader.fieldnames or [])]
         if missing:

@@ -87,6 +87,8 @@ class Step:
     vllm_schedule_us: float | None = None  # vLLM's own schedule() for the step (µs; None: not in the trace)
     vllm_update_us: float | None = None  # vLLM's own update_from_output() for the output (µs)
     cpu: int | None = None  # the CPU the engine core's thread ran on (None: not in the trace)
+    gc_us: float | None = None  # Python's garbage collections since the row before (µs; None: none)
+    gc_gen: int | None = None  # the oldest generation they collected
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,8 @@ def read_trace(path: str | Path) -> list[Step]:
                 _fraction(r.get("vllm_schedule_us")),
                 _fraction(r.get("vllm_update_us")),
                 _count(r.get("cpu")),
+                _fraction(r.get("gc_us")),
+                _count(r.get("gc_gen")),
             )
             for r in reader
         ]
@@ -739,6 +743,53 @@ def _windows_at_gap(steps: Sequence[Step], mine: list[dict], gap_s: float) -> tu
     return windows, mismatches(best)
 
 
+def gc_table(traces: Sequence[Sequence[Step]], min_steps: int = 20) -> list[str]:
+    """Markdown rows, one per kind of decode step (:func:`step_kind`: the hook's path at K = 0,
+    drafting): steps, steps with a garbage collection of the engine core's process in them
+    (the trace's ``gc_us``), collections of generation 2, the collector's ms per 1000 steps,
+    and the median step (output to output, ms) with a collection and without. Whether an
+    engine whose steps allocate more is slower through the collector. Empty when the traces
+    record no collection (traces before the column, or nothing collected)."""
+    per: dict[str, list[list[float]]] = {}
+    gen2: dict[str, int] = defaultdict(int)
+    gc_s: dict[str, float] = defaultdict(float)
+    seen = False
+    for steps in traces:
+        for prev, st in zip(steps, steps[1:]):
+            dt = st.t_output - prev.t_output
+            if st.decode != st.requests or st.decode < 1 or dt <= 0 or dt > 0.05:
+                continue
+            kind = step_kind(st)
+            with_gc, without = per.setdefault(kind, [[], []])
+            if st.gc_us is not None:
+                seen = True
+                with_gc.append(dt * 1e3)
+                gc_s[kind] += st.gc_us / 1e6
+                gen2[kind] += st.gc_gen == 2
+            else:
+                without.append(dt * 1e3)
+    if not seen:
+        return []
+    lines = [
+        "| path | steps | with a collection | of generation 2 | collector ms per 1000 steps "
+        "| median ms with | median ms without |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind in STEP_KINDS:
+        if kind not in per:
+            continue
+        with_gc, without = per[kind]
+        n = len(with_gc) + len(without)
+        if n < min_steps:
+            continue
+        med_with = f"{statistics.median(with_gc):.3f}" if with_gc else "-"
+        med_without = f"{statistics.median(without):.3f}" if without else "-"
+        lines.append(
+            f"| {kind} | {n} | {len(with_gc)} | {gen2[kind]} | {gc_s[kind] * 1e6 / n:.2f} | {med_with} | {med_without} |"
+        )
+    return lines
+
+
 def step_kind(st: Step) -> str:
     """What a step did, for :func:`burst_time_table`: ``prefill`` (it did not only decode),
     ``drafting`` (it verified drafts or proposed them for the next step), else the hook's path
@@ -902,6 +953,12 @@ def main(argv: list[str] | None = None) -> int:
     cpu_rows = cpu_table(traces, args.max_gap_ms / 1e3, args.min_steps)
     if cpu_rows:
         print("\n".join(cpu_rows))
+        print()
+    gc_rows = gc_table(traces, args.min_steps)
+    if gc_rows:
+        print("Decode steps with a garbage collection of the engine core's process in them:")
+        print()
+        print("\n".join(gc_rows))
         print()
     if args.gpu_clocks:
         try:

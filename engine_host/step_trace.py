@@ -36,15 +36,21 @@ per-request gate is off, when more than ``TRACE_ESTIMATE_MAX_BATCH`` (8) request
 whether vLLM's work per step differs with the hook's path), ``cpu`` (the CPU the engine core's
 thread ran on when the row was added, from the C library's ``sched_getcpu``; empty where it is
 not available: a step's speed can follow the core it runs on, and on a host of several NUMA nodes
-the node's distance from the GPU). Traces written before a column read as context 0, no graph
-mode, no draft or accepted tokens, no estimate or costs, no path or vLLM times, and no CPU.
+the node's distance from the GPU), ``gc_us`` and ``gc_gen`` (µs: the time Python's cyclic garbage
+collector ran in the engine core's process since the row before, through ``gc.callbacks``, and the
+oldest generation it collected; both empty when it did not run: an engine whose steps allocate more
+objects sets it off more often, and a collection lands on whatever step is running). Traces
+written before a column read as context 0, no graph mode, no draft or accepted tokens, no
+estimate or costs, no path or vLLM times, no CPU and no collection.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import os
+import time
 from collections import deque
 from typing import Callable
 
@@ -52,7 +58,8 @@ from . import envs
 
 HEADER = (
     "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens,context,graph,"
-    "draft_tokens,accepted_tokens,estimate,prior,token_cost,step_cost,path,vllm_schedule_us,vllm_update_us,cpu\n"
+    "draft_tokens,accepted_tokens,estimate,prior,token_cost,step_cost,path,vllm_schedule_us,vllm_update_us,cpu,"
+    "gc_us,gc_gen\n"
 )
 
 
@@ -75,16 +82,41 @@ class StepTrace:
         path: the trace file (created with its header when it does not exist).
         max_rows: rows kept in memory before the oldest are dropped, when ``flush`` is
             not called (bounded memory on a long run).
+        time_gc: time the process's garbage collections for the ``gc_us`` and ``gc_gen``
+            columns (a ``gc.callbacks`` hook, until :meth:`close`); False leaves them empty.
     """
 
-    def __init__(self, path: str, max_rows: int = 200_000):
+    def __init__(self, path: str, max_rows: int = 200_000, time_gc: bool = False):
         self.path = path
         self._rows: deque[str] = deque(maxlen=max_rows)
         self.dropped = 0  # rows that fell out of a full buffer
         self._cpu = _cpu_reader()
+        # Python's garbage collections since the last row: seconds, the oldest generation (-1:
+        # none) and when the running one started (gc.callbacks; removed by close())
+        self._gc_s = 0.0
+        self._gc_gen = -1
+        self._gc_t0 = 0.0
+        if time_gc:
+            gc.callbacks.append(self._on_gc)
         if not os.path.exists(path):
             with open(path, "w", encoding="utf-8") as f:
                 f.write(HEADER)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        """``gc.callbacks`` hook: time each collection (start to stop) and keep its generation."""
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0:
+            self._gc_s += time.perf_counter() - self._gc_t0
+            self._gc_t0 = 0.0
+            gen = int(info.get("generation", 0))
+            if gen > self._gc_gen:
+                self._gc_gen = gen
+
+    def close(self) -> None:
+        """Stop timing garbage collections (the rows kept stay; :meth:`flush` still writes them)."""
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
     def add(
         self,
@@ -122,9 +154,14 @@ class StepTrace:
         vs = "" if not vllm_schedule_s else f"{vllm_schedule_s * 1e6:.1f}"
         vu = "" if vllm_update_s is None else f"{vllm_update_s * 1e6:.1f}"
         cpu = self._cpu() if self._cpu is not None else -1
+        if self._gc_gen >= 0:
+            gcs = f"{self._gc_s * 1e6:.1f},{self._gc_gen}"
+            self._gc_s, self._gc_gen = 0.0, -1
+        else:
+            gcs = ","
         self._rows.append(
             f"{t_scheduled:.6f},{t_output:.6f},{k_drafted},{k_proposed},{decode},{requests},{tokens},{context},{graph},"
-            f"{draft_tokens},{accepted_tokens},{est},{pri},{tc},{sc},{path},{vs},{vu},{cpu if cpu >= 0 else ''}\n"
+            f"{draft_tokens},{accepted_tokens},{est},{pri},{tc},{sc},{path},{vs},{vu},{cpu if cpu >= 0 else ''},{gcs}\n"
         )
 
     @property
@@ -158,7 +195,7 @@ def step_trace_from_env() -> StepTrace | None:
     path = envs.step_trace()
     if not path:
         return None
-    trace = StepTrace(f"{path}.{os.getpid()}")
+    trace = StepTrace(f"{path}.{os.getpid()}", time_gc=True)
     atexit.register(_flush_quietly, trace)
     return trace
 

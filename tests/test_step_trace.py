@@ -32,12 +32,14 @@ def test_trace_is_written_on_flush_only_and_appends(tmp_path: Path) -> None:
     t.flush()  # nothing buffered: nothing written
     lines = path.read_text().splitlines()
     assert lines[0] + "\n" == HEADER
-    cpus = [ln.rsplit(",", 1)[1] for ln in lines[1:]]
+    cells = [ln.split(",") for ln in lines[1:]]
+    cpus = [c[18] for c in cells]
     assert all(c.isdigit() for c in cpus)  # the CPU the writer's thread ran on (Linux)
-    assert [ln.rsplit(",", 1)[0] for ln in lines[1:]] == [
+    assert [",".join(c[:18]) for c in cells] == [
         "1.000000,1.002000,0,2,1,1,1,40,,0,0,,,,,,,",
         "1.002000,1.005000,2,2,1,1,3,41,,0,0,,,,,full,250.0,1000.0",
     ]
+    assert [c[19:] for c in cells] == [["", ""], ["", ""]]  # garbage collections not timed
     steps = bst.read_trace(path)
     assert (steps[0].path, steps[0].vllm_schedule_us, steps[0].vllm_update_us) == ("", None, None)
     assert (steps[1].path, steps[1].vllm_schedule_us, steps[1].vllm_update_us) == ("full", 250.0, 1000.0)
@@ -420,6 +422,10 @@ def test_bursts_are_read_against_the_gpus_clock_during_them(tmp_path: Path, caps
     assert table[-1] == "1 requests: 8 bursts, Spearman's rho (SM clock, step) -0.93"  # ties take mean ranks
     assert bst.main([str(tmp_path / "steps.csv"), "--gpu-clocks", str(tmp_path / "clocks.csv")]) == 0
     assert "| 1 | 1100-1200 | 4 |" in capsys.readouterr().out
+    import lzma  # compressed, as scripts/gpu/paired_table.sh leaves it
+
+    (tmp_path / "clocks.csv.xz").write_bytes(lzma.compress((tmp_path / "clocks.csv").read_bytes()))
+    assert read_clocks(tmp_path / "clocks.csv.xz") == clocks
     with pytest.raises(SystemExit):
         bst.main([str(tmp_path / "steps.csv"), "--gpu-clocks", str(tmp_path / "steps.csv")])
     assert "not a GPU clock file" in capsys.readouterr().err
@@ -499,3 +505,36 @@ def test_a_cells_burst_time_is_split_by_what_its_steps_did() -> None:
         "| chat@c1 | 2 | 57.75 | 15.00, 45.00 (3.000/step) | 1.00, 3.75 (3.750/step) | - "
         "| 2.00, 9.00 (4.500/step) | - |"
     )
+
+
+def test_the_trace_times_the_garbage_collections_that_fell_in_each_step(tmp_path: Path) -> None:
+    """With ``time_gc`` (the engine core's trace) each row holds the time Python's garbage
+    collector ran since the row before and the oldest generation it collected; a row with none
+    has both empty. ``bench step-trace`` reads them and tells steps with a collection from the
+    others."""
+    import gc
+
+    path = tmp_path / "steps.csv"
+    t = StepTrace(str(path), time_gc=True)
+    try:
+        gc.collect(0)  # before the first row: in no step's interval that is read
+        t.add(0.998, 1.0, 0, 0, 1, 1, 1, 39, path="lean")
+        t.add(1.0, 1.002, 0, 0, 1, 1, 1, 40, path="lean")
+        gc.collect(1)
+        t.add(1.002, 1.0045, 0, 0, 1, 1, 1, 41, path="lean")
+        gc.collect(2)
+        gc.collect(0)
+        t.add(1.0045, 1.0065, 0, 0, 1, 1, 1, 42, path="full")
+        t.flush()
+    finally:
+        t.close()
+    assert t._on_gc not in gc.callbacks
+    steps = bst.read_trace(path)[1:]
+    assert (steps[0].gc_us, steps[0].gc_gen) == (None, None)
+    assert steps[1].gc_us is not None and steps[1].gc_us > 0 and steps[1].gc_gen == 1
+    assert steps[2].gc_us is not None and steps[2].gc_gen == 2  # the oldest of the two
+    steps = bst.read_trace(path)
+    rows = bst.gc_table([steps], min_steps=1)
+    assert rows[0].startswith("| path |")
+    lean = next(r for r in rows if r.startswith("| lean |"))
+    assert lean.split("|")[2:4] == [" 2 ", " 1 "]  # two lean steps, one with a collection
