@@ -67,6 +67,10 @@ def test_from_env_names_the_file_by_pid(tmp_path: Path, monkeypatch: pytest.Monk
     t = step_trace_from_env()
     assert t is not None and t.path.startswith(str(tmp_path / "steps.csv."))
     assert Path(t.path).read_text() == HEADER
+    import gc
+
+    assert t._on_gc in gc.callbacks  # the engine core's trace times garbage collections
+    t.close()
 
 
 def test_busy_intervals_keep_only_pure_decode_steps_of_one_batch(tmp_path: Path) -> None:
