@@ -599,7 +599,7 @@ class StepTimeModel:
                 kc[1] += weight
                 kc[2] = float(self.steps)
             if self.premium_window_s is not None and now is not None:
-                self._premium_near(b, k, batch_size, step_time_s, now, t0, t1)
+                self._premium_near(b, k, batch_size, step_time_s, now, t0, t1, weight)
                 return
             c0 = self._plain_cell(b) if k > 0 else None
             if c0 is not None:
@@ -617,7 +617,7 @@ class StepTimeModel:
     PREMIUM_WAIT_MAX = 256
 
     def _premium_near(
-        self, b: int, k: int, batch_size: int, step_time_s: float, now: float, t0: float, t1: float
+        self, b: int, k: int, batch_size: int, step_time_s: float, now: float, t0: float, t1: float, weight: int = 1
     ) -> None:
         """``premium_window_s``: a plain step (``k`` = 0) updates its bucket's recent plain
         time (its ratio to the fitted line t0 + t1 * B, s) and gives the steps at K > 0
@@ -632,8 +632,9 @@ class StepTimeModel:
             window = max(floor, self.PREMIUM_WINDOW_STEPS * step_time_s)
             if ref is None or now - ref[1] > window:
                 ref = self._plain_near[b] = [step_time_s / base, now]
-            else:
-                ref[0] += self.PLAIN_NEAR_ALPHA * (step_time_s / base - ref[0])
+            else:  # (weight plain steps alike: the weight of one, compounded)
+                a = self.PLAIN_NEAR_ALPHA if weight == 1 else 1.0 - (1.0 - self.PLAIN_NEAR_ALPHA) ** weight
+                ref[0] += a * (step_time_s / base - ref[0])
                 ref[1] = now
             waiting = self._premium_wait.pop(b, None)
             for k_w, t_w, b_w, when in waiting or ():
@@ -1371,7 +1372,8 @@ class SpeculationController:
         self.step_time.skip(steps - n)
         if timed is not None and n > 0:
             b = max(1, round(timed[1]))
-            self.step_time.observe(b, b, timed[2], 0, 0, weight=n, lean=True)
+            # now: they are the plain steps near the steps at K > 0 around them (premium_window_s)
+            self.step_time.observe(b, b, timed[2], 0, 0, now=time.monotonic(), weight=n, lean=True)
         if request_steps > 0:
             zeros = [0] * max(self.k_engine, 1)
             self.acceptance.observe(0, request_steps, zeros, zeros)

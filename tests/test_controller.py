@@ -916,23 +916,43 @@ def test_an_observation_with_a_weight_is_folded_in_as_that_many_alike():
     assert many.steps == before
 
 
-def test_lean_steps_handed_over_with_their_time_price_drafting_against_them():
+def test_lean_steps_handed_over_with_their_time_price_drafting_against_them(monkeypatch):
     """The scheduler hook's lean path hands its steps back as counts (``skip_quiet``) and, with
     ``timed``, their mean time. A model that saw only the full path's steps at K = 0 (slower:
     the policy decides there) priced a step at K > 0 at a few per cent over plain decoding;
     taught by the lean steps too it prices it against the step it replaces."""
     # s: a K = 0 step on the full path, one on the lean path; a step at K = 4 costs 2.70 ms
     # with no draft found and 0.0125 ms more per draft token verified
+    # The engine host's controller prices each step at K > 0 against plain steps near it in
+    # time (premium_window_s): the steps are 0.4 s apart here, so only a plain step handed over
+    # just before one is near it; the controller's monotonic clock is this loop's
+    import types
+
+    import engine_host.controller as controller_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(controller_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def tick() -> float:
+        clock[0] += 0.4
+        return clock[0]
+
     plain_full, lean = 0.0025, 0.0022
     ctl = {name: adaptive(k_max=4) for name in ("full only", "with lean")}
+    premium_samples = {}
     for name, c in ctl.items():
-        for _ in range(6):
+        for rep in range(6):
             for _ in range(3):
-                c.observe(StepObservation(1, 0, 0, 0, [0] * 8, plain_full, True, 0.0, k_proposed=0))
+                c.observe(StepObservation(1, 0, 0, 0, [0] * 8, plain_full, True, tick(), k_proposed=0))
+            tick()
+            c.skip_quiet(30, 30, timed=(30, 1.0, lean) if name == "with lean" else None)
             for i in range(4):
                 d = 4 * (i % 2)
-                c.observe(StepObservation(1, 4, d, 0, [0] * 8, 0.0027 + 0.0000125 * d, True, 0.0, k_proposed=4))
-            c.skip_quiet(30, 30, timed=(30, 1.0, lean) if name == "with lean" else None)
+                c.observe(StepObservation(1, 4, d, 0, [0] * 8, 0.0027 + 0.0000125 * d, True, clock[0], k_proposed=4))
+            if rep == 0:
+                premium_samples[name] = c.step_time.cells[(batch_bucket(1), 4)][6]
+        # the steps at K > 0 right after the lean ones kept taking premium samples (against them)
+        assert c.step_time.cells[(batch_bucket(1), 4)][6] >= premium_samples[name] + 5 * 4
     full_only, with_lean = (c.step_time for c in ctl.values())
     # a step at K = 4 verifying every draft over a plain one (measured: 2.75 / 2.2 - 1 = 0.25)
     cost = {name: c.step_time.predict(1, 4) / c.step_time.predict(1, 0) - 1.0 for name, c in ctl.items()}
