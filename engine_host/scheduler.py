@@ -236,6 +236,7 @@ class _SpecPilotHook:
         # $SPECPILOT_PROBE_PRIOR=0: every new request and any accepted draft token restart the
         # async probes' wait (the schedule before PROBE_NEW_SHARE; side-by-side benchmarks)
         self._probe_by_prior = envs.probe_prior_on()
+        self._new_request_share: tuple[str | None, float] | None = None  # (class, paying_share) at the last join
         self._gate_forget_at = 0  # step index from which the gate forgets finished requests
         self._k_drafted = 0  # K of the drafts verified in the step being scheduled
         self._k_first_use_step: int | None = None
@@ -774,7 +775,9 @@ class _SpecPilotHook:
         at the gate's current costs; always under the pooled prior)."""
         gate = self._gate
         cost, step_cost = self._gate_costs(batch_size, k)
-        share = gate.paying_share(gate.request_class(req.request_id), k, cost, step_cost)
+        cls = gate.request_class(req.request_id)
+        share = gate.paying_share(cls, k, cost, step_cost)
+        self._new_request_share = (cls, share)
         return share >= self.PROBE_NEW_SHARE
 
     def _gate_drafts(self) -> None:
@@ -1135,6 +1138,11 @@ class _SpecPilotHook:
                 # async scheduling: steps at K = 0 between probes of every request now, and as configured
                 probe_interval_steps=None if self.GATE_DRAFTS else self._probe_interval,
                 probe_every_steps=self._gate.probe_every,
+                # async scheduling: the last request that joined a batch whose drafts did not pay,
+                # its class and the share of that class's requests whose drafts would (PROBE_NEW_SHARE)
+                new_request_paying_share=None
+                if self._new_request_share is None
+                else {"class": self._new_request_share[0], "share": round(self._new_request_share[1], 4)},
             ),
             "overhead": {
                 "hook_seconds": round(self._overhead_s, 6),

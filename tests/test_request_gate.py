@@ -195,6 +195,7 @@ def _hook(
     h._probe_interval = probe_every
     h._probe_newest = None
     h._probe_by_prior = True
+    h._new_request_share = None
     h._batch_k_memo = (0, -(1 << 62))
     h._wants_memo = h._WANTS_STALE
     h._config = LiveConfig()
@@ -923,6 +924,9 @@ def test_a_new_request_restarts_the_async_probes_wait_only_where_its_class_may_p
         g.set_class("chat-2", "sampled")
         ks = [h._decide_k(1) for _ in range(20)]
         assert [i for i, k in enumerate(ks) if k] == ([15] if by_prior else [3, 11])
+        if by_prior:  # what the state publishes (per_request.new_request_paying_share)
+            assert h._new_request_share is not None and h._new_request_share[0] == "sampled"
+            assert h._new_request_share[1] < h.PROBE_NEW_SHARE
         h.running = [_req("code-new")]
         g.set_class("code-new", "greedy")
         assert not g.batch_pays(["code-new"], 8, *h._gate_costs(1, 8))  # its prior alone does not draft
