@@ -836,6 +836,72 @@ def burst_time_table(steps: Sequence[Step], windows: Sequence[CellWindow]) -> li
     return lines
 
 
+def probe_table(steps: Sequence[Step], windows: Sequence[CellWindow]) -> list[str]:
+    """Markdown rows, one per cell of ``windows`` (:func:`paired_windows`): the drafting of an
+    engine that switches K, burst by burst. A *probe* is a run of decode steps that propose
+    drafts (``k_proposed`` > 0), begun after one that did not; under async scheduling its last
+    drafts are verified in the step after it. Per cell: bursts, probes per burst, steps per
+    probe (mean), bursts whose first step (the prefill) already proposed, so that the first
+    decode step verified drafts (a probe at once: the wait ran out before the request came, or
+    its class's prior pays), the median steps from one
+    probe's start to the next's within a burst, and the mean output-to-output ms of the steps
+    that only proposed, verified and proposed, and only verified. Where an adaptive engine's
+    probes go on traffic that never accepts (chat at one client; docs/gpu.md, host 38)."""
+    t_out = [st.t_output for st in steps]
+    per: dict[str, dict[str, list[float]]] = {}
+    for w in windows:
+        lo, hi = bisect.bisect_left(t_out, w.start), bisect.bisect_right(t_out, w.end)
+        rows = steps[lo:hi]
+        c = per.setdefault(w.label, defaultdict(list))
+        c["bursts"].append(1.0)
+        starts: list[int] = []
+        run = 0
+        for i, st in enumerate(rows):
+            if st.k_proposed > 0:
+                if run == 0:
+                    starts.append(i)
+                    if i == 0:
+                        c["at_once"].append(1.0)
+                run += 1
+            elif run:
+                c["lengths"].append(float(run))
+                run = 0
+            if i > 0 and st.decode >= 1:
+                kind = (
+                    "propose"
+                    if st.k_proposed > 0 and st.k_drafted == 0
+                    else "both"
+                    if st.k_proposed > 0
+                    else "verify"
+                    if st.k_drafted > 0
+                    else ""
+                )
+                if kind:
+                    c[kind].append((st.t_output - rows[i - 1].t_output) * 1e3)
+        if run:
+            c["lengths"].append(float(run))
+        c["probes"].append(float(len(starts)))
+        c["gaps"] += [float(b - a) for a, b in zip(starts, starts[1:])]
+    lines = [
+        "| cell | bursts | probes per burst | steps per probe | drafted from the prefill | steps between "
+        "probes (median) | ms/step: proposing | verifying and proposing | verifying |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, c in per.items():
+        n = len(c["bursts"])
+
+        def mean(key: str, c: dict[str, list[float]] = c) -> str:
+            return f"{statistics.fmean(c[key]):.3f}" if c[key] else "-"
+
+        gaps = f"{statistics.median(c['gaps']):.0f}" if c["gaps"] else "-"
+        steps_per = f"{statistics.fmean(c['lengths']):.2f}" if c["lengths"] else "-"
+        lines.append(
+            f"| {label} | {n} | {sum(c['probes']) / n:.2f} | {steps_per} "
+            f"| {len(c['at_once'])} of {n} | {gaps} | {mean('propose')} | {mean('both')} | {mean('verify')} |"
+        )
+    return lines
+
+
 def paired_cell_table(
     intervals: Sequence[Interval], windows: Sequence[CellWindow], requests: tuple[int, int], min_steps: int = 20
 ) -> list[str]:
@@ -991,6 +1057,12 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("\n".join(burst_time_table(traces[0], windows)))
         print()
+        probe_rows = probe_table(traces[0], windows)
+        if any(" | 0.00 | " not in row for row in probe_rows[2:]):  # (an engine that never drafts: none)
+            print("Probes (runs of steps that propose drafts), per burst:")
+            print()
+            print("\n".join(probe_rows))
+            print()
     if args.against:
         others = []
         for f in args.against:

@@ -542,3 +542,28 @@ def test_the_trace_times_the_garbage_collections_that_fell_in_each_step(tmp_path
     assert rows[0].startswith("| path |")
     lean = next(r for r in rows if r.startswith("| lean |"))
     assert lean.split("|")[2:4] == [" 2 ", " 1 "]  # two lean steps, one with a collection
+
+
+def test_probes_are_counted_burst_by_burst_with_where_they_start_and_what_their_steps_took() -> None:
+    """``probe_table``: a run of steps that propose drafts is one probe. Burst 1 drafts from its
+    prefill (a probe at once) and probes again 12 steps later for two steps; burst 2 probes once,
+    21 steps in. Per cell: 1.5 probes a burst, 4 / 3 steps per probe, 1 of 2 bursts drafted from
+    the prefill, 12 steps between probes, and the mean ms of each kind of drafting step."""
+
+    def burst(t0: float, plan: list[tuple[int, int, float]]) -> list[bst.Step]:
+        out, t = [], t0
+        for i, (k_drafted, k_proposed, dt) in enumerate(plan):
+            out.append(bst.Step(t, t + dt, k_drafted, k_proposed, 0 if i == 0 else 1, 1, 1))
+            t += dt
+        return out
+
+    lean = (0, 0, 0.002)
+    first = [(0, 2, 0.001), (2, 0, 0.003)] + [lean] * 10 + [(0, 2, 0.004), (2, 2, 0.005), (2, 0, 0.003)] + [lean] * 5
+    second = [(0, 0, 0.001)] + [lean] * 20 + [(0, 2, 0.004), (2, 0, 0.003)]
+    steps = burst(10.0, first) + burst(20.0, second)
+    n1 = len(first)
+    windows = [bst.CellWindow("chat@c1", steps[0].t_output, steps[n1 - 1].t_output)]
+    windows.append(bst.CellWindow("chat@c1", steps[n1].t_output, steps[-1].t_output))
+    table = bst.probe_table(steps, windows)
+    assert table[0].startswith("| cell | bursts | probes per burst | steps per probe | drafted from the prefill |")
+    assert table[2] == "| chat@c1 | 2 | 1.50 | 1.33 | 1 of 2 | 12 | 4.000 | 5.000 | 3.000 |"
