@@ -712,7 +712,7 @@ class _SpecPilotHook:
         that pay (after a probe's result or with a new request's prior), a verification that
         accepted at least half its drafts, or a request that joined since and whose class's
         requests' drafts pay often enough (``PROBE_NEW_SHARE``) bring them back to
-        ``probe_every``. There the
+        ``probe_every``. A request that starts alone counts its wait from its own first step. There the
         batch answers (``RequestDraftGate.batch_pays``: the requests' expected gains together
         against what every request's verification costs, since each verifies the step's
         drafts), and the answer is kept for ``GATE_COST_EVERY`` steps at the same K and batch
@@ -758,6 +758,10 @@ class _SpecPilotHook:
             self._probe_newest = newest
             if not self._probe_by_prior or self._new_request_may_pay(newest, b, k):
                 self._probe_interval = self._gate.probe_every
+            if self._probe_by_prior and b == 1:
+                # a lone request's wait counts from its own first step: the steps of the request
+                # before it would otherwise have it drafted from its prefill (docs/gpu.md, host 38)
+                self._steps_planned_out = 0
         if wants:
             self._steps_planned_out = 0
         else:

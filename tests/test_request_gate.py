@@ -907,7 +907,7 @@ def test_a_new_request_restarts_the_async_probes_wait_only_where_its_class_may_p
     new sampled chat request after chat whose drafts were all rejected waits out the backed-off
     wait, a greedy request of a class where one request in six quotes is probed after
     probe_every steps. Under the pooled prior (or with ``SPECPILOT_PROBE_PRIOR=0``) every new
-    request restarts it, as before."""
+    request restarts it, as before. A lone request counts its wait from its own first step."""
     for by_prior in (True, False):
         h = _hook(_step_time(idle_step_cost=True), 8, 4, ["chat-1"], gate_drafts=False)
         h._probe_by_prior = by_prior
@@ -918,12 +918,14 @@ def test_a_new_request_restarts_the_async_probes_wait_only_where_its_class_may_p
             _finish(g, f"code-{i}", "greedy", 4 if i % 6 == 0 else 0, steps=6)  # one in six quotes
         g.set_class("chat-1", "sampled")
         _feed(g, "chat-1", 0.0, k=8)
-        ks = [h._decide_k(1) for _ in range(60)]
+        ks = [h._decide_k(1) for _ in range(66)]
         assert [i for i, k in enumerate(ks) if k] == [3, 11, 27, 43, 59]  # backed off to 16
         h.running = [_req("chat-2")]
         g.set_class("chat-2", "sampled")
         ks = [h._decide_k(1) for _ in range(20)]
-        assert [i for i, k in enumerate(ks) if k] == ([15] if by_prior else [3, 11])
+        # by its class: the wait stays backed off and counts from the new request's first step; before,
+        # it restarted at 4 with chat-1's last 6 steps counted, so chat-2 was drafted at once
+        assert [i for i, k in enumerate(ks) if k] == ([15] if by_prior else [0, 8])
         if by_prior:  # what the state publishes (per_request.new_request_paying_share)
             assert h._new_request_share is not None and h._new_request_share[0] == "sampled"
             assert h._new_request_share[1] < h.PROBE_NEW_SHARE
