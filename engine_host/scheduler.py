@@ -115,10 +115,9 @@ class _SpecPilotHook:
     # at least this share of its class's finished requests had drafts that would pay
     # (``RequestDraftGate.paying_share``, under the mixture prior); else the wait runs on as
     # backed off. On sampled chat at one client every request restarted the wait at 16 steps
-    # and any accepted draft token reset it, so the probes' backoff seldom took hold and
-    # they cost 1.5-2.2 % of a burst (docs/gpu.md, host 37); a request of a class whose
-    # drafts pay (docs after chat) is still probed at ``probe_every``, or drafted at once
-    # where its class's prior pays
+    # and any accepted draft token reset it, so the probes' backoff seldom took hold
+    # (docs/gpu.md, host 37); a request of a class whose drafts pay (docs after chat) is
+    # still probed at ``probe_every``, or drafted at once where its class's prior pays
     PROBE_NEW_SHARE = 0.1
     # the adaptive policy's exploration at a batch of at least this many requests runs whatever
     # the per-request gate says (``_decide_k``), and on the synchronous path its drafts are
@@ -712,8 +711,8 @@ class _SpecPilotHook:
         that pay (after a probe's result or with a new request's prior), a verification that
         accepted at least half its drafts, or a request that joined since and whose class's
         requests' drafts pay often enough (``PROBE_NEW_SHARE``) bring them back to
-        ``probe_every``. A request that starts alone counts its wait from its own first step. There the
-        batch answers (``RequestDraftGate.batch_pays``: the requests' expected gains together
+        ``probe_every``; a request that starts alone counts its wait from its own first step.
+        There the batch answers (``RequestDraftGate.batch_pays``: the requests' expected gains together
         against what every request's verification costs, since each verifies the step's
         drafts), and the answer is kept for ``GATE_COST_EVERY`` steps at the same K and batch
         until drafts are verified, rather than the batch being priced at every step
