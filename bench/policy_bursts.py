@@ -10,9 +10,10 @@ accepted. The hook (``engine_host.scheduler``) runs on the stand-in scheduler of
 before it. Each burst's requests are new. Prints, per kind, the steps at K > 0 of each burst
 after ``--settle`` bursts.
 
-The hook's clocks advance 0.1 ms per reading (a step that runs more of the hook's code takes
-longer, the same in every run), so the figures are the same on every machine; they say what
-the policy decides, not what a step costs on an engine. On a GPU host the same pattern is
+The hook's clocks advance 0.1 ms per reading and ``--step-ms`` per step (the model's forward,
+outside the hook: a step that runs more of the hook's code takes longer, the same in every run),
+so the figures are the same on every machine; they say what the policy decides, not what a step
+costs on an engine. On a GPU host the same pattern is
 measured by ``python -m bench paired`` with bursts of one workload each (docs/gpu.md).
 """
 
@@ -25,7 +26,7 @@ import statistics
 import sys
 import tempfile
 import types
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from bench.engine_control import BenchError
 from bench.hook_cost import _SchedulerStandIn, staggered_births, standin_request, turn_over
@@ -34,30 +35,44 @@ KINDS = {"r": "drafts rejected", "q": "drafts accepted (quotes)"}
 
 
 @contextlib.contextmanager
-def _tick_clock() -> Iterator[None]:
+def _tick_clock(step_s: float = 0.0) -> Iterator[Callable[[], None]]:
     """The scheduler hook's clocks (wall, thread CPU, monotonic) as one counter that advances
-    0.1 ms per reading, restored afterwards."""
+    0.1 ms per reading, restored afterwards; yields a function that moves it on by ``step_s``
+    (s), called once per step (what the step takes outside the hook)."""
     import engine_host.scheduler as scheduler_module
 
     ticks = itertools.count()
+    moved = [0.0]
 
     def now() -> float:
-        return 1000.0 + next(ticks) * 1e-4
+        return 1000.0 + next(ticks) * 1e-4 + moved[0]
+
+    def advance() -> None:
+        moved[0] += step_s
 
     saved = scheduler_module.time
     scheduler_module.time = types.SimpleNamespace(perf_counter=now, thread_time=now, monotonic=now, time=now)  # type: ignore[assignment]
     try:
-        yield
+        yield advance
     finally:
         scheduler_module.time = saved
 
 
-def _burst(hook: Any, steps: int, accepted: int, async_order: bool, turnover: int = 0, tag: str = "") -> int:
+def _burst(
+    hook: Any,
+    steps: int,
+    accepted: int,
+    async_order: bool,
+    turnover: int = 0,
+    tag: str = "",
+    advance: Callable[[], None] = lambda: None,
+) -> int:
     """``steps`` steps of the hook's running requests, each draft with ``accepted`` tokens
     accepted, then one step with none running (drained); returns the steps scheduled at K > 0.
     With ``turnover`` > 0 each request finishes after that many steps (staggered) and a new
     one (ids ``TAG-tN``) takes its place, as with closed-loop clients; vLLM names the
-    finished ones in the next step's output."""
+    finished ones in the next step's output. ``advance`` runs after each step is scheduled
+    (the clock's step, :func:`_tick_clock`)."""
     drafted = 0
     prev_k = 0
     pending: tuple[Any, int] | None = None
@@ -71,6 +86,7 @@ def _burst(hook: Any, steps: int, accepted: int, async_order: bool, turnover: in
         turn_over(hook, born, step_n, turnover, lambda: standin_request(f"{tag}-t{next(ids)}", 0), add)
         hook.has_requests()
         out = hook.schedule()
+        advance()
         k = out.num_spec_tokens_to_schedule
         drafted += k > 0
         step: tuple[Any, int] | None = (out, prev_k)
@@ -104,6 +120,7 @@ def run(
     mode: str = "adaptive",
     price: tuple[float, float] | None = None,
     turnover: int = 0,
+    step_ms: float = 2.0,
 ) -> dict[str, list[int]]:
     """Steps at K > 0 of each burst, per kind (``r``, ``q``), over ``repeat`` repetitions of
     ``pattern``, the hook in ``mode`` (``adaptive``, ``adaptive_pooled``, ...). ``price``:
@@ -111,19 +128,20 @@ def run(
     drafting at instead of the step-time model's figures (``_gate_costs``), which on the
     stand-in say what its tick clock measures, not what a step costs on an engine.
     ``turnover``: steps after which each request finishes and a new one of the same kind takes
-    its place (0: a burst's requests run throughout).
+    its place (0: a burst's requests run throughout). ``step_ms``: what a step takes outside the
+    hook (ms, >= 0; 2 ms: a decode step at a small batch on an H200, docs/gpu.md).
 
     Raises:
-        ValueError: a kind outside ``r``/``q`` in ``pattern``, or a size below 1.
+        ValueError: a kind outside ``r``/``q`` in ``pattern``, a size below 1, or a negative ``step_ms``.
     """
     if not pattern or set(pattern) - set(KINDS):
         raise ValueError(f"--pattern takes the letters r and q only, got {pattern!r}")
-    if batch < 1 or steps < 1 or repeat < 1 or accepted < 0 or turnover < 0:
-        raise ValueError("--batch, --steps and --repeat need values >= 1, --accepted and --turnover >= 0")
+    if batch < 1 or steps < 1 or repeat < 1 or accepted < 0 or turnover < 0 or step_ms < 0:
+        raise ValueError("--batch, --steps and --repeat need values >= 1, --accepted, --turnover and --step-ms >= 0")
     from bench.hook_cost import standin_hook
 
     out: dict[str, list[int]] = {k: [] for k in KINDS}
-    with tempfile.TemporaryDirectory() as folder, _tick_clock():
+    with tempfile.TemporaryDirectory() as folder, _tick_clock(step_ms / 1e3) as advance:
         hook, channel = standin_hook(mode, batch, folder, async_scheduling=async_scheduling)
         if price is not None:
             hook._gate_costs = lambda b, k: price
@@ -133,7 +151,9 @@ def run(
                 # where the requests before it leave its class's prior (engine_host.request_gate)
                 hook.running = [standin_request(f"b{n}-r{i}", 0) for i in range(batch)]
                 hook.requests = {r.request_id: r for r in hook.running}
-                drafted = _burst(hook, steps, accepted if kind == "q" else 0, async_scheduling, turnover, f"b{n}")
+                drafted = _burst(
+                    hook, steps, accepted if kind == "q" else 0, async_scheduling, turnover, f"b{n}", advance
+                )
                 out[kind].append(drafted)
         finally:
             channel.close()
@@ -163,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="STEPS",
         help="each request finishes after STEPS steps and a new one of the burst's kind takes its place "
         "(closed-loop clients); 0 (default): a burst's requests run throughout",
+    )
+    ap.add_argument(
+        "--step-ms",
+        type=float,
+        default=2.0,
+        help="what a step takes outside the hook, ms (default: 2.0, a decode step at a small batch on an H200)",
     )
     ap.add_argument("--sync", action="store_true", help="synchronous scheduling (the CPU build) instead of async")
     ap.add_argument(
@@ -206,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             args.mode,
             price,
             args.turnover,
+            args.step_ms,
         )
     except (ValueError, BenchError) as e:
         print(f"error: {e}", file=sys.stderr)

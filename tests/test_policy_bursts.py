@@ -61,6 +61,7 @@ def test_closed_loop_requests_after_quoting_ones_do_not_keep_a_whole_batch_draft
         ["--price=-1,0.2"],
         ["--mode", "fixed:4"],
         ["--mode", "adaptive_turbo"],
+        ["--step-ms", "-1"],
     ],
 )
 def test_bad_arguments_are_refused_with_the_reason(argv, capsys):
