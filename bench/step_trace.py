@@ -743,13 +743,14 @@ def _windows_at_gap(steps: Sequence[Step], mine: list[dict], gap_s: float) -> tu
     return windows, mismatches(best)
 
 
-def gc_table(traces: Sequence[Sequence[Step]], min_steps: int = 20) -> list[str]:
+def gc_table(traces: Sequence[Sequence[Step]], min_steps: int = 20, max_gap_s: float = 0.05) -> list[str]:
     """Markdown rows, one per kind of decode step (:func:`step_kind`: the hook's path at K = 0,
     drafting): steps, steps with a garbage collection of the engine core's process in them
     (the trace's ``gc_us``), collections of generation 2, the collector's ms per 1000 steps,
     and the median step (output to output, ms) with a collection and without. Whether an
-    engine whose steps allocate more is slower through the collector. Empty when the traces
-    record no collection (traces before the column, or nothing collected)."""
+    engine whose steps allocate more is slower through the collector. A step longer than
+    ``max_gap_s`` (s) is an idle spell and left out. Empty when the traces record no collection
+    (traces before the column, or nothing collected)."""
     per: dict[str, list[list[float]]] = {}
     gen2: dict[str, int] = defaultdict(int)
     gc_s: dict[str, float] = defaultdict(float)
@@ -757,7 +758,7 @@ def gc_table(traces: Sequence[Sequence[Step]], min_steps: int = 20) -> list[str]
     for steps in traces:
         for prev, st in zip(steps, steps[1:]):
             dt = st.t_output - prev.t_output
-            if st.decode != st.requests or st.decode < 1 or dt <= 0 or dt > 0.05:
+            if st.decode != st.requests or st.decode < 1 or dt <= 0 or dt > max_gap_s:
                 continue
             kind = step_kind(st)
             with_gc, without = per.setdefault(kind, [[], []])
@@ -1020,7 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
     if cpu_rows:
         print("\n".join(cpu_rows))
         print()
-    gc_rows = gc_table(traces, args.min_steps)
+    gc_rows = gc_table(traces, args.min_steps, args.max_gap_ms / 1e3)
     if gc_rows:
         print("Decode steps with a garbage collection of the engine core's process in them:")
         print()
