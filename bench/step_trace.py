@@ -839,15 +839,16 @@ def burst_time_table(steps: Sequence[Step], windows: Sequence[CellWindow]) -> li
 
 def probe_table(steps: Sequence[Step], windows: Sequence[CellWindow]) -> list[str]:
     """Markdown rows, one per cell of ``windows`` (:func:`paired_windows`): the drafting of an
-    engine that switches K, burst by burst. A *probe* is a run of decode steps that propose
-    drafts (``k_proposed`` > 0), begun after one that did not; under async scheduling its last
-    drafts are verified in the step after it. Per cell: bursts, probes per burst, steps per
-    probe (mean), bursts whose first step (the prefill) already proposed, so that the first
-    decode step verified drafts (a probe at once: the wait ran out before the request came, or
-    its class's prior pays), the median steps from one
-    probe's start to the next's within a burst, and the mean output-to-output ms of the steps
-    that only proposed, verified and proposed, and only verified. Where an adaptive engine's
-    probes go on traffic that never accepts (chat at one client; docs/gpu.md, host 38)."""
+    engine that switches K, burst by burst. A *probe* is a run of steps that propose drafts
+    (``k_proposed`` > 0), begun after one that did not; under async scheduling its last drafts
+    are verified in the step after it. Per cell: bursts, probes per burst, steps per probe
+    (mean), bursts whose first step (the prefill) already proposed, so that the first decode
+    step verified drafts (a probe at once: the wait ran out before the request came, or its
+    class's prior pays), the median steps from one probe's start to the next's within a burst,
+    and the mean output-to-output ms of the decode steps that only proposed, verified and
+    proposed, and only verified. Where an adaptive engine's probes go on traffic that never
+    accepts (chat at one client; docs/gpu.md, host 38). Empty when no burst proposed drafts
+    (a static K = 0 engine)."""
     t_out = [st.t_output for st in steps]
     per: dict[str, dict[str, list[float]]] = {}
     for w in windows:
@@ -867,22 +868,15 @@ def probe_table(steps: Sequence[Step], windows: Sequence[CellWindow]) -> list[st
             elif run:
                 c["lengths"].append(float(run))
                 run = 0
-            if i > 0 and st.decode >= 1:
-                kind = (
-                    "propose"
-                    if st.k_proposed > 0 and st.k_drafted == 0
-                    else "both"
-                    if st.k_proposed > 0
-                    else "verify"
-                    if st.k_drafted > 0
-                    else ""
-                )
-                if kind:
-                    c[kind].append((st.t_output - rows[i - 1].t_output) * 1e3)
+            if i > 0 and st.decode >= 1 and (st.k_proposed > 0 or st.k_drafted > 0):
+                kind = ("both" if st.k_drafted > 0 else "propose") if st.k_proposed > 0 else "verify"
+                c[kind].append((st.t_output - rows[i - 1].t_output) * 1e3)
         if run:
             c["lengths"].append(float(run))
         c["probes"].append(float(len(starts)))
         c["gaps"] += [float(b - a) for a, b in zip(starts, starts[1:])]
+    if not any(sum(c["probes"]) for c in per.values()):
+        return []
     lines = [
         "| cell | bursts | probes per burst | steps per probe | drafted from the prefill | steps between "
         "probes (median) | ms/step: proposing | verifying and proposing | verifying |",
@@ -1059,7 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(burst_time_table(traces[0], windows)))
         print()
         probe_rows = probe_table(traces[0], windows)
-        if any(" | 0.00 | " not in row for row in probe_rows[2:]):  # (an engine that never drafts: none)
+        if probe_rows:
             print("Probes (runs of steps that propose drafts), per burst:")
             print()
             print("\n".join(probe_rows))

@@ -567,3 +567,6 @@ def test_probes_are_counted_burst_by_burst_with_where_they_start_and_what_their_
     table = bst.probe_table(steps, windows)
     assert table[0].startswith("| cell | bursts | probes per burst | steps per probe | drafted from the prefill |")
     assert table[2] == "| chat@c1 | 2 | 1.50 | 1.33 | 1 of 2 | 12 | 4.000 | 5.000 | 3.000 |"
+    plain = burst(30.0, [(0, 0, 0.001)] + [lean] * 5)
+    # a static K = 0 engine's burst: no probe, no table
+    assert bst.probe_table(plain, [bst.CellWindow("chat@c1", plain[0].t_output, plain[-1].t_output)]) == []
