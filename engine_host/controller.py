@@ -318,6 +318,11 @@ class AcceptanceEstimator:
             self.zero_run_ref = 0.0
             self.changes += 1
 
+    def weight(self, i: int) -> float:
+        """Evidence behind position ``i`` (0-based): its measured weight in decode
+        request-steps (the prior's half request-step included; at most about ``1/alpha``)."""
+        return self.den[i] / self.alpha if self.alpha > 0 else 0.0
+
     def fresh(self, i: int) -> bool:
         """True when position ``i`` (0-based) carries at least ``fresh_weight`` request-steps."""
         return self.observed_request_steps[i] > 0 and self.den[i] >= min(self.fresh_weight * self.alpha, 0.5)
@@ -1071,7 +1076,10 @@ class AdaptivePolicy(Policy):
     fresh after a workload change; the interval starts at ``explore_every`` steps and
     doubles (up to 8x) while the decision holds, and resets when it moves. After the engine
     drains, the next burst of several requests is explored within ``explore_every`` steps
-    (:meth:`drained`).
+    (:meth:`drained`). A turn to K = 0 that stands on less evidence at position 1 than one
+    exploration measures (``BURST_REQUEST_STEPS``, e.g. a workload's first few drafts, or the
+    first after a detected change) brings the next exploration to ``THIN_OFF_EXPLORE`` of
+    ``explore_every`` steps away, at a step with ``DRAIN_EXPLORE_MIN_BATCH`` requests or more.
     """
 
     name = "adaptive"
@@ -1089,6 +1097,11 @@ class AdaptivePolicy(Policy):
     # request is left to the per-request gate's probes, where an exploration at K = 1 would
     # take 17 steps (BURST_REQUEST_STEPS at batch 1)
     DRAIN_EXPLORE_MIN_BATCH = 4
+    # a turn to K = 0 on thin evidence (under BURST_REQUEST_STEPS request-steps at position 1)
+    # explores again within this fraction of explore_every: on copy traffic the first drafts of
+    # each request (the turn from the prompt into the answer) are often all rejected, and a
+    # turn-off read from them alone held K at 0 for explore_every steps (docs/engine_host.md)
+    THIN_OFF_EXPLORE = 0.25
 
     def __init__(self, spec: SpeculationConfig, k_engine: int, ctl: "SpeculationController"):
         super().__init__(spec, k_engine, ctl)
@@ -1105,6 +1118,7 @@ class AdaptivePolicy(Policy):
         self._decided_at = -self.DECIDE_EVERY  # self.steps of the last goodput comparison
         self._decided_batch = 0
         self._after_drain = False  # drained() since the last step with several requests
+        self._thin_off = False  # turned to K = 0 on thin evidence, not yet brought forward
 
     def goodput(self, batch_size: int) -> dict[int, float]:
         """Predicted goodput (tokens/s) per K in bounds at this batch size."""
@@ -1147,8 +1161,14 @@ class AdaptivePolicy(Policy):
             self._decided_at, self._decided_batch = self.steps, batch_size
         if best != self.current:
             self.interval = self.p.explore_every  # the decision moved: look around more
+            # turned off on thin evidence: look again soon (THIN_OFF_EXPLORE)
+            self._thin_off = best == 0 and self.ctl.acceptance.weight(0) < self.BURST_REQUEST_STEPS
         self.current = best
         self.steps += 1
+        if self._thin_off and batch_size >= self.DRAIN_EXPLORE_MIN_BATCH:
+            self._thin_off = False
+            soon = self.steps + max(1, round(self.THIN_OFF_EXPLORE * self.p.explore_every))
+            self.next_explore = min(self.next_explore, soon)
         if self._after_drain and batch_size >= self.DRAIN_EXPLORE_MIN_BATCH:
             self._after_drain = False
             self.next_explore = min(self.next_explore, self.steps + self.p.explore_every)

@@ -963,3 +963,43 @@ def test_lean_steps_handed_over_with_their_time_price_drafting_against_them(monk
     assert full_only.steps == with_lean.steps  # the timed steps count once, not twice
     with pytest.raises(ValueError):
         ctl["with lean"].skip_quiet(3, 3, timed=(4, 1.0, lean))
+
+
+def _turned_off_after(zero_steps: int) -> SpeculationController:
+    """An adaptive controller at 4 requests whose drafts at K = 2 were rejected in
+    ``zero_steps`` steps, asked again at 5 requests (a fresh goodput comparison)."""
+    ctl = SpeculationController(4, SpeculationConfig(mode="adaptive"))
+    assert ctl.k_for_batch(4) > 0  # the prior's acceptance pays at first
+    now = 0.0
+    for _ in range(zero_steps):
+        now += 0.012
+        ctl.observe(StepObservation(4, 2, 8, 0, [0] * 4, 0.012, True, now))
+    assert ctl.k_for_batch(5) == 0
+    return ctl
+
+
+def test_a_turn_off_on_thin_evidence_is_explored_again_soon():
+    # copy traffic on the CPU engine: each request's first drafts (the turn from the prompt
+    # into the answer) were rejected, the policy turned off on those few request-steps and
+    # held K = 0 for explore_every steps at 4 requests before the exploration that found
+    # its drafts accepted
+    thin = _turned_off_after(2)  # 8 request-steps: less than one exploration measures
+    policy = thin.policy
+    assert isinstance(policy, AdaptivePolicy)
+    assert thin.acceptance.weight(0) < policy.BURST_REQUEST_STEPS
+    n = _steps_to_next_exploration(thin, 5)
+    assert n is not None and n <= round(policy.THIN_OFF_EXPLORE * policy.p.explore_every)
+    # on ample evidence the interval stands
+    ample = _turned_off_after(40)  # 160 request-steps
+    assert ample.acceptance.weight(0) >= policy.BURST_REQUEST_STEPS
+    n = _steps_to_next_exploration(ample, 5)
+    assert n is None or n > round(policy.THIN_OFF_EXPLORE * policy.p.explore_every)
+    # a lone request's turn-off waits for a step with several requests (the gate probes it)
+    lone = SpeculationController(4, SpeculationConfig(mode="adaptive"))
+    lone.k_for_batch(1)
+    lone.observe(StepObservation(1, 2, 2, 0, [0] * 4, 0.012, True, 0.012))
+    lone.observe(StepObservation(1, 2, 2, 0, [0] * 4, 0.012, True, 0.024))
+    lone.k_for_batch(2)
+    assert _steps_to_next_exploration(lone, 2, limit=20) is None
+    n = _steps_to_next_exploration(lone, 4)
+    assert n is not None and n <= round(policy.THIN_OFF_EXPLORE * policy.p.explore_every) + 1
