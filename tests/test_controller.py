@@ -999,7 +999,7 @@ def test_a_turn_off_on_thin_evidence_is_explored_again_soon():
     lone.k_for_batch(1)
     lone.observe(StepObservation(1, 2, 2, 0, [0] * 4, 0.012, True, 0.012))
     lone.observe(StepObservation(1, 2, 2, 0, [0] * 4, 0.012, True, 0.024))
-    lone.k_for_batch(2)
+    assert lone.k_for_batch(2) == 0
     assert _steps_to_next_exploration(lone, 2, limit=20) is None
     n = _steps_to_next_exploration(lone, 4)
     assert n is not None and n <= round(policy.THIN_OFF_EXPLORE * policy.p.explore_every) + 1
