@@ -23,7 +23,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import envs, speculation, vllm_compat
+from . import cpu_affinity, envs, speculation, vllm_compat
 from .auth import ENV_TOKEN, control_token
 from .channel import ENV_CHANNEL, Channel
 from .config import SPECULATION_MODES, LiveConfig, SpeculationConfig
@@ -185,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's automatic prefix caching (benchmarks switch it off so that no cell "
         "reuses the prefills of the cell before)",
     )
+    p.add_argument(
+        "--core-cpu",
+        type=int,
+        default=None,
+        metavar="CPU",
+        help="pin the engine core's step loop to this CPU and keep every other thread of the engine host "
+        "(API server, vLLM's I/O threads) off it: at low load a step of a small model is bound by the "
+        "engine core's CPU work, which runs slower on a CPU it shares (Linux; give each engine host its own)",
+    )
     p.add_argument("--print-command", action="store_true", help="print the vllm serve command and exit")
     return p
 
@@ -329,6 +338,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.k_max < 0:
         raise SystemExit("error: --k-max must be >= 0")
     try:
+        core_cpu = args.core_cpu if args.core_cpu is not None else envs.core_cpu()
+        if core_cpu is not None:
+            if is_cpu_build():
+                raise cpu_affinity.CpuAffinityError(
+                    "--core-cpu is for the GPU build: the CPU build binds its own compute threads "
+                    "(VLLM_CPU_OMP_THREADS_BIND)"
+                )
+            cpu_affinity.check_core_cpu(core_cpu)
+    except ValueError as exc:  # (CpuAffinityError is one)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
         if args.print_command and args.model in ("default", DEFAULT_MODEL_NAME):
             model = str(default_model_dir())  # print without preparing it
         else:
@@ -368,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     env[ENV_CHANNEL] = str(chan_path)
     env[ENV_WARMUP] = args.warmup
     env[ENV_SPECULATION] = json.dumps(spec.as_dict())
+    env.pop(envs.CORE_CPU, None)
+    if core_cpu is not None:  # vllm serve and all it starts keep off the step loop's CPU
+        cpu_affinity.keep_off(core_cpu)
+        env[envs.CORE_CPU] = str(core_cpu)
     env["VLLM_PLUGINS"] = ",".join(filter(None, [env.get("VLLM_PLUGINS", ""), PLUGINS]))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -389,5 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  control token (shown once, stored in {home() / 'control_token'}): {token}", flush=True)
     drafter = f" (draft {spec.draft})" if spec.draft else ""
     print(f"  speculation  {spec.method}{drafter}, K_max={args.k_max}, mode={config.speculation.mode}", flush=True)
+    if core_cpu is not None:
+        print(f"  step loop    on CPU {core_cpu}; everything else of this engine host off it", flush=True)
     os.execvpe(cmd[0], cmd, env)
     return 0  # pragma: no cover

@@ -186,6 +186,8 @@ def build_state() -> dict[str, Any]:
             "started_at": HOST.started_at,
             "core_pid": core.get("core_pid"),
             "core_started_at": core.get("core_started_at"),
+            "core_cpu": core.get("core_cpu"),
+            "core_thread_cpus": core.get("core_thread_cpus"),
             "phase": HOST.phase,
             "ready_at": HOST.ready_at,
             "model": limits.get("model"),

@@ -29,7 +29,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from . import envs
+from . import cpu_affinity, envs
 from .channel import ACK_APPLIED, ACK_REFUSED, Channel, channel_from_env
 from .config import LiveConfig
 from .controller import SpeculationController, StepObservation
@@ -282,6 +282,12 @@ class _SpecPilotHook:
         self._lean_join_ends = False  # a request that joins ends the span at its first step
         self._resting = False  # the lean path runs a rest span of the adaptive policy
         self._publish_due = 0.0  # perf_counter() when the next state publish is due
+        try:  # --core-cpu: the step loop's own CPU, taken at the first step (after vLLM's I/O threads start)
+            self._pin_cpu = envs.core_cpu()
+        except ValueError as exc:
+            logger.warning("SpecPilot: %s; the step loop is not pinned", exc)
+            self._pin_cpu = None
+        self._core_cpu: int | None = None  # the CPU the step loop was pinned to
         if self._k_engine > 0:
             # vLLM's dynamic speculative decoding path, made live.
             self.dynamic_sd_lookup = self._live_lookup  # type: ignore[assignment]
@@ -570,6 +576,8 @@ class _SpecPilotHook:
                 self._leave_lean()
         c = time.thread_time()
         self._t_sched = t
+        if self._pin_cpu is not None:  # the first step only
+            self._pin_step_loop()
         # the cheap checks inline: this runs every engine step with the CPU's caches cold
         view = self._config_seq_view
         if view is None or view[0] != self._config_seq:
@@ -593,6 +601,12 @@ class _SpecPilotHook:
         self._clock.scheduled(t, self._k_drafted, self._k_decided, vllm_s)
         self._step_index += 1
         return out
+
+    def _pin_step_loop(self) -> None:
+        """Pin the thread running the step loop (this one) to ``$SPECPILOT_CORE_CPU`` (once)."""
+        cpu, self._pin_cpu = self._pin_cpu, None
+        if cpu is not None and cpu_affinity.pin_calling_thread(cpu):
+            self._core_cpu = cpu
 
     def _draft_token_cost(self, batch_size: int, k: int) -> float:
         """Cost ``c`` of one verified draft token at depth ``k`` for ``batch_size``
@@ -1112,6 +1126,8 @@ class _SpecPilotHook:
             waiting = 0
         state = {
             "core_pid": os.getpid(),
+            "core_cpu": self._core_cpu,
+            "core_thread_cpus": cpu_affinity.calling_thread_cpus(),
             "core_started_at": self._started_at,
             "published_at": time.time(),
             "limits": self._limits,

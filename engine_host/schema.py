@@ -92,6 +92,8 @@ class CoreState(_Open):
 
     core_pid: int
     core_started_at: float
+    core_cpu: int | None = None
+    core_thread_cpus: list[int] | None = None
     published_at: float
     limits: EngineLimits
     config_version: int
@@ -150,6 +152,8 @@ class EngineIdentity(_Body):
     started_at: float
     core_pid: int | None
     core_started_at: float | None
+    core_cpu: int | None = Field(None, description="the CPU the engine core's step loop is pinned to (--core-cpu)")
+    core_thread_cpus: list[int] | None = Field(None, description="the CPUs the step loop's thread may run on now")
     phase: str = Field(description="loading, warming_up, ready or warmup_failed")
     ready_at: float | None = None
     model: str | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -1015,3 +1016,21 @@ def test_matrix_refuses_bad_rounds_and_side_by_side_without_plain(tmp_path, caps
     assert main([*base, "--side-by-side"]) == 2
     assert "add --plain-baseline" in capsys.readouterr().err
     assert not out.exists()  # refused before anything was written
+
+
+def test_cpu_pairs_names_the_cpus_that_slow_a_cpu_down(tmp_path, capsys):
+    from bench import cpu_pairs
+
+    rows = [
+        {"cpu": 13, "busy": 5, "slowdown": 1.41, "alone_per_s": 1},
+        {"cpu": 13, "busy": 6, "slowdown": 1.02, "alone_per_s": 1},
+        {"cpu": 15, "busy": 5, "slowdown": 0.98, "alone_per_s": 1},
+    ]
+    assert cpu_pairs.siblings(rows, 1.15) == {13: [5], 15: []}
+    assert cpu_pairs.main(["--cpus", str(10**5)]) == 2
+    assert "no such CPU" in capsys.readouterr().err
+    out = tmp_path / "pairs.json"
+    assert cpu_pairs.main(["--cpus", "0", "--seconds", "0.02", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["cpus"] == [0] and {r["busy"] for r in doc["rows"]} == set(range(os.cpu_count() or 1)) - {0}
+    assert "| 0 |" in capsys.readouterr().out

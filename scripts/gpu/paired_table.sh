@@ -32,6 +32,10 @@
 # (RESULTS/profile-c64-code.md and its folder); PROFILE=0 leaves the profile out. `bench gpu-clocks` samples the
 # GPU's clocks, power and P-state every 100 ms through the run (RESULTS/gpu-clocks.csv; GPU_CLOCKS=0 leaves it out):
 # `bench step-trace TRACE --gpu-clocks RESULTS/gpu-clocks.csv` reads each burst's median step against them.
+# PIN_CPUS=A,B adds `adaptive_pin` and `k0_pin`: the adaptive and the static K = 0 engine host with their engine core's
+# step loop on CPU A and B (`--core-cpu`); first `bench cpu-pairs` measures which CPUs slow A and B down (hyperthread
+# siblings a hypervisor hides: RESULTS/cpu-pairs.md and .json), and every other process of the run is kept off A, B
+# and those (RESULTS/topology.txt says what was kept off).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 M=${1:?usage: paired_table.sh MODEL RESULTS}
@@ -62,6 +66,25 @@ if [ "${PIN_GPU_NODE:-0}" = 1 ]; then
     echo "PIN_GPU_NODE=1: the GPU's local CPUs not found (bus '${bus}'); not pinned" >> "$R/topology.txt"
   fi
 fi
+PIN_ENGINES=()
+if [ -n "${PIN_CPUS:-}" ]; then
+  PIN_A=${PIN_CPUS%%,*}
+  PIN_B=${PIN_CPUS##*,}
+  python3 -m bench cpu-pairs --cpus "$PIN_CPUS" --out "$R/cpu-pairs.json" > "$R/cpu-pairs.md" 2> "$R/cpu-pairs.log"
+  # this script, and so every engine it starts, off the pinned CPUs and whatever slows them down
+  rest=$(python3 - "$R/cpu-pairs.json" "$PIN_CPUS" <<'PY'
+import json, os, sys
+pins = {int(c) for c in sys.argv[2].split(",")}
+try:
+    sib = {int(b) for v in json.load(open(sys.argv[1]))["siblings"].values() for b in v}
+except (OSError, ValueError, KeyError):
+    sib = set()
+keep = sorted(os.sched_getaffinity(0) - pins - sib) or sorted(os.sched_getaffinity(0) - pins)
+print(",".join(map(str, keep)))
+PY
+)
+  taskset -cp "$rest" $$ > /dev/null && echo "PIN_CPUS=$PIN_CPUS: the run's other processes on CPUs $rest" >> "$R/topology.txt"
+fi
 CLOCKS_PID=
 if [ "${GPU_CLOCKS:-1}" != 0 ]; then  # the GPU's clocks and power through the run, on the step traces' clock
   python3 -m bench gpu-clocks --out "$R/gpu-clocks.csv" --interval-ms 100 2> "$R/gpu-clocks.log" &
@@ -70,21 +93,26 @@ fi
 trap '[ -n "$CLOCKS_PID" ] && kill "$CLOCKS_PID" 2>/dev/null; stop_engines "$M" "$R/state.json" "$R/stop"; touch "$R/DONE"' EXIT
 E="--speculative-method ngram_gpu --k-max $K_MAX --speculation-mode fixed --k 0 --no-prefix-caching --max-num-seqs 64"
 E="$E --max-model-len 2048 --gpu-memory-utilization $GPU_UTIL --warmup quick -- --kv-cache-memory-bytes $KV_BYTES"
+[ -n "${PIN_CPUS:-}" ] && PIN_ENGINES=(--engine "host:apin:--core-cpu $PIN_A $E" --engine "host:f0pin:--core-cpu $PIN_B $E")
 SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --parallel-start --keep \
   --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 3 \
   --engine "serve:plain:--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $KV_BYTES --no-enable-prefix-caching --max-num-seqs 64" \
   --engine "host:a:$E" ${POOLED_ENGINE:+--engine "host:p:$E"} --engine "host:f0:$E" ${K4_ENGINE:+--engine "host:f4:$E"} \
   ${K0_FULL:+--engine "host:f0x:SPECPILOT_HOOK_LEAN=0 $E"} ${K0_TWIN:+--engine "host:f0b:$E"} \
-  ${MIX_OLD:+--engine "host:ao:SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0 $E"} > "$R/start.log" 2>&1
+  ${MIX_OLD:+--engine "host:ao:SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0 $E"} \
+  ${PIN_ENGINES[@]+"${PIN_ENGINES[@]}"} > "$R/start.log" 2>&1
 rc=$?
 progress "engines up (rc $rc)"
 [ $rc -eq 0 ] || exit $rc
 eval "$(engine_vars "$R/state.json")"
-export A_TOKEN F0_TOKEN ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN}
+export A_TOKEN F0_TOKEN ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN}
 ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN")
 [ -n "${MIX_OLD:-}" ] && ARMS+=(--arm "adaptive_old=$AO_URL,mode=adaptive,token-env=AO_TOKEN")
 [ -n "$POOLED_ENGINE" ] && ARMS+=(--arm "pooled=$P_URL,mode=adaptive_pooled,token-env=P_TOKEN")
 ARMS+=(--arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN")
+if [ -n "${PIN_CPUS:-}" ]; then
+  ARMS+=(--arm "adaptive_pin=$APIN_URL,mode=adaptive,token-env=APIN_TOKEN" --arm "k0_pin=$F0PIN_URL,mode=fixed:0,token-env=F0PIN_TOKEN")
+fi
 [ -n "$K4_ENGINE" ] && ARMS+=(--arm "k4=$F4_URL,mode=fixed:4,token-env=F4_TOKEN")
 PROFILED=a,f0
 if [ -n "${K0_FULL:-}" ]; then
@@ -102,6 +130,7 @@ SPY=${SPECPILOT_SCRATCH:-/tmp/specpilot-gpu}/site/bin/py-spy
 states() {
   curl -s -H "Authorization: Bearer $A_TOKEN" "$A_URL/control/state" > "$R/mixture-state-$1.json"
   [ -z "${MIX_OLD:-}" ] || curl -s -H "Authorization: Bearer $AO_TOKEN" "$AO_URL/control/state" > "$R/mixture-old-state-$1.json"
+  [ -z "${PIN_CPUS:-}" ] || curl -s -H "Authorization: Bearer $APIN_TOKEN" "$APIN_URL/control/state" > "$R/mixture-pin-state-$1.json"
   [ -z "$POOLED_ENGINE" ] || curl -s -H "Authorization: Bearer $P_TOKEN" "$P_URL/control/state" > "$R/pooled-state-$1.json"
 }
 # table NAME BUDGET WORKLOADS CLIENTS PER-CLIENT: one `bench paired` run (skipped at a budget of 0)

@@ -1,0 +1,164 @@
+"""A CPU of its own for the engine core's step loop (``--core-cpu``, ``engine_host.cpu_affinity``).
+
+The launcher keeps itself and all it starts off the CPU; the scheduler hook pins the thread
+that runs the step loop to it at its first step and publishes it. Real affinity calls on
+this machine's CPUs; the launcher runs in a child process whose ``exec`` of ``vllm serve``
+is replaced by a report of what it would have started with."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from engine_host import cpu_affinity, envs
+from engine_host.cpu_affinity import CpuAffinityError
+
+ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+needs_two_cpus = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two CPUs this process may run on")
+
+
+def test_a_cpu_the_process_cannot_have_is_refused_with_the_reason():
+    def free(cpu: int) -> None:
+        return None
+
+    assert cpu_affinity.check_core_cpu(1, {0, 1, 2}, free) == {0, 2}
+    assert cpu_affinity.check_core_cpu(7, {0, 1, 2}, free) == {0, 1, 2}  # outside the mask now, but to be had
+    with pytest.raises(
+        CpuAffinityError, match="cannot be given to the step loop here \\(offline; this process runs on 0-2,5\\)"
+    ):
+        cpu_affinity.check_core_cpu(4, {0, 1, 2, 5}, lambda cpu: "offline")
+    with pytest.raises(CpuAffinityError, match="only CPU"):
+        cpu_affinity.check_core_cpu(3, {3}, free)
+    with pytest.raises(CpuAffinityError, match=">= 0"):
+        cpu_affinity.check_core_cpu(-1, {0, 1}, free)
+    # a real trial: a CPU this machine does not have is refused, one it has is not
+    assert cpu_affinity.pin_refused(10**6) is not None
+    assert cpu_affinity.pin_refused(ALLOWED[0]) is None
+    assert cpu_affinity.calling_thread_cpus() == ALLOWED  # the trial ran in a thread of its own
+
+
+def test_the_environment_names_a_cpu_index_or_nothing():
+    assert envs.core_cpu({}) is None
+    assert envs.core_cpu({envs.CORE_CPU: " "}) is None
+    assert envs.core_cpu({envs.CORE_CPU: "7"}) == 7
+    with pytest.raises(ValueError, match="CPU index"):
+        envs.core_cpu({envs.CORE_CPU: "seven"})
+
+
+@needs_two_cpus
+def test_pinning_takes_the_calling_thread_only():
+    cpu = ALLOWED[-1]
+    seen: dict[str, object] = {}
+
+    def worker() -> None:
+        seen["pinned"] = cpu_affinity.pin_calling_thread(cpu)
+        seen["cpus"] = cpu_affinity.calling_thread_cpus()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == {"pinned": True, "cpus": [cpu]}
+    assert cpu_affinity.calling_thread_cpus() == ALLOWED  # this thread keeps its mask
+    assert not cpu_affinity.pin_calling_thread(10**6)  # a CPU that does not exist: logged, not raised
+
+
+class _Exec(Exception):
+    """Raised in place of the launcher's ``exec`` of ``vllm serve``."""
+
+
+def _launch(
+    tmp_path, monkeypatch, build: str, *argv: str, env: dict[str, str] | None = None, mask: set[int] | None = None
+) -> dict:
+    """Run the launcher's ``main`` in a thread of its own (its CPU mask changes that thread
+    only) up to its ``exec``; returns its exit status, or the CPUs and environment that
+    ``vllm serve`` would have started with. ``mask``: the CPUs the launching thread runs on
+    (as a benchmark script that keeps its engine hosts off the step loops' CPUs starts them)."""
+    from engine_host import launcher
+
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    monkeypatch.setenv("SPECPILOT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(envs.CORE_CPU, raising=False)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(launcher, "is_cpu_build", lambda: build == "cpu")
+
+    def report(path, cmd, child_env):
+        raise _Exec({"cpus": sorted(os.sched_getaffinity(0)), "core_cpu": child_env.get(envs.CORE_CPU)})
+
+    monkeypatch.setattr(launcher.os, "execvpe", report)
+    out: dict = {}
+
+    def run() -> None:
+        if mask is not None:
+            os.sched_setaffinity(0, mask)
+        try:
+            out["rc"] = launcher.main(["--model", str(model), "--k-max", "0", *argv])
+        except _Exec as e:
+            out.update(e.args[0])
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out
+
+
+@needs_two_cpus
+def test_the_launcher_keeps_vllm_serve_off_the_step_loops_cpu(tmp_path, monkeypatch, capsys):
+    cpu = ALLOWED[-1]
+    rest = [c for c in ALLOWED if c != cpu]
+    assert _launch(tmp_path, monkeypatch, "gpu", "--core-cpu", str(cpu)) == {"cpus": rest, "core_cpu": str(cpu)}
+    assert f"step loop    on CPU {cpu}" in capsys.readouterr().out
+    # the environment variable does the same (benchmark scripts set it per engine host)
+    assert _launch(tmp_path, monkeypatch, "gpu", env={envs.CORE_CPU: str(cpu)}) == {"cpus": rest, "core_cpu": str(cpu)}
+    # a launcher started off that CPU may still give it to the step loop
+    got = _launch(tmp_path, monkeypatch, "gpu", "--core-cpu", str(cpu), mask=set(rest))
+    assert got == {"cpus": rest, "core_cpu": str(cpu)}
+    # without it vllm serve gets every CPU
+    assert _launch(tmp_path, monkeypatch, "gpu") == {"cpus": ALLOWED, "core_cpu": None}
+    assert cpu_affinity.calling_thread_cpus() == ALLOWED
+
+
+def test_the_launcher_refuses_a_cpu_it_cannot_give_and_starts_nothing(tmp_path, monkeypatch, capsys):
+    assert _launch(tmp_path, monkeypatch, "gpu", "--core-cpu", str(10**6)) == {"rc": 2}
+    assert "cannot be given to the step loop here" in capsys.readouterr().err
+    assert _launch(tmp_path, monkeypatch, "cpu", "--core-cpu", "0") == {"rc": 2}
+    assert "GPU build" in capsys.readouterr().err
+    assert _launch(tmp_path, monkeypatch, "gpu", env={envs.CORE_CPU: "first"}) == {"rc": 2}
+    assert "CPU index" in capsys.readouterr().err
+    assert not (tmp_path / "home" / "run").exists()  # no channel made
+
+
+@needs_two_cpus
+def test_the_hook_pins_its_step_loop_at_the_first_step_and_publishes_it(tmp_path, monkeypatch):
+    from bench.hook_cost import standin_hook
+
+    cpu = ALLOWED[-1]
+    monkeypatch.setenv(envs.CORE_CPU, str(cpu))
+    seen: dict[str, object] = {}
+
+    def engine_core() -> None:  # the engine core's main thread: builds the scheduler, then runs steps
+        hook, channel = standin_hook("fixed:0", 1, str(tmp_path))
+        try:
+            seen["before"] = cpu_affinity.calling_thread_cpus()
+            hook._publish(0.0)
+            seen["state_before"] = channel.read_state()
+            hook.has_requests()
+            hook.schedule()
+            seen["after"] = cpu_affinity.calling_thread_cpus()
+            hook._publish(1.0)
+            seen["state_after"] = channel.read_state()
+        finally:
+            channel.close()
+
+    t = threading.Thread(target=engine_core)
+    t.start()
+    t.join()
+    assert seen["before"] == ALLOWED and seen["after"] == [cpu]
+    before, after = seen["state_before"], seen["state_after"]
+    assert isinstance(before, dict) and isinstance(after, dict)
+    assert before["core_cpu"] is None and after["core_cpu"] == cpu and after["core_thread_cpus"] == [cpu]
+    assert cpu_affinity.calling_thread_cpus() == ALLOWED
