@@ -8,9 +8,10 @@ core's (a hyperthread sibling that the guest cannot see) is one candidate; pinni
 loop (``python -m engine_host --core-cpu N``) only helps if nothing busy runs beside it.
 
 For each CPU ``i`` of ``--cpus``: a spin loop pinned to ``i`` counts its iterations for
-half of ``--seconds`` alone (three times, median) and then ``--seconds`` beside a busy process
-pinned to another CPU ``j``, for every ``j`` in turn; ``slowdown`` = alone rate / rate with ``j`` busy (1.0: independent; a
-hyperthread sibling typically 1.2-1.6). Prints a table, and writes JSON with ``--out``:
+half of ``--seconds`` alone and then ``--seconds`` beside a busy process pinned to another CPU
+``j``, ``--repeat`` times for every ``j`` in turn; ``slowdown`` = alone rate / rate with ``j`` busy, the median over
+the repeats (1.0: independent; a hyperthread sibling typically 1.2-1.6; one measurement alone
+can catch the CPU at another clock, hence the repeats). Prints a table, and writes JSON with ``--out``:
 ``{"cpus": [...], "rows": [{"cpu", "busy", "slowdown"}, ...], "siblings": {cpu: [busy CPUs
 at or above --threshold]}, "reported_siblings": {cpu: "thread_siblings_list"}}``.
 Linux only (CPU affinity).
@@ -41,10 +42,12 @@ def spin_rate(seconds: float) -> float:
     return n / seconds
 
 
-def _spinner(cpu: int, stop: Any) -> None:
-    """Busy loop pinned to ``cpu`` until ``stop`` is set (a child process)."""
+def _spinner(cpu: int, go: Any, stop: Any) -> None:
+    """Busy loop pinned to ``cpu`` while ``go`` is set, until ``stop`` is set (a child process)."""
     os.sched_setaffinity(0, {cpu})
     while not stop.is_set():
+        if not go.wait(0.005):
+            continue
         for _ in range(10000):
             pass
 
@@ -57,14 +60,17 @@ def reported_siblings(cpu: int) -> str | None:
         return None
 
 
-def measure(cpus: list[int], others: list[int], seconds: float, progress: bool = True) -> list[dict[str, Any]]:
+def measure(
+    cpus: list[int], others: list[int], seconds: float, repeat: int = 3, progress: bool = True
+) -> list[dict[str, Any]]:
     """Slowdown of a spin loop on each CPU of ``cpus`` while each CPU of ``others`` (itself
-    left out) runs a busy process. Runs in a thread pinned in turn to each CPU; restores its
-    mask afterwards.
+    left out) runs a busy process, ``repeat`` times alternately alone and beside it. Runs in
+    a thread pinned in turn to each CPU; restores its mask afterwards.
 
     Returns:
-        Rows ``{"cpu", "busy", "slowdown", "alone_per_s"}`` (slowdown: alone rate over the rate
-        beside the busy CPU; alone_per_s: iterations/s alone right before, the median of three).
+        Rows ``{"cpu", "busy", "slowdown", "alone_per_s"}`` (slowdown: the median over the
+        repeats of the rate alone over the rate beside the busy CPU right after;
+        alone_per_s: the median rate alone, iterations/s).
     """
     ctx = mp.get_context("fork")
     mask = os.sched_getaffinity(0)
@@ -78,17 +84,30 @@ def measure(cpus: list[int], others: list[int], seconds: float, progress: bool =
             for j in others:
                 if j == i:
                     continue
-                alone = statistics.median(spin_rate(seconds / 2) for _ in range(3))  # right before, as the clock is now
-                stop = ctx.Event()
-                p = ctx.Process(target=_spinner, args=(j, stop), daemon=True)
+                go, stop = ctx.Event(), ctx.Event()
+                p = ctx.Process(target=_spinner, args=(j, go, stop), daemon=True)
                 p.start()
-                time.sleep(0.02)
-                rate = spin_rate(seconds)
+                ratios, alones = [], []
+                for _ in range(repeat):  # alone, then beside the busy CPU, as the clocks are now
+                    alone = spin_rate(seconds / 2)
+                    go.set()
+                    time.sleep(0.01)
+                    ratios.append(alone / spin_rate(seconds))
+                    go.clear()
+                    time.sleep(0.01)
+                    alones.append(alone)
                 stop.set()
                 p.join(5)
                 if p.is_alive():
                     p.kill()
-                rows.append({"cpu": i, "busy": j, "slowdown": round(alone / rate, 3), "alone_per_s": round(alone)})
+                rows.append(
+                    {
+                        "cpu": i,
+                        "busy": j,
+                        "slowdown": round(statistics.median(ratios), 3),
+                        "alone_per_s": round(statistics.median(alones)),
+                    }
+                )
                 bar.update()
     finally:
         os.sched_setaffinity(0, mask)
@@ -122,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--cpus", type=_cpu_list, default=None, help="CPUs to measure (default: every CPU allowed)")
-    p.add_argument("--seconds", type=float, default=0.2, help="length of one measurement (s)")
+    p.add_argument("--seconds", type=float, default=0.2, help="length of one measurement beside a busy CPU (s)")
+    p.add_argument("--repeat", type=int, default=3, help="measurements per pair (the median is kept)")
     p.add_argument("--threshold", type=float, default=1.15, help="slowdown at which a busy CPU counts as a sibling")
     p.add_argument("--out", type=Path, default=None, help="write the rows and siblings as JSON here")
     args = p.parse_args(argv)
@@ -137,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no such CPU here: {bad} (CPUs 0-{max(online)})", file=sys.stderr)
         return 2
     others = sorted(online)
-    rows = measure(cpus, others, args.seconds)
+    if args.repeat < 1 or args.seconds <= 0:
+        print("error: --repeat must be >= 1 and --seconds > 0", file=sys.stderr)
+        return 2
+    rows = measure(cpus, others, args.seconds, args.repeat)
     sib = siblings(rows, args.threshold)
     print(f"| CPU | alone (M it/s) | slowest beside | slowdown | siblings (>= {args.threshold:.2f}) | kernel says |")
     print("|---:|---:|---:|---:|---|---|")
@@ -152,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         doc = {
             "cpus": cpus,
+            "repeat": args.repeat,
             "threshold": args.threshold,
             "seconds": args.seconds,
             "rows": rows,

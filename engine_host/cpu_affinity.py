@@ -1,4 +1,4 @@
-"""A CPU of its own for the engine core's step loop (``python -m engine_host --core-cpu N``).
+"""A CPU of its own for the engine core's step loop (``python -m engine_host --core-cpu``).
 
 At low load a step of a small model is bound by the engine core's CPU work (scheduling,
 input preparation, kernel launches, output handling), so a step loop that shares its CPU
@@ -11,14 +11,27 @@ hook pins the thread that runs the engine core's step loop to ``N`` at its first
 need not be in the launcher's own mask (a script may keep all its engine hosts off the CPUs it
 hands out), only one that a thread of the process can take: the launcher tries it first.
 
-Linux only (``os.sched_setaffinity``); elsewhere the option is refused with a clear error.
+``--core-cpu auto`` (the GPU build's default) takes the highest-numbered CPU of the launcher's
+mask that no other engine host on the machine holds (never its lowest-numbered CPU): each engine host holds a lock file
+(``core-cpu-N.lock`` in :func:`lock_dir`) for its CPU while it lives, so several engine hosts
+on one machine (one per GPU, or a benchmark's engines on one GPU) get a CPU each. ``off`` (the
+CPU build's default: vLLM's CPU build binds its own compute threads) pins nothing. Either way
+the launcher keeps its engine host off the CPUs that other engine hosts' step loops hold.
+
+Linux only (``os.sched_setaffinity``); elsewhere a CPU given by number is refused with a
+clear error and ``auto`` pins nothing.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
+import tempfile
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 logger = logging.getLogger(__name__)
@@ -26,6 +39,119 @@ logger = logging.getLogger(__name__)
 
 class CpuAffinityError(ValueError):
     """A CPU that cannot be given to the engine core's step loop (the reason in the message)."""
+
+
+AUTO = "auto"
+OFF = "off"
+#: what ``--core-cpu`` and ``$SPECPILOT_CORE_CPU`` take besides a CPU index
+CHOICES = (AUTO, OFF)
+
+
+def parse_core_cpu(text: str) -> int | str:
+    """``--core-cpu``'s value: ``"auto"``, ``"off"`` or a CPU index (int >= 0).
+
+    Raises:
+        CpuAffinityError: anything else.
+    """
+    t = text.strip().lower()
+    if t in CHOICES:
+        return t
+    if t.isdigit():
+        return int(t)
+    raise CpuAffinityError(f"--core-cpu takes auto, off or a CPU index (a whole number >= 0), got {text!r}")
+
+
+def lock_dir() -> Path:
+    """The machine-wide folder of the engine hosts' CPU locks (in the temporary folder, so
+    that engine hosts of every user and data directory see each other's)."""
+    return Path(tempfile.gettempdir()) / "specpilot-core-cpu"
+
+
+@dataclass(frozen=True)
+class CoreCpuClaim:
+    """The CPU an engine host's step loop takes: ``cpu``, ``fd`` (the open lock file, held
+    until the process ends; inheritable, so it outlives the launcher's ``exec``) and
+    ``how`` (``"auto"`` or ``"given"``)."""
+
+    cpu: int
+    fd: int
+    how: str
+
+
+def _lock(folder: Path, cpu: int) -> int | str:
+    """Take ``core-cpu-<cpu>.lock`` in ``folder`` (non-blocking): the open descriptor, or why
+    not (the holder's pid when it wrote one)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / f"core-cpu-{cpu}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        return f"its lock file cannot be opened ({exc.strerror or exc})"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            return f"another engine host (pid {holder or '?'}) holds it"
+        return f"its lock file cannot be locked ({exc.strerror or exc})"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    os.set_inheritable(fd, True)
+    return fd
+
+
+def claim_core_cpu(
+    choice: int | str,
+    folder: Path | None = None,
+    allowed: set[int] | None = None,
+    refused: Callable[[int], str | None] | None = None,
+) -> CoreCpuClaim | None:
+    """Resolve ``--core-cpu`` to a CPU and hold it for this process.
+
+    Args:
+        choice: ``"off"`` (None back), ``"auto"`` (the highest-numbered CPU of ``allowed``
+            that can be pinned and no other engine host holds, never the lowest-numbered one,
+            where the system's housekeeping usually runs; None when there is none) or a CPU
+            index (that CPU, or an error).
+        folder: where the locks live (default :func:`lock_dir`).
+        allowed: the CPUs this process runs on now (default :func:`allowed_cpus`).
+        refused: why a CPU cannot be had (default :func:`pin_refused`, a real trial).
+
+    Returns:
+        The claim, or None (nothing to pin).
+
+    Raises:
+        CpuAffinityError: a CPU index that cannot be had (:func:`check_core_cpu`) or that
+            another engine host holds; an unknown choice.
+    """
+    if choice == OFF:
+        return None
+    folder = lock_dir() if folder is None else folder
+    refused = pin_refused if refused is None else refused
+    if isinstance(choice, int):
+        check_core_cpu(choice, allowed, refused)
+        got = _lock(folder, choice)
+        if isinstance(got, str):
+            raise CpuAffinityError(f"CPU {choice} cannot be given to the step loop: {got}")
+        return CoreCpuClaim(choice, got, "given")
+    if choice != AUTO:
+        raise CpuAffinityError(f"--core-cpu takes auto, off or a CPU index, got {choice!r}")
+    try:
+        mask = allowed_cpus() if allowed is None else set(allowed)
+    except CpuAffinityError:
+        return None
+    for cpu in sorted(mask, reverse=True)[:-1]:  # never the lowest: the system's housekeeping runs there
+        if refused(cpu) is not None:
+            continue
+        got = _lock(folder, cpu)
+        if isinstance(got, int):
+            return CoreCpuClaim(cpu, got, AUTO)
+    return None
+
+
+def affinity_supported() -> bool:
+    """Whether this platform has CPU affinity calls (Linux)."""
+    return hasattr(os, "sched_getaffinity") and hasattr(os, "sched_setaffinity")
 
 
 def allowed_cpus() -> set[int]:
@@ -88,9 +214,37 @@ def check_core_cpu(
     return rest
 
 
-def keep_off(cpu: int) -> set[int]:
+def held_by_others(folder: Path | None = None) -> set[int]:
+    """The CPUs whose lock in ``folder`` (default :func:`lock_dir`) an engine host holds
+    (this process's own claim included: its lock is taken through another descriptor)."""
+    folder = lock_dir() if folder is None else folder
+    held: set[int] = set()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return held
+    for name in names:
+        stem = name.removeprefix("core-cpu-").removesuffix(".lock")
+        if not (name.startswith("core-cpu-") and name.endswith(".lock") and stem.isdigit()):
+            continue
+        try:
+            fd = os.open(folder / name, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            held.add(int(stem))
+        finally:
+            os.close(fd)  # (closing releases a lock just taken)
+    return held
+
+
+def keep_off(cpu: int | None, others: set[int] | frozenset[int] = frozenset()) -> set[int]:
     """Keep the calling thread, and every process or thread it starts from now on, off
-    ``cpu`` (the launcher, before it becomes ``vllm serve``).
+    ``cpu`` (this engine host's step loop's, None: none) and off ``others`` (the step loops'
+    CPUs of the other engine hosts on the machine, :func:`held_by_others`) where CPUs remain
+    without them (the launcher, before it becomes ``vllm serve``).
 
     Returns:
         The CPUs the calling thread may now run on.
@@ -98,8 +252,11 @@ def keep_off(cpu: int) -> set[int]:
     Raises:
         CpuAffinityError: as :func:`check_core_cpu`.
     """
-    rest = check_core_cpu(cpu)
-    os.sched_setaffinity(0, rest)
+    mask = allowed_cpus()
+    rest = check_core_cpu(cpu, mask, lambda c: None) if cpu is not None else mask
+    rest = (rest - set(others)) or rest
+    if rest != mask:
+        os.sched_setaffinity(0, rest)
     return rest
 
 

@@ -62,7 +62,7 @@ VARIABLES: dict[str, str] = {
     HOOK_LEAN: f"0 keeps only the scheduler hook on its full per-step path at K = 0, Model Runner V2's draft bookkeeping at K = 0 still skipped: a static K = 0 engine then runs its steps on the path an adaptive engine host's steps at K = 0 take, less the policy's decisions (side-by-side benchmarks; {K0_LEAN}=0 turns off both), default 1",
     PROBE_PRIOR: "0 restarts the adaptive engine's all-request probe wait (async scheduling) at every new request and at any accepted draft token, as before the wait read the new request's class (side-by-side benchmarks), default 1",
     LEAN_STEP_TIMES: "0 keeps the lean path's step times out of the step-time model, which then learns a step at K = 0 only from steps on the hook's full path (side-by-side benchmarks), default 1",
-    CORE_CPU: "CPU index the engine core's step loop is pinned to at its first step (set by the launcher from --core-cpu, which keeps the engine host's other threads off it); unset: no pinning",
+    CORE_CPU: "the engine core's step loop's CPU: auto, off or a CPU index, as --core-cpu (which wins); the launcher sets it to the CPU taken, the engine core pins its step loop there at its first step; default auto on the GPU build, off on the CPU build",
     DRAFT_DECODE_GRAPHS: "0 keeps the draft model's single-token decode passes out of full CUDA graphs (GPU, draft_model; for side-by-side benchmarks), default 1",
     DB_URL: "store URL (SQLAlchemy), default sqlite:///$SPECPILOT_HOME/specpilot.db",
     DB_URL_DEPRECATED: f"deprecated alias of {DB_URL} (read with a warning when {DB_URL} is unset)",
@@ -158,18 +158,11 @@ def lean_step_times_on(environ: Mapping[str, str] | None = None) -> bool:
     return _env(environ).get(LEAN_STEP_TIMES, "1").strip() != "0"
 
 
-def core_cpu(environ: Mapping[str, str] | None = None) -> int | None:
-    """``$SPECPILOT_CORE_CPU`` as a CPU index, or None when unset or empty.
-
-    Raises:
-        ValueError: the value is not a whole number >= 0.
-    """
+def core_cpu(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SPECPILOT_CORE_CPU`` as written (``auto``, ``off`` or a CPU index; parsed by
+    ``engine_host.cpu_affinity.parse_core_cpu``), or None when unset or empty."""
     raw = _env(environ).get(CORE_CPU, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit():
-        raise ValueError(f"${CORE_CPU} must be a CPU index (a whole number >= 0), got {raw!r}")
-    return int(raw)
+    return raw or None
 
 
 def draft_decode_graphs_on(environ: Mapping[str, str] | None = None) -> bool:

@@ -187,12 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--core-cpu",
-        type=int,
         default=None,
-        metavar="CPU",
-        help="pin the engine core's step loop to this CPU and keep every other thread of the engine host "
-        "(API server, vLLM's I/O threads) off it: at low load a step of a small model is bound by the "
-        "engine core's CPU work, which runs slower on a CPU it shares (Linux; give each engine host its own)",
+        metavar="auto|off|CPU",
+        help="give the engine core's step loop a CPU of its own and keep every other thread of the engine host "
+        "(API server, vLLM's I/O threads) off it: at low load a step is bound by the engine core's CPU work, "
+        "which runs slower on a CPU it shares. auto: the highest-numbered CPU no other engine host on this "
+        "machine holds; off: no pinning. Default: $SPECPILOT_CORE_CPU, else auto on the GPU build and off on "
+        "the CPU build (which binds its own threads). Linux",
     )
     p.add_argument("--print-command", action="store_true", help="print the vllm serve command and exit")
     return p
@@ -296,6 +297,26 @@ def _names(extra: list[str], flag: str) -> bool:
     return any(a.split("=", 1)[0] in (f"--{flag}", f"--no-{flag}") for a in extra)
 
 
+def core_cpu_choice(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int | str:
+    """``--core-cpu``, else ``$SPECPILOT_CORE_CPU``, else ``auto`` on the GPU build and ``off``
+    on the CPU build (whose vLLM binds its own compute threads): ``"auto"``, ``"off"`` or a
+    CPU index.
+
+    Raises:
+        CpuAffinityError: a value that is none of those, or a CPU asked for on the CPU build.
+    """
+    cpu_build = is_cpu_build()
+    raw = args.core_cpu if args.core_cpu is not None else envs.core_cpu(env)
+    if raw is None:
+        return cpu_affinity.OFF if cpu_build else cpu_affinity.AUTO
+    choice = cpu_affinity.parse_core_cpu(raw)
+    if cpu_build and choice != cpu_affinity.OFF:
+        raise cpu_affinity.CpuAffinityError(
+            "--core-cpu is for the GPU build: the CPU build binds its own compute threads (VLLM_CPU_OMP_THREADS_BIND)"
+        )
+    return choice
+
+
 def resolve_api_key(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> str | None:
     """The OpenAI API key: ``--api-key-file``, else ``$SPECPILOT_API_KEY``, else
     ``$VLLM_API_KEY``, else the deprecated ``--api-key`` (a warning says it is visible in
@@ -338,15 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.k_max < 0:
         raise SystemExit("error: --k-max must be >= 0")
     try:
-        core_cpu = args.core_cpu if args.core_cpu is not None else envs.core_cpu()
-        if core_cpu is not None:
-            if is_cpu_build():
-                raise cpu_affinity.CpuAffinityError(
-                    "--core-cpu is for the GPU build: the CPU build binds its own compute threads "
-                    "(VLLM_CPU_OMP_THREADS_BIND)"
-                )
-            cpu_affinity.check_core_cpu(core_cpu)
-    except ValueError as exc:  # (CpuAffinityError is one)
+        core_choice = core_cpu_choice(args)
+    except cpu_affinity.CpuAffinityError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -372,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
         print(shlex.join(cmd))
         return 0
 
+    try:  # held until the engine host ends (the lock's descriptor outlives the exec below)
+        core = cpu_affinity.claim_core_cpu(core_choice)
+    except cpu_affinity.CpuAffinityError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     api_key = resolve_api_key(args)
     token, created = control_token()
     chan_path = subdir("run") / f"engine-{args.port}.chan"
@@ -389,10 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     env[ENV_CHANNEL] = str(chan_path)
     env[ENV_WARMUP] = args.warmup
     env[ENV_SPECULATION] = json.dumps(spec.as_dict())
-    env.pop(envs.CORE_CPU, None)
-    if core_cpu is not None:  # vllm serve and all it starts keep off the step loop's CPU
-        cpu_affinity.keep_off(core_cpu)
-        env[envs.CORE_CPU] = str(core_cpu)
+    # vllm serve and all it starts keep off the step loop's CPU and those of other engine hosts here
+    if cpu_affinity.affinity_supported():
+        cpu_affinity.keep_off(core.cpu if core is not None else None, cpu_affinity.held_by_others())
+    env[envs.CORE_CPU] = str(core.cpu) if core is not None else cpu_affinity.OFF
     env["VLLM_PLUGINS"] = ",".join(filter(None, [env.get("VLLM_PLUGINS", ""), PLUGINS]))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -414,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  control token (shown once, stored in {home() / 'control_token'}): {token}", flush=True)
     drafter = f" (draft {spec.draft})" if spec.draft else ""
     print(f"  speculation  {spec.method}{drafter}, K_max={args.k_max}, mode={config.speculation.mode}", flush=True)
-    if core_cpu is not None:
-        print(f"  step loop    on CPU {core_cpu}; everything else of this engine host off it", flush=True)
+    if core is not None:
+        print(f"  step loop    on CPU {core.cpu} ({core.how}); everything else of this engine host off it", flush=True)
+    elif core_choice == cpu_affinity.AUTO:
+        print("  step loop    not pinned (no CPU free for it)", flush=True)
     os.execvpe(cmd[0], cmd, env)
     return 0  # pragma: no cover

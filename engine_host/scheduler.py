@@ -91,6 +91,16 @@ def _draft_cost(vcfg: Any) -> tuple[bool, float]:
     return True, 0.25
 
 
+def _pinned_cpu_from_env() -> int | None:
+    """The CPU index the launcher took for the step loop (``$SPECPILOT_CORE_CPU``), else None."""
+    try:
+        choice = cpu_affinity.parse_core_cpu(envs.core_cpu() or cpu_affinity.OFF)
+    except ValueError as exc:
+        logger.warning("SpecPilot: %s; the step loop is not pinned", exc)
+        return None
+    return choice if isinstance(choice, int) else None
+
+
 class _SpecPilotHook:
     """Mixin with the SpecPilot behaviour; combined with ``Scheduler`` or ``AsyncScheduler``."""
 
@@ -282,11 +292,9 @@ class _SpecPilotHook:
         self._lean_join_ends = False  # a request that joins ends the span at its first step
         self._resting = False  # the lean path runs a rest span of the adaptive policy
         self._publish_due = 0.0  # perf_counter() when the next state publish is due
-        try:  # --core-cpu: the step loop's own CPU, taken at the first step (after vLLM's I/O threads start)
-            self._pin_cpu = envs.core_cpu()
-        except ValueError as exc:
-            logger.warning("SpecPilot: %s; the step loop is not pinned", exc)
-            self._pin_cpu = None
+        # --core-cpu: the step loop's own CPU (the launcher sets the index it took), pinned at the
+        # first step, after vLLM has started its I/O threads
+        self._pin_cpu = _pinned_cpu_from_env()
         self._core_cpu: int | None = None  # the CPU the step loop was pinned to
         if self._k_engine > 0:
             # vLLM's dynamic speculative decoding path, made live.

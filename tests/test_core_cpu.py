@@ -7,6 +7,7 @@ is replaced by a report of what it would have started with."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 
@@ -39,12 +40,41 @@ def test_a_cpu_the_process_cannot_have_is_refused_with_the_reason():
     assert cpu_affinity.calling_thread_cpus() == ALLOWED  # the trial ran in a thread of its own
 
 
-def test_the_environment_names_a_cpu_index_or_nothing():
-    assert envs.core_cpu({}) is None
-    assert envs.core_cpu({envs.CORE_CPU: " "}) is None
-    assert envs.core_cpu({envs.CORE_CPU: "7"}) == 7
-    with pytest.raises(ValueError, match="CPU index"):
-        envs.core_cpu({envs.CORE_CPU: "seven"})
+def test_core_cpu_takes_auto_off_or_a_cpu_index():
+    assert envs.core_cpu({}) is None and envs.core_cpu({envs.CORE_CPU: " "}) is None
+    assert envs.core_cpu({envs.CORE_CPU: " 7 "}) == "7"
+    assert cpu_affinity.parse_core_cpu("7") == 7
+    assert cpu_affinity.parse_core_cpu(" AUTO ") == "auto" and cpu_affinity.parse_core_cpu("off") == "off"
+    for bad in ("seven", "-1", "1.5", ""):
+        with pytest.raises(CpuAffinityError, match="auto, off or a CPU index"):
+            cpu_affinity.parse_core_cpu(bad)
+
+
+def test_each_engine_host_on_a_machine_gets_a_cpu_of_its_own(tmp_path):
+    def free(cpu: int) -> None:
+        return None
+
+    mask = {0, 1, 2, 3}
+    first = cpu_affinity.claim_core_cpu("auto", tmp_path, mask, free)
+    second = cpu_affinity.claim_core_cpu("auto", tmp_path, mask, free)
+    assert first is not None and second is not None
+    assert (first.cpu, first.how, second.cpu) == (3, "auto", 2)
+    assert os.get_inheritable(first.fd)  # held across the launcher's exec of vllm serve
+    assert cpu_affinity.held_by_others(tmp_path) == {2, 3}
+    # a CPU asked for by number that another engine host holds is refused, with its pid
+    with pytest.raises(CpuAffinityError, match=f"another engine host \\(pid {os.getpid()}\\) holds it"):
+        cpu_affinity.claim_core_cpu(3, tmp_path, mask, free)
+    # a CPU that cannot be pinned is passed over, and the lowest is left to the rest
+    third = cpu_affinity.claim_core_cpu("auto", tmp_path, mask, lambda cpu: "offline" if cpu == 1 else None)
+    assert third is None
+    os.close(first.fd)  # that engine host ended: its CPU is free again
+    assert cpu_affinity.held_by_others(tmp_path) == {2}
+    again = cpu_affinity.claim_core_cpu(3, tmp_path, mask, free)
+    assert again is not None and (again.cpu, again.how) == (3, "given")
+    for c in (second, again):
+        os.close(c.fd)
+    assert cpu_affinity.claim_core_cpu("off", tmp_path, mask, free) is None
+    assert cpu_affinity.claim_core_cpu("auto", tmp_path, {5}, free) is None  # nothing left for the rest
 
 
 @needs_two_cpus
@@ -64,17 +94,27 @@ def test_pinning_takes_the_calling_thread_only():
     assert not cpu_affinity.pin_calling_thread(10**6)  # a CPU that does not exist: logged, not raised
 
 
+_launches = itertools.count()
+
+
 class _Exec(Exception):
     """Raised in place of the launcher's ``exec`` of ``vllm serve``."""
 
 
 def _launch(
-    tmp_path, monkeypatch, build: str, *argv: str, env: dict[str, str] | None = None, mask: set[int] | None = None
+    tmp_path,
+    monkeypatch,
+    build: str,
+    *argv: str,
+    env: dict[str, str] | None = None,
+    mask: set[int] | None = None,
+    held: set[int] = frozenset(),
 ) -> dict:
     """Run the launcher's ``main`` in a thread of its own (its CPU mask changes that thread
     only) up to its ``exec``; returns its exit status, or the CPUs and environment that
     ``vllm serve`` would have started with. ``mask``: the CPUs the launching thread runs on
-    (as a benchmark script that keeps its engine hosts off the step loops' CPUs starts them)."""
+    (as a benchmark script that keeps its engine hosts off the step loops' CPUs starts them);
+    ``held``: CPUs that other engine hosts' step loops hold meanwhile."""
     from engine_host import launcher
 
     model = tmp_path / "model"
@@ -85,6 +125,9 @@ def _launch(
     for k, v in (env or {}).items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(launcher, "is_cpu_build", lambda: build == "cpu")
+    locks = tmp_path / f"locks-{next(_launches)}"  # each launch as on a machine of its own
+    monkeypatch.setattr(cpu_affinity, "lock_dir", lambda: locks)
+    others = [cpu_affinity.claim_core_cpu(c, locks, refused=lambda c: None) for c in held]
 
     def report(path, cmd, child_env):
         raise _Exec({"cpus": sorted(os.sched_getaffinity(0)), "core_cpu": child_env.get(envs.CORE_CPU)})
@@ -103,6 +146,9 @@ def _launch(
     t = threading.Thread(target=run)
     t.start()
     t.join()
+    for c in others:
+        assert c is not None
+        os.close(c.fd)
     return out
 
 
@@ -111,14 +157,34 @@ def test_the_launcher_keeps_vllm_serve_off_the_step_loops_cpu(tmp_path, monkeypa
     cpu = ALLOWED[-1]
     rest = [c for c in ALLOWED if c != cpu]
     assert _launch(tmp_path, monkeypatch, "gpu", "--core-cpu", str(cpu)) == {"cpus": rest, "core_cpu": str(cpu)}
-    assert f"step loop    on CPU {cpu}" in capsys.readouterr().out
+    assert f"step loop    on CPU {cpu} (given)" in capsys.readouterr().out
     # the environment variable does the same (benchmark scripts set it per engine host)
     assert _launch(tmp_path, monkeypatch, "gpu", env={envs.CORE_CPU: str(cpu)}) == {"cpus": rest, "core_cpu": str(cpu)}
     # a launcher started off that CPU may still give it to the step loop
     got = _launch(tmp_path, monkeypatch, "gpu", "--core-cpu", str(cpu), mask=set(rest))
     assert got == {"cpus": rest, "core_cpu": str(cpu)}
-    # without it vllm serve gets every CPU
-    assert _launch(tmp_path, monkeypatch, "gpu") == {"cpus": ALLOWED, "core_cpu": None}
+    # the GPU build's default: auto, the highest-numbered CPU
+    assert _launch(tmp_path, monkeypatch, "gpu") == {"cpus": rest, "core_cpu": str(cpu)}
+    assert f"step loop    on CPU {cpu} (auto)" in capsys.readouterr().out
+    # off, and the CPU build's default: vllm serve gets every CPU and the engine core pins nothing
+    assert _launch(tmp_path, monkeypatch, "gpu", "--core-cpu", "off") == {"cpus": ALLOWED, "core_cpu": "off"}
+    assert _launch(tmp_path, monkeypatch, "cpu") == {"cpus": ALLOWED, "core_cpu": "off"}
+    # another engine host's step loop holds a CPU: this one's keeps off it, pinned or not
+    if len(ALLOWED) >= 3:
+        low = ALLOWED[0]
+        got = _launch(tmp_path, monkeypatch, "gpu", held={cpu})
+        assert got == {"cpus": [c for c in rest if c != ALLOWED[-2]], "core_cpu": str(ALLOWED[-2])}
+        got = _launch(tmp_path, monkeypatch, "gpu", "--core-cpu", "off", held={low})
+        assert got == {"cpus": [c for c in ALLOWED if c != low], "core_cpu": "off"}
+    else:  # two CPUs: never all of them kept off
+        got = _launch(tmp_path, monkeypatch, "gpu", "--core-cpu", "off", held={cpu})
+        assert got == {"cpus": rest, "core_cpu": "off"}
+        got = _launch(tmp_path, monkeypatch, "gpu", held={cpu})  # no CPU free for auto: not pinned
+        assert got == {"cpus": rest, "core_cpu": "off"}
+        assert "not pinned (no CPU free for it)" in capsys.readouterr().out
+    # the flag wins over the environment
+    got = _launch(tmp_path, monkeypatch, "gpu", "--core-cpu", "off", env={envs.CORE_CPU: str(cpu)})
+    assert got == {"cpus": ALLOWED, "core_cpu": "off"}
     assert cpu_affinity.calling_thread_cpus() == ALLOWED
 
 
@@ -128,7 +194,7 @@ def test_the_launcher_refuses_a_cpu_it_cannot_give_and_starts_nothing(tmp_path, 
     assert _launch(tmp_path, monkeypatch, "cpu", "--core-cpu", "0") == {"rc": 2}
     assert "GPU build" in capsys.readouterr().err
     assert _launch(tmp_path, monkeypatch, "gpu", env={envs.CORE_CPU: "first"}) == {"rc": 2}
-    assert "CPU index" in capsys.readouterr().err
+    assert "auto, off or a CPU index" in capsys.readouterr().err
     assert not (tmp_path / "home" / "run").exists()  # no channel made
 
 

@@ -32,7 +32,9 @@
 # (RESULTS/profile-c64-code.md and its folder); PROFILE=0 leaves the profile out. `bench gpu-clocks` samples the
 # GPU's clocks, power and P-state every 100 ms through the run (RESULTS/gpu-clocks.csv; GPU_CLOCKS=0 leaves it out):
 # `bench step-trace TRACE --gpu-clocks RESULTS/gpu-clocks.csv` reads each burst's median step against them.
-# PIN_CPUS=A,B adds `adaptive_pin` and `k0_pin`: the adaptive and the static K = 0 engine host with their engine core's
+# CORE_CPU (default auto, the engine host's own default on a GPU: each engine host's step loop on a CPU of its own,
+# engine_host/cpu_affinity.py) is the engine hosts' --core-cpu; OFF_ARMS=1 adds `adaptive_off` and `k0_off`, the
+# adaptive and the static K = 0 engine host with --core-cpu off, beside them. PIN_CPUS=A,B adds `adaptive_pin` and `k0_pin`: the adaptive and the static K = 0 engine host with their engine core's
 # step loop on CPU A and B (`--core-cpu`); first `bench cpu-pairs` measures which CPUs slow A and B down (hyperthread
 # siblings a hypervisor hides: RESULTS/cpu-pairs.md and .json), and every other process of the run is kept off A, B
 # and those (RESULTS/topology.txt says what was kept off).
@@ -91,9 +93,11 @@ if [ "${GPU_CLOCKS:-1}" != 0 ]; then  # the GPU's clocks and power through the r
   CLOCKS_PID=$!
 fi
 trap '[ -n "$CLOCKS_PID" ] && kill "$CLOCKS_PID" 2>/dev/null; stop_engines "$M" "$R/state.json" "$R/stop"; touch "$R/DONE"' EXIT
-E="--speculative-method ngram_gpu --k-max $K_MAX --speculation-mode fixed --k 0 --no-prefix-caching --max-num-seqs 64"
+E="--core-cpu ${CORE_CPU:-auto} --speculative-method ngram_gpu --k-max $K_MAX --speculation-mode fixed --k 0 --no-prefix-caching --max-num-seqs 64"
 E="$E --max-model-len 2048 --gpu-memory-utilization $GPU_UTIL --warmup quick -- --kv-cache-memory-bytes $KV_BYTES"
-[ -n "${PIN_CPUS:-}" ] && PIN_ENGINES=(--engine "host:apin:--core-cpu $PIN_A $E" --engine "host:f0pin:--core-cpu $PIN_B $E")
+EB=${E#--core-cpu * }  # the same without the step loop's CPU
+[ -n "${PIN_CPUS:-}" ] && PIN_ENGINES=(--engine "host:apin:--core-cpu $PIN_A $EB" --engine "host:f0pin:--core-cpu $PIN_B $EB")
+[ "${OFF_ARMS:-0}" = 1 ] && PIN_ENGINES+=(--engine "host:aoff:--core-cpu off $EB" --engine "host:f0off:--core-cpu off $EB")
 SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --parallel-start --keep \
   --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 3 \
   --engine "serve:plain:--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $KV_BYTES --no-enable-prefix-caching --max-num-seqs 64" \
@@ -105,6 +109,7 @@ rc=$?
 progress "engines up (rc $rc)"
 [ $rc -eq 0 ] || exit $rc
 eval "$(engine_vars "$R/state.json")"
+[ "${OFF_ARMS:-0}" = 1 ] && export AOFF_TOKEN F0OFF_TOKEN
 export A_TOKEN F0_TOKEN ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN}
 ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN")
 [ -n "${MIX_OLD:-}" ] && ARMS+=(--arm "adaptive_old=$AO_URL,mode=adaptive,token-env=AO_TOKEN")
@@ -112,6 +117,9 @@ ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_
 ARMS+=(--arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN")
 if [ -n "${PIN_CPUS:-}" ]; then
   ARMS+=(--arm "adaptive_pin=$APIN_URL,mode=adaptive,token-env=APIN_TOKEN" --arm "k0_pin=$F0PIN_URL,mode=fixed:0,token-env=F0PIN_TOKEN")
+fi
+if [ "${OFF_ARMS:-0}" = 1 ]; then
+  ARMS+=(--arm "adaptive_off=$AOFF_URL,mode=adaptive,token-env=AOFF_TOKEN" --arm "k0_off=$F0OFF_URL,mode=fixed:0,token-env=F0OFF_TOKEN")
 fi
 [ -n "$K4_ENGINE" ] && ARMS+=(--arm "k4=$F4_URL,mode=fixed:4,token-env=F4_TOKEN")
 PROFILED=a,f0
