@@ -12,9 +12,10 @@ need not be in the launcher's own mask (a script may keep all its engine hosts o
 hands out), only one that a thread of the process can take: the launcher tries it first.
 
 ``--core-cpu auto`` (the GPU build's default) takes the highest-numbered CPU of the launcher's
-mask that no other engine host on the machine holds (never its lowest-numbered CPU): each engine host holds a lock file
-(``core-cpu-N.lock`` in :func:`lock_dir`) for its CPU while it lives, so several engine hosts
-on one machine (one per GPU, or a benchmark's engines on one GPU) get a CPU each. ``off`` (the
+mask that no other engine host on the machine holds (never its lowest-numbered CPU): each
+engine host holds a lock file (``core-cpu-N.lock`` in :func:`lock_dir`) for its CPU while it
+lives (its processes share the lock), so several engine hosts on one machine (one per GPU, or
+a benchmark's engines on one GPU) get a CPU each. ``off`` (the
 CPU build's default: vLLM's CPU build binds its own compute threads) pins nothing. Either way
 the launcher keeps its engine host off the CPUs that other engine hosts' step loops hold.
 
