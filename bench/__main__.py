@@ -13,7 +13,7 @@ and every other benchmark of the tree, each with its own options (:data:`TOOLS`;
 ``python -m bench <command> --help``; ``python -m bench.<module>`` still works):
     engine-host, collector, store, dashboard, warmup, draft-layers, profile-step,
     host-overhead, paired, qwen-models, planner-check, spread, torch-profile, hook-cost, step-trace,
-    gpu-clocks, cpu-pairs, step-time-replay, policy-bursts, prior-fit
+    gpu-clocks, cpu-pairs, cpu-idle, step-time-replay, policy-bursts, prior-fit
 
 Results (JSON per cell, Plotly charts, summary tables) go to ``--out`` (default
 ``bench/results/<time>-<command>/``).
@@ -83,6 +83,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "step-trace": ("step_trace", "wall time of an engine step by its K, from $SPECPILOT_STEP_TRACE files"),
     "gpu-clocks": ("gpu_clocks", "the GPU's clocks, power and load sampled on the clock of the step traces"),
     "cpu-pairs": ("cpu_pairs", "which CPUs slow each other down: hyperthread siblings a hypervisor hides"),
+    "cpu-idle": ("cpu_idle", "whether a CPU runs a burst of work at another speed after it idled"),
     "step-time-replay": ("step_time_replay", "the step-time model's price of each K replayed over a step trace"),
     "policy-bursts": ("policy_bursts", "the steps the adaptive policy drafts in, burst by burst, without vLLM"),
     "prior-fit": ("prior_fit", "where a new request's acceptance starts after a class's finished requests, per prior"),

@@ -1034,3 +1034,22 @@ def test_cpu_pairs_names_the_cpus_that_slow_a_cpu_down(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["cpus"] == [0] and {r["busy"] for r in doc["rows"]} == set(range(os.cpu_count() or 1)) - {0}
     assert "| 0 |" in capsys.readouterr().out
+
+
+def test_cpu_idle_reports_each_way_of_spending_the_gap(tmp_path, capsys):
+    from bench import cpu_idle
+
+    rows = [{"mode": "sleep", "per_s": v} for v in (5, 10, 10, 10)] + [{"mode": "spin", "per_s": v} for v in (10, 10)]
+    table = {t["mode"]: t for t in cpu_idle.summary(rows)}
+    assert table["sleep"]["bursts"] == 4 and table["sleep"]["slow_share"] == 0.25
+    assert table["spin"]["slow_share"] == 0.0 and table["spin"]["median"] == 10
+    assert cpu_idle.main(["--cpu", "0", "--modes", "nap"]) == 2
+    assert "unknown mode" in capsys.readouterr().err
+    assert cpu_idle.main(["--cpu", str(10**5)]) == 2
+    out = tmp_path / "idle.json"
+    assert (
+        cpu_idle.main(["--cpu", "0", "--bursts", "2", "--burst-s", "0.01", "--gap", "0,0.01", "--out", str(out)]) == 0
+    )
+    doc = json.loads(out.read_text())
+    assert sorted(r["mode"] for r in doc["rows"]) == sorted(list(cpu_idle.MODES) * 2)
+    assert "| idle-spinner | 2 |" in capsys.readouterr().out
