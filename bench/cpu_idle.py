@@ -4,7 +4,8 @@ Why: on the offline GPU hosts (KVM guests) one engine's median decode step at on
 burst by burst, in two clusters about a third apart, even with the engine core's step loop pinned
 to one CPU (docs/gpu.md, host 39), and bursts of different engines seconds apart hardly agreed.
 Each engine idles for 1-4 s between its bursts while the others run. One candidate: where the
-hypervisor runs a vCPU after the guest halted it, redrawn at every wake-up.
+hypervisor runs a vCPU after the guest halted it, redrawn at every wake-up (docs/gpu.md, host 40, has
+what this tool found).
 
 What it does, on ``--cpu`` (this process pinned there): ``--bursts`` bursts of ``--burst-s`` of
 a spin loop that counts its iterations (iterations/s per burst, the speed of the CPU for that
