@@ -27,38 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+
+from .cpu_spin import Spinner, spin_rate
 
 MODES = ("sleep", "spin", "idle-spinner")
-
-
-def spin_for(seconds: float) -> float:
-    """Spin ``seconds``; iterations per second of a loop that reads the monotonic clock."""
-    n = 0
-    clock = time.perf_counter
-    end = clock() + seconds
-    while clock() < end:
-        n += 1
-    return n / seconds
-
-
-def _idle_spinner(cpu: int, stop: Any) -> None:
-    """Spin on ``cpu`` at the SCHED_IDLE policy until ``stop`` is set (a child process)."""
-    os.sched_setaffinity(0, {cpu})
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
-    except (AttributeError, OSError):
-        os.nice(19)
-    while not stop.is_set():
-        for _ in range(20000):
-            pass
 
 
 def run(cpu: int, bursts: int, burst_s: float, gap: tuple[float, float], modes: list[str], seed: int) -> list[dict]:
@@ -68,26 +46,18 @@ def run(cpu: int, bursts: int, burst_s: float, gap: tuple[float, float], modes: 
     rng.shuffle(order)
     mask = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {cpu})
-    ctx = mp.get_context("fork")
     rows: list[dict] = []
     try:
         for i, mode in enumerate(order):
             g = rng.uniform(*gap)
-            stop = ctx.Event()
-            child = None
-            if mode == "idle-spinner":
-                child = ctx.Process(target=_idle_spinner, args=(cpu, stop), daemon=True)
-                child.start()
+            child = Spinner(cpu, idle=True) if mode == "idle-spinner" else None
             if mode == "spin":
-                spin_for(g)
+                spin_rate(g)
             else:
                 time.sleep(g)
-            rate = spin_for(burst_s)
+            rate = spin_rate(burst_s)
             if child is not None:
-                stop.set()
-                child.join(5)
-                if child.is_alive():
-                    child.kill()
+                child.stop()
             rows.append({"i": i, "mode": mode, "gap_s": round(g, 3), "per_s": round(rate)})
             print(f"\r{i + 1}/{len(order)} bursts", end="", file=sys.stderr, flush=True)
     finally:

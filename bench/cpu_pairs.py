@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -31,25 +30,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-
-def spin_rate(seconds: float) -> float:
-    """Iterations per second of a loop that reads the monotonic clock (the calling thread)."""
-    n = 0
-    clock = time.perf_counter
-    end = clock() + seconds
-    while clock() < end:
-        n += 1
-    return n / seconds
-
-
-def _spinner(cpu: int, go: Any, stop: Any) -> None:
-    """Busy loop pinned to ``cpu`` while ``go`` is set, until ``stop`` is set (a child process)."""
-    os.sched_setaffinity(0, {cpu})
-    while not stop.is_set():
-        if not go.wait(0.005):
-            continue
-        for _ in range(10000):
-            pass
+from .cpu_spin import Spinner, spin_rate
 
 
 def reported_siblings(cpu: int) -> str | None:
@@ -72,7 +53,6 @@ def measure(
         repeats of the rate alone over the rate beside the busy CPU right after;
         alone_per_s: the median rate alone, iterations/s).
     """
-    ctx = mp.get_context("fork")
     mask = os.sched_getaffinity(0)
     rows: list[dict[str, Any]] = []
     total = sum(1 for i in cpus for j in others if j != i)
@@ -84,22 +64,17 @@ def measure(
             for j in others:
                 if j == i:
                     continue
-                go, stop = ctx.Event(), ctx.Event()
-                p = ctx.Process(target=_spinner, args=(j, go, stop), daemon=True)
-                p.start()
+                spinner = Spinner(j, busy=False)
                 ratios, alones = [], []
                 for _ in range(repeat):  # alone, then beside the busy CPU, as the clocks are now
                     alone = spin_rate(seconds / 2)
-                    go.set()
+                    spinner.go.set()
                     time.sleep(0.01)
                     ratios.append(alone / spin_rate(seconds))
-                    go.clear()
+                    spinner.go.clear()
                     time.sleep(0.01)
                     alones.append(alone)
-                stop.set()
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
+                spinner.stop()
                 rows.append(
                     {
                         "cpu": i,

@@ -1053,3 +1053,38 @@ def test_cpu_idle_reports_each_way_of_spending_the_gap(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert sorted(r["mode"] for r in doc["rows"]) == sorted(list(cpu_idle.MODES) * 2)
     assert "| idle-spinner | 2 |" in capsys.readouterr().out
+
+
+def test_a_probe_spinner_ends_with_its_parent_even_when_it_is_killed(tmp_path):
+    """``bench.cpu_spin.Spinner`` (cpu-pairs, cpu-idle): its busy child must not outlive a
+    probe killed with SIGKILL."""
+    import signal
+    import subprocess
+    import time
+
+    code = (
+        "import os, sys, time\n"
+        "from bench.cpu_spin import Spinner\n"
+        "s = Spinner(sorted(os.sched_getaffinity(0))[0], idle=True)\n"
+        "print(s.process.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    probe = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert probe.stdout is not None
+    child = int(probe.stdout.readline())
+    status = f"/proc/{child}/status"
+    assert "State:\tZ" not in open(status).read()  # spinning
+    probe.send_signal(signal.SIGKILL)
+    probe.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = open(status).read()
+        except FileNotFoundError:
+            break
+        if "State:\tZ" in state:  # ended; not yet reaped by whoever adopted it
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError(f"the spinner {child} outlived its killed parent by 10 s")
