@@ -25,6 +25,7 @@ clear error and ``auto`` pins nothing.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -275,6 +276,119 @@ def pin_calling_thread(cpu: int) -> bool:
         return False
     logger.info("SpecPilot: the engine core's step loop runs on CPU %d only", cpu)
     return True
+
+
+def task_ids(pid: int) -> list[int]:
+    """The thread ids of process ``pid`` (``/proc/<pid>/task``); empty where unknown."""
+    try:
+        return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit())
+    except OSError:
+        return []
+
+
+def keep_threads_off(
+    tids: list[int],
+    off: set[int],
+    base: set[int],
+    get: Callable[[int], set[int]] | None = None,
+    put: Callable[[int, set[int]], None] | None = None,
+) -> int:
+    """Move each thread of ``tids`` off the CPUs ``off``: a thread whose mask has CPUs left
+    without them keeps those; one whose mask holds nothing else (a thread born of the pinned
+    step loop inherits its one CPU) gets ``base`` less ``off``. A thread that ended meanwhile,
+    or that this process may not change, is passed over.
+
+    Args:
+        tids: thread ids (Linux task ids; the step loop's own left out by the caller).
+        off: CPU indices to keep free (this engine host's step loop's and other engine hosts').
+        base: the CPUs the engine host's other threads were started on (the launcher's mask).
+        get, put: ``os.sched_getaffinity`` / ``os.sched_setaffinity`` (tests pass their own).
+
+    Returns:
+        How many threads were moved.
+    """
+    get = (lambda tid: set(os.sched_getaffinity(tid))) if get is None else get
+    put = os.sched_setaffinity if put is None else put
+    moved = 0
+    for tid in tids:
+        try:
+            mask = get(tid)
+            new = (mask - off) or (base - off)
+            if not new or new == mask:
+                continue
+            put(tid, new)
+            moved += 1
+        except (OSError, ValueError):  # ended, or not ours to change
+            continue
+    return moved
+
+
+class CoreCpuKeeper:
+    """Keeps an engine host's threads off the CPUs the step loops hold, while it runs.
+
+    The launcher keeps ``vllm serve`` off the CPUs that engine hosts held when it started;
+    an engine host started at the same moment or later claims its CPU after that, and a
+    thread that the pinned step loop starts inherits its one CPU. Every ``every_s`` (s) a
+    daemon thread of the engine core moves each thread of ``pids`` (the engine core's
+    process and the API server's), except the step loop's, off this engine host's CPU and
+    the CPUs other engine hosts' locks hold (:func:`held_by_others`, :func:`keep_threads_off`).
+
+    Args:
+        cpu: the step loop's CPU (int >= 0).
+        step_tid: the step loop thread's id (``threading.get_native_id()``).
+        pids: process ids whose threads are kept off.
+        base: the CPUs the engine host's threads were started on (never empty).
+        every_s: seconds between two passes (> 0).
+        folder: where the locks live (default :func:`lock_dir`).
+    """
+
+    def __init__(
+        self,
+        cpu: int,
+        step_tid: int,
+        pids: list[int],
+        base: set[int],
+        every_s: float = 10.0,
+        folder: Path | None = None,
+    ) -> None:
+        self.cpu, self.step_tid, self.pids = cpu, step_tid, list(dict.fromkeys(pids))
+        self.base, self.every_s, self.folder = set(base), every_s, folder
+        self.moved = 0  # threads moved so far (all passes)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def keep_off_once(self) -> int:
+        """One pass (see the class); returns how many threads it moved."""
+        off = held_by_others(self.folder) | {self.cpu}
+        tids = [t for pid in self.pids for t in task_ids(pid) if t != self.step_tid]
+        n = keep_threads_off(tids, off, self.base)
+        if n:
+            logger.info("SpecPilot: moved %d thread(s) off the step loops' CPUs %s", n, _span(off))
+        self.moved += n
+        return n
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError, ValueError):  # this thread itself never on the step loop's CPU
+            os.sched_setaffinity(0, (self.base - {self.cpu}) or self.base)
+        while True:
+            try:
+                self.keep_off_once()
+            except Exception:  # never take the engine core down over an affinity pass
+                logger.exception("SpecPilot: the pass that keeps threads off the step loop's CPU failed")
+            if self._stop.wait(self.every_s):
+                return
+
+    def start(self) -> CoreCpuKeeper:
+        """Start the daemon thread (a pass at once, then one every ``every_s``); returns self."""
+        self._thread = threading.Thread(target=self._run, name="specpilot-cpu-keeper", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """End the daemon thread (waits for it)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def calling_thread_cpus() -> list[int]:

@@ -188,6 +188,7 @@ def build_state() -> dict[str, Any]:
             "core_started_at": core.get("core_started_at"),
             "core_cpu": core.get("core_cpu"),
             "core_thread_cpus": core.get("core_thread_cpus"),
+            "core_cpu_threads_moved": core.get("core_cpu_threads_moved"),
             "phase": HOST.phase,
             "ready_at": HOST.ready_at,
             "model": limits.get("model"),

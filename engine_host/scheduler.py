@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -296,6 +297,7 @@ class _SpecPilotHook:
         # first step, after vLLM has started its I/O threads
         self._pin_cpu = _pinned_cpu_from_env()
         self._core_cpu: int | None = None  # the CPU the step loop was pinned to
+        self._cpu_keeper: cpu_affinity.CoreCpuKeeper | None = None  # keeps the rest off it
         if self._k_engine > 0:
             # vLLM's dynamic speculative decoding path, made live.
             self.dynamic_sd_lookup = self._live_lookup  # type: ignore[assignment]
@@ -613,8 +615,17 @@ class _SpecPilotHook:
     def _pin_step_loop(self) -> None:
         """Pin the thread running the step loop (this one) to ``$SPECPILOT_CORE_CPU`` (once)."""
         cpu, self._pin_cpu = self._pin_cpu, None
-        if cpu is not None and cpu_affinity.pin_calling_thread(cpu):
-            self._core_cpu = cpu
+        if cpu is None:
+            return
+        base = set(cpu_affinity.calling_thread_cpus())  # the launcher's mask, before the pin
+        if not cpu_affinity.pin_calling_thread(cpu):
+            return
+        self._core_cpu = cpu
+        # engine hosts that claimed their CPUs after this one started, and threads born of
+        # this one, are kept off the step loops' CPUs from now on
+        api = envs.api_pid()
+        pids = [os.getpid()] + ([int(api)] if api.isdigit() else [])
+        self._cpu_keeper = cpu_affinity.CoreCpuKeeper(cpu, threading.get_native_id(), pids, base or {cpu}).start()
 
     def _draft_token_cost(self, batch_size: int, k: int) -> float:
         """Cost ``c`` of one verified draft token at depth ``k`` for ``batch_size``
@@ -1136,6 +1147,7 @@ class _SpecPilotHook:
             "core_pid": os.getpid(),
             "core_cpu": self._core_cpu,
             "core_thread_cpus": cpu_affinity.calling_thread_cpus(),
+            "core_cpu_threads_moved": self._cpu_keeper.moved if self._cpu_keeper is not None else 0,
             "core_started_at": self._started_at,
             "published_at": time.time(),
             "limits": self._limits,

@@ -94,6 +94,7 @@ class CoreState(_Open):
     core_started_at: float
     core_cpu: int | None = None
     core_thread_cpus: list[int] | None = None
+    core_cpu_threads_moved: int = 0
     published_at: float
     limits: EngineLimits
     config_version: int
@@ -154,6 +155,11 @@ class EngineIdentity(_Body):
     core_started_at: float | None
     core_cpu: int | None = Field(None, description="the CPU the engine core's step loop is pinned to (--core-cpu)")
     core_thread_cpus: list[int] | None = Field(None, description="the CPUs the step loop's thread may run on now")
+    core_cpu_threads_moved: int | None = Field(
+        None,
+        description="threads of the engine host moved off the step loops' CPUs since it started (engine hosts "
+        "started after it, threads born of the step loop)",
+    )
     phase: str = Field(description="loading, warming_up, ready or warmup_failed")
     ready_at: float | None = None
     model: str | None = None

@@ -217,14 +217,88 @@ def test_the_hook_pins_its_step_loop_at_the_first_step_and_publishes_it(tmp_path
             seen["after"] = cpu_affinity.calling_thread_cpus()
             hook._publish(1.0)
             seen["state_after"] = channel.read_state()
+            seen["keeper"] = hook._cpu_keeper
         finally:
             channel.close()
 
     t = threading.Thread(target=engine_core)
     t.start()
     t.join()
+    keeper = seen["keeper"]
+    try:
+        assert isinstance(keeper, cpu_affinity.CoreCpuKeeper)  # keeps the process's other threads off the CPU
+        keeper.stop()
+        assert keeper.cpu == cpu and os.getpid() in keeper.pids and keeper.step_tid != threading.get_native_id()
+        assert cpu not in cpu_affinity.calling_thread_cpus()  # this thread (the process's main) was moved off it
+    finally:
+        os.sched_setaffinity(0, ALLOWED)
     assert seen["before"] == ALLOWED and seen["after"] == [cpu]
     before, after = seen["state_before"], seen["state_after"]
     assert isinstance(before, dict) and isinstance(after, dict)
     assert before["core_cpu"] is None and after["core_cpu"] == cpu and after["core_thread_cpus"] == [cpu]
     assert cpu_affinity.calling_thread_cpus() == ALLOWED
+
+
+def test_threads_are_moved_off_the_step_loops_cpus_and_never_left_without_one():
+    masks = {1: {0, 1, 2, 3}, 2: {3}, 3: {0, 1}, 4: {2}}
+
+    def put(tid: int, cpus: set[int]) -> None:
+        if tid == 5:
+            raise ProcessLookupError("ended")
+        masks[tid] = set(cpus)
+
+    def get(tid: int) -> set[int]:
+        if tid == 5:
+            raise ProcessLookupError("ended")
+        return set(masks[tid])
+
+    # CPU 3 is this engine host's step loop's, CPU 2 another engine host's (claimed after this one started)
+    moved = cpu_affinity.keep_threads_off([1, 2, 3, 4, 5], {2, 3}, {0, 1, 2}, get, put)
+    assert moved == 3
+    # a thread with CPUs to spare keeps those; one born of the pinned step loop (only CPU 3) and
+    # one left with nothing get the launcher's mask less the step loops' CPUs; a thread already
+    # clear is untouched; a thread that ended is passed over
+    assert masks == {1: {0, 1}, 2: {0, 1}, 3: {0, 1}, 4: {0, 1}}
+    # nothing left anywhere: a thread keeps its mask
+    masks[6] = {3}
+    assert cpu_affinity.keep_threads_off([6], {0, 1, 2, 3}, {0, 1, 2, 3}, get, put) == 0 and masks[6] == {3}
+
+
+@needs_two_cpus
+def test_the_keeper_moves_a_thread_born_of_the_pinned_step_loop_off_its_cpu(tmp_path):
+    cpu, rest = ALLOWED[-1], set(ALLOWED[:-1])
+    born = threading.Event()
+    done = threading.Event()
+    seen: dict[str, object] = {}
+
+    def child() -> None:  # inherits the step loop's one CPU
+        seen["child_tid"] = threading.get_native_id()
+        seen["child_before"] = cpu_affinity.calling_thread_cpus()
+        born.set()
+        done.wait(30)
+        seen["child_after"] = cpu_affinity.calling_thread_cpus()
+
+    def step_loop() -> None:
+        assert cpu_affinity.pin_calling_thread(cpu)
+        seen["step_tid"] = threading.get_native_id()
+        t = threading.Thread(target=child)
+        t.start()
+        born.wait(30)
+        keeper = cpu_affinity.CoreCpuKeeper(
+            cpu, threading.get_native_id(), [os.getpid()], set(ALLOWED), folder=tmp_path
+        )
+        seen["moved"] = keeper.keep_off_once()
+        seen["step_after"] = cpu_affinity.calling_thread_cpus()
+        done.set()
+        t.join()
+
+    t = threading.Thread(target=step_loop)
+    t.start()
+    t.join()
+    try:
+        assert seen["child_before"] == [cpu]
+        assert seen["child_after"] == sorted(rest) and seen["step_after"] == [cpu]
+        assert isinstance(seen["moved"], int) and seen["moved"] >= 2  # the child and this thread
+        assert cpu_affinity.calling_thread_cpus() == sorted(rest)  # this thread's mask less the CPU
+    finally:
+        os.sched_setaffinity(0, ALLOWED)
