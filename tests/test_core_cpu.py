@@ -302,3 +302,50 @@ def test_the_keeper_moves_a_thread_born_of_the_pinned_step_loop_off_its_cpu(tmp_
         assert cpu_affinity.calling_thread_cpus() == sorted(rest)  # this thread's mask less the CPU
     finally:
         os.sched_setaffinity(0, ALLOWED)
+
+
+@needs_two_cpus
+def test_an_unpinned_engine_host_on_a_gpu_keeps_off_a_cpu_claimed_after_it_started(tmp_path, monkeypatch):
+    from bench.hook_cost import standin_hook
+    from engine_host import scheduler
+
+    held = ALLOWED[-1]
+    monkeypatch.setenv(envs.CORE_CPU, "off")
+    monkeypatch.setattr(scheduler, "_is_cpu_build", lambda: False)
+    monkeypatch.setattr(cpu_affinity, "lock_dir", lambda: tmp_path / "locks")
+    seen: dict[str, object] = {}
+
+    def engine_core() -> None:
+        hook, channel = standin_hook("fixed:0", 1, str(tmp_path))
+        try:
+            # another engine host claims its CPU after this one's launcher set its mask
+            seen["other"] = cpu_affinity.claim_core_cpu(held, tmp_path / "locks", refused=lambda c: None)
+            hook.has_requests()
+            hook.schedule()
+            seen["keeper"] = hook._cpu_keeper
+            seen["core_cpu"] = hook._core_cpu
+        finally:
+            channel.close()
+
+    t = threading.Thread(target=engine_core)
+    t.start()
+    t.join()
+    keeper, other = seen["keeper"], seen["other"]
+    try:
+        assert isinstance(keeper, cpu_affinity.CoreCpuKeeper) and keeper.cpu is None and seen["core_cpu"] is None
+        keeper.stop()
+        assert keeper.moved >= 1
+        assert held not in cpu_affinity.calling_thread_cpus()  # this process's threads were moved off it
+    finally:
+        os.sched_setaffinity(0, ALLOWED)
+        if isinstance(other, cpu_affinity.CoreCpuClaim):
+            os.close(other.fd)
+    # the CPU build's vLLM binds its own compute threads: an unpinned engine host there moves nothing
+    monkeypatch.setattr(scheduler, "_is_cpu_build", lambda: True)
+    hook, channel = standin_hook("fixed:0", 1, str(tmp_path / "cpu"))
+    try:
+        hook.has_requests()
+        hook.schedule()
+        assert hook._cpu_keeper is None
+    finally:
+        channel.close()
