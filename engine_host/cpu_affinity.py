@@ -286,6 +286,17 @@ def task_ids(pid: int) -> list[int]:
         return []
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and the ids of all its descendant processes (psutil, which vLLM requires);
+    ``[pid]`` alone where they cannot be listed."""
+    try:
+        import psutil
+
+        return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except Exception:  # no psutil, or the process ended: what is known
+        return [pid]
+
+
 def keep_threads_off(
     tids: list[int],
     off: set[int],
@@ -329,8 +340,9 @@ class CoreCpuKeeper:
     The launcher keeps ``vllm serve`` off the CPUs that engine hosts held when it started;
     an engine host started at the same moment or later claims its CPU after that, and a
     thread that the pinned step loop starts inherits its one CPU. Every ``every_s`` (s) a
-    daemon thread of the engine core moves each thread of ``pids`` (the engine core's
-    process and the API server's), except the step loop's, off this engine host's CPU and
+    daemon thread of the engine core moves each thread of ``pids`` and of their descendant
+    processes (the API server's process, the engine core's and its workers), except the step
+    loop's, off this engine host's CPU and
     the CPUs other engine hosts' locks hold (:func:`held_by_others`, :func:`keep_threads_off`).
     An engine host whose step loop is not pinned (``cpu`` None) keeps all its threads off the
     other engine hosts' CPUs.
@@ -338,7 +350,7 @@ class CoreCpuKeeper:
     Args:
         cpu: the step loop's CPU (int >= 0), or None (not pinned).
         step_tid: the step loop thread's id (``threading.get_native_id()``), or None.
-        pids: process ids whose threads are kept off.
+        pids: process ids whose threads, and their descendants' threads, are kept off.
         base: the CPUs the engine host's threads were started on (never empty).
         every_s: seconds between two passes (> 0).
         folder: where the locks live (default :func:`lock_dir`).
@@ -364,7 +376,8 @@ class CoreCpuKeeper:
         off = held_by_others(self.folder) | ({self.cpu} if self.cpu is not None else set())
         if not off:
             return 0
-        tids = [t for pid in self.pids for t in task_ids(pid) if t != self.step_tid]
+        pids = dict.fromkeys(p for root in self.pids for p in process_tree(root))
+        tids = [t for pid in pids for t in task_ids(pid) if t != self.step_tid]
         n = keep_threads_off(tids, off, self.base)
         if n:
             logger.info("SpecPilot: moved %d thread(s) off the step loops' CPUs %s", n, _span(off))

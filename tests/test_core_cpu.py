@@ -94,6 +94,15 @@ def test_pinning_takes_the_calling_thread_only():
     assert not cpu_affinity.pin_calling_thread(10**6)  # a CPU that does not exist: logged, not raised
 
 
+def _restore_all_threads() -> None:
+    """Give every thread of this process its mask back (a keeper under test moved them)."""
+    for tid in cpu_affinity.task_ids(os.getpid()):
+        try:
+            os.sched_setaffinity(tid, ALLOWED)
+        except OSError:
+            pass
+
+
 _launches = itertools.count()
 
 
@@ -231,7 +240,7 @@ def test_the_hook_pins_its_step_loop_at_the_first_step_and_publishes_it(tmp_path
         assert keeper.cpu == cpu and os.getpid() in keeper.pids and keeper.step_tid != threading.get_native_id()
         assert cpu not in cpu_affinity.calling_thread_cpus()  # this thread (the process's main) was moved off it
     finally:
-        os.sched_setaffinity(0, ALLOWED)
+        _restore_all_threads()
     assert seen["before"] == ALLOWED and seen["after"] == [cpu]
     before, after = seen["state_before"], seen["state_after"]
     assert isinstance(before, dict) and isinstance(after, dict)
@@ -301,7 +310,7 @@ def test_the_keeper_moves_a_thread_born_of_the_pinned_step_loop_off_its_cpu(tmp_
         assert isinstance(seen["moved"], int) and seen["moved"] >= 2  # the child and this thread
         assert cpu_affinity.calling_thread_cpus() == sorted(rest)  # this thread's mask less the CPU
     finally:
-        os.sched_setaffinity(0, ALLOWED)
+        _restore_all_threads()
 
 
 @needs_two_cpus
@@ -337,7 +346,7 @@ def test_an_unpinned_engine_host_on_a_gpu_keeps_off_a_cpu_claimed_after_it_start
         assert keeper.moved >= 1
         assert held not in cpu_affinity.calling_thread_cpus()  # this process's threads were moved off it
     finally:
-        os.sched_setaffinity(0, ALLOWED)
+        _restore_all_threads()
         if isinstance(other, cpu_affinity.CoreCpuClaim):
             os.close(other.fd)
     # the CPU build's vLLM binds its own compute threads: an unpinned engine host there moves nothing
@@ -349,3 +358,29 @@ def test_an_unpinned_engine_host_on_a_gpu_keeps_off_a_cpu_claimed_after_it_start
         assert hook._cpu_keeper is None
     finally:
         channel.close()
+
+
+@needs_two_cpus
+def test_the_keeper_moves_the_threads_of_descendant_processes_too(tmp_path):
+    import subprocess
+    import sys
+
+    held = ALLOWED[-1]
+    other = cpu_affinity.claim_core_cpu(held, tmp_path, refused=lambda c: None)  # another engine host's step loop
+    # a worker process of this engine host, started before that CPU was claimed
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert cpu_affinity.process_tree(os.getpid())[0] == os.getpid()
+        assert child.pid in cpu_affinity.process_tree(os.getpid())
+        assert held in os.sched_getaffinity(child.pid)
+        keeper = cpu_affinity.CoreCpuKeeper(None, None, [os.getpid()], set(ALLOWED), folder=tmp_path)
+        assert keeper.keep_off_once() >= 2  # this process's thread(s) and the child's
+        assert held not in os.sched_getaffinity(child.pid)
+        assert keeper.keep_off_once() == 0  # nothing left to move
+    finally:
+        child.kill()
+        child.wait()
+        _restore_all_threads()
+        assert other is not None
+        os.close(other.fd)
+    assert cpu_affinity.process_tree(child.pid) == [child.pid]  # an ended process: itself only
