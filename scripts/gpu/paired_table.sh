@@ -11,7 +11,8 @@
 # KV cache (vLLM's memory profiling skipped, so the engines cannot disturb each other's), every
 # engine host writing a step trace (RESULTS/steps.csv.<engine-core pid>, xz-compressed at the end).
 # Writes RESULTS/c1, c8, c64 (`paired.json`; `python -m bench paired --report FILE [--baseline ARM]`),
-# RESULTS/{mixture,pooled}-state-cN.json (the adaptive engine hosts' /control/state after each run),
+# RESULTS/{mixture,pooled,k0}-state-cN.json (the engine hosts' /control/state after each run; with OFF_ARMS also
+# mixture-off- and k0-off-),
 # RESULTS/start.log and RESULTS/overhead (start-up, first TTFT after warm-up), RESULTS/progress,
 # RESULTS/topology.txt (CPUs, NUMA nodes, the GPU's CPU affinity) and RESULTS/DONE at the end. The engines are stopped on exit, whatever happened.
 # Environment: KV_BYTES (KV cache per engine, default 6 GiB), GPU_UTIL (0.14), K_MAX (4),
@@ -140,6 +141,11 @@ states() {
   [ -z "${MIX_OLD:-}" ] || curl -s -H "Authorization: Bearer $AO_TOKEN" "$AO_URL/control/state" > "$R/mixture-old-state-$1.json"
   [ -z "${PIN_CPUS:-}" ] || curl -s -H "Authorization: Bearer $APIN_TOKEN" "$APIN_URL/control/state" > "$R/mixture-pin-state-$1.json"
   [ -z "$POOLED_ENGINE" ] || curl -s -H "Authorization: Bearer $P_TOKEN" "$P_URL/control/state" > "$R/pooled-state-$1.json"
+  curl -s -H "Authorization: Bearer $F0_TOKEN" "$F0_URL/control/state" > "$R/k0-state-$1.json"
+  if [ "${OFF_ARMS:-0}" = 1 ]; then  # (engine.core_cpu_threads_moved: what the CPU keeper moved)
+    curl -s -H "Authorization: Bearer $AOFF_TOKEN" "$AOFF_URL/control/state" > "$R/mixture-off-state-$1.json"
+    curl -s -H "Authorization: Bearer $F0OFF_TOKEN" "$F0OFF_URL/control/state" > "$R/k0-off-state-$1.json"
+  fi
 }
 # table NAME BUDGET WORKLOADS CLIENTS PER-CLIENT: one `bench paired` run (skipped at a budget of 0)
 table() {
