@@ -471,6 +471,9 @@ def test_live_header_shows_the_control_planes_version_and_the_engines_as_a_detai
     text = _texts(at)
     assert f"config **v{newest}**" in text
     assert "engine's own counter says v1" in text
+    assert "step loop runs on CPU" not in text  # not pinned (the CPU build)
+    backend.engines["gpu-a"].core_cpu = 14  # a GPU engine host with --core-cpu auto
+    assert "The engine core's step loop runs on CPU 14 of its own." in _texts(_app(VIEWER, "pages/live.py"))
 
 
 def test_controller_prior_is_not_shown_as_a_measured_acceptance():

@@ -271,6 +271,8 @@ class HostStatus:
         limits: the engine's start-up settings (``EngineLimits`` dict).
         router: a dual engine host's ``router`` section (mode, share sent to the
             speculative engine, settings, TPOT per engine in ms); empty for one engine.
+        core_cpu: the CPU the engine core's step loop has to itself (``--core-cpu``), None
+            when it is not pinned.
         checked_at: when this was read (UTC).
     """
 
@@ -296,6 +298,7 @@ class HostStatus:
     router: dict[str, Any] = field(default_factory=dict)
     per_request: dict[str, Any] = field(default_factory=dict)
     engine_started_at: datetime | None = None
+    core_cpu: int | None = None
     checked_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
     @property
@@ -364,6 +367,7 @@ def status_from_state(name: str, url: str, state: dict[str, Any]) -> HostStatus:
         router=state.get("router") or {},
         per_request=spec.get("per_request") or {},
         engine_started_at=utc(eng.get("started_at")),
+        core_cpu=eng.get("core_cpu"),
     )
 
 

@@ -44,6 +44,7 @@ def _status_line(view: views.LiveView) -> None:
     st.caption(
         f"Config version: the control plane's version in force (History). The engine's own counter says "
         f"v{s.config_version}; it restarts at 1 with the engine."
+        + (f" The engine core's step loop runs on CPU {s.core_cpu} of its own." if s.core_cpu is not None else "")
     )
     routing = views.routing_summary(s.router)
     if routing:

@@ -116,7 +116,7 @@ class FakeEngineHost:
 
     Attributes:
         config: the live config (dict); version: the engine's config version;
-        pid, started_at: identity reported in ``/control/state``;
+        pid, started_at: identity reported in ``/control/state``; core_cpu: the step loop's CPU it reports;
         metrics: :class:`FakeEngineMetrics` behind ``/metrics``; put_delay_s: delay before answering a PUT;
         refuse: when set, every PUT is refused (422) with these ``{"loc", "msg"}`` errors;
         puts: the bodies received by ``PUT /control/config`` in order;
@@ -133,6 +133,7 @@ class FakeEngineHost:
         self.version = 1
         self.pid = 4242
         self.started_at = time.time()
+        self.core_cpu: int | None = None  # the step loop's own CPU (--core-cpu), None: not pinned
         self.metrics = FakeEngineMetrics(k_max=self.limits.k_max, started_at=self.started_at)
         self.warmup_runs: list[dict[str, Any]] = []
         self.put_delay_s = 0.0
@@ -185,6 +186,7 @@ class FakeEngineHost:
                 "started_at": self.started_at,
                 "core_pid": self.pid + 1,
                 "core_started_at": self.started_at,
+                "core_cpu": self.core_cpu,
                 "phase": "ready",
             },
         )
