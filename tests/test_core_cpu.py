@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from engine_host import cpu_affinity, envs
+from engine_host import cpu_affinity, envs, vllm_compat
 from engine_host.cpu_affinity import CpuAffinityError
 
 ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -86,12 +86,17 @@ def test_pinning_takes_the_calling_thread_only():
         seen["pinned"] = cpu_affinity.pin_calling_thread(cpu)
         seen["cpus"] = cpu_affinity.calling_thread_cpus()
 
-    t = threading.Thread(target=worker)
-    t.start()
-    t.join()
+    _in_thread(worker)
     assert seen == {"pinned": True, "cpus": [cpu]}
     assert cpu_affinity.calling_thread_cpus() == ALLOWED  # this thread keeps its mask
     assert not cpu_affinity.pin_calling_thread(10**6)  # a CPU that does not exist: logged, not raised
+
+
+def _in_thread(fn) -> None:
+    """Run ``fn`` in a thread of its own (affinity calls on thread 0 change that thread only), to its end."""
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
 
 
 def _restore_all_threads() -> None:
@@ -152,9 +157,7 @@ def _launch(
         except _Exec as e:
             out.update(e.args[0])
 
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
+    _in_thread(run)
     for c in others:
         assert c is not None
         os.close(c.fd)
@@ -230,9 +233,7 @@ def test_the_hook_pins_its_step_loop_at_the_first_step_and_publishes_it(tmp_path
         finally:
             channel.close()
 
-    t = threading.Thread(target=engine_core)
-    t.start()
-    t.join()
+    _in_thread(engine_core)
     keeper = seen["keeper"]
     try:
         assert isinstance(keeper, cpu_affinity.CoreCpuKeeper)  # keeps the process's other threads off the CPU
@@ -301,9 +302,7 @@ def test_the_keeper_moves_a_thread_born_of_the_pinned_step_loop_off_its_cpu(tmp_
         done.set()
         t.join()
 
-    t = threading.Thread(target=step_loop)
-    t.start()
-    t.join()
+    _in_thread(step_loop)
     try:
         assert seen["child_before"] == [cpu]
         assert seen["child_after"] == sorted(rest) and seen["step_after"] == [cpu]
@@ -316,11 +315,10 @@ def test_the_keeper_moves_a_thread_born_of_the_pinned_step_loop_off_its_cpu(tmp_
 @needs_two_cpus
 def test_an_unpinned_engine_host_on_a_gpu_keeps_off_a_cpu_claimed_after_it_started(tmp_path, monkeypatch):
     from bench.hook_cost import standin_hook
-    from engine_host import scheduler
 
     held = ALLOWED[-1]
     monkeypatch.setenv(envs.CORE_CPU, "off")
-    monkeypatch.setattr(scheduler, "_is_cpu_build", lambda: False)
+    monkeypatch.setattr(vllm_compat, "is_cpu_build", lambda: False)
     monkeypatch.setattr(cpu_affinity, "lock_dir", lambda: tmp_path / "locks")
     seen: dict[str, object] = {}
 
@@ -336,9 +334,7 @@ def test_an_unpinned_engine_host_on_a_gpu_keeps_off_a_cpu_claimed_after_it_start
         finally:
             channel.close()
 
-    t = threading.Thread(target=engine_core)
-    t.start()
-    t.join()
+    _in_thread(engine_core)
     keeper, other = seen["keeper"], seen["other"]
     try:
         assert isinstance(keeper, cpu_affinity.CoreCpuKeeper) and keeper.cpu is None and seen["core_cpu"] is None
@@ -350,7 +346,7 @@ def test_an_unpinned_engine_host_on_a_gpu_keeps_off_a_cpu_claimed_after_it_start
         if isinstance(other, cpu_affinity.CoreCpuClaim):
             os.close(other.fd)
     # the CPU build's vLLM binds its own compute threads: an unpinned engine host there moves nothing
-    monkeypatch.setattr(scheduler, "_is_cpu_build", lambda: True)
+    monkeypatch.setattr(vllm_compat, "is_cpu_build", lambda: True)
     hook, channel = standin_hook("fixed:0", 1, str(tmp_path / "cpu"))
     try:
         hook.has_requests()
