@@ -38,7 +38,8 @@
 # adaptive and the static K = 0 engine host with --core-cpu off, beside them. PIN_CPUS=A,B adds `adaptive_pin` and `k0_pin`: the adaptive and the static K = 0 engine host with their engine core's
 # step loop on CPU A and B (`--core-cpu`); first `bench cpu-pairs` measures which CPUs slow A and B down (hyperthread
 # siblings a hypervisor hides: RESULTS/cpu-pairs.md and .json), and every other process of the run is kept off A, B
-# and those (RESULTS/topology.txt says what was kept off).
+# and those (RESULTS/topology.txt says what was kept off). Once the engines are up, `bench cpu-pairs` measures which CPUs
+# slow down the CPUs the step loops hold (RESULTS/cpu-pairs-held.md and .json; CPU_PAIRS=0 leaves it out).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 M=${1:?usage: paired_table.sh MODEL RESULTS}
@@ -109,6 +110,14 @@ SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --
 rc=$?
 progress "engines up (rc $rc)"
 [ $rc -eq 0 ] || exit $rc
+# the CPUs the engine hosts' step loops took (`auto`: their lock files): which other CPUs slow them down, measured
+# while the engines idle (hidden hyperthread siblings; host 42's pinned adaptive engine host ran vLLM's schedule()
+# 90-110 us slower on its CPU than the others). CPU_PAIRS=0 leaves it out.
+HELD=$(python3 -c 'from engine_host import cpu_affinity as c; print(",".join(map(str, sorted(c.held_by_others()))))' 2>/dev/null)
+if [ -n "$HELD" ] && [ -z "${PIN_CPUS:-}" ] && [ "${CPU_PAIRS:-1}" != 0 ]; then  # (PIN_CPUS measured its own above)
+  python3 -m bench cpu-pairs --cpus "$HELD" --out "$R/cpu-pairs-held.json" > "$R/cpu-pairs-held.md" 2> "$R/cpu-pairs-held.log"
+  progress "cpu-pairs of the held CPUs $HELD (rc $?)"
+fi
 eval "$(engine_vars "$R/state.json")"
 [ "${OFF_ARMS:-0}" = 1 ] && export AOFF_TOKEN F0OFF_TOKEN
 export A_TOKEN F0_TOKEN ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN}
