@@ -111,8 +111,7 @@ rc=$?
 progress "engines up (rc $rc)"
 [ $rc -eq 0 ] || exit $rc
 # the CPUs the engine hosts' step loops took (`auto`: their lock files): which other CPUs slow them down, measured
-# while the engines idle (hidden hyperthread siblings; host 42's pinned adaptive engine host ran vLLM's schedule()
-# 90-110 us slower on its CPU than the others). CPU_PAIRS=0 leaves it out.
+# while the engines idle (hidden hyperthread siblings; docs/gpu.md, host 42). CPU_PAIRS=0 leaves it out.
 HELD=$(python3 -c 'from engine_host import cpu_affinity as c; print(",".join(map(str, sorted(c.held_by_others()))))' 2>/dev/null)
 if [ -n "$HELD" ] && [ -z "${PIN_CPUS:-}" ] && [ "${CPU_PAIRS:-1}" != 0 ]; then  # (PIN_CPUS measured its own above)
   python3 -m bench cpu-pairs --cpus "$HELD" --out "$R/cpu-pairs-held.json" > "$R/cpu-pairs-held.md" 2> "$R/cpu-pairs-held.log"
