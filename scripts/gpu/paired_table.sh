@@ -30,7 +30,9 @@
 # (its PCI device's local_cpulist; RESULTS/topology.txt says what was done). With a py-spy executable (PY_SPY, or the payload's in
 # $SPECPILOT_SCRATCH/site/bin), after the tables: `bench profile-step --attach` samples the mixture engine host
 # and `k0` (and `k0full`) in turn at 64 clients of code, where the adaptive engine host switches K
-# (RESULTS/profile-c64-code.md and its folder); PROFILE=0 leaves the profile out. `bench gpu-clocks` samples the
+# (RESULTS/profile-c64-code.md and its folder; with OFF_ARMS `adaptive_off` and `k0_off` too); PROFILE_CELLS
+# replaces the cells profiled (CLIENTS:WORKLOAD[:SECONDS] each, default "64:code", 12 s an engine; e.g. "64:code 1:chat:20"
+# adds chat at one client, RESULTS/profile-c1-chat.md); PROFILE=0 leaves the profile out. `bench gpu-clocks` samples the
 # GPU's clocks, power and P-state every 100 ms through the run (RESULTS/gpu-clocks.csv; GPU_CLOCKS=0 leaves it out):
 # `bench step-trace TRACE --gpu-clocks RESULTS/gpu-clocks.csv` reads each burst's median step against them.
 # CORE_CPU (default auto, the engine host's own default on a GPU: each engine host's step loop on a CPU of its own,
@@ -166,10 +168,15 @@ table() {
 table c1 "${BUDGET_C1:-300}" "${C1_WORKLOADS:-chat,code,docs,mixed}" 1 1
 table c8 "${BUDGET_C8:-200}" "${C8_WORKLOADS:-mixed,code,docs}" 8 4
 table c64 "${BUDGET_C64:-250}" "${C64_WORKLOADS:-docs,code,shift}" 64 2
+[ "${OFF_ARMS:-0}" = 1 ] && PROFILED=$PROFILED,aoff,f0off
 if [ -n "$PY_SPY" ] && [ "${PROFILE:-1}" != 0 ]; then  # PROFILE=0: no profile after the tables
-  python3 -m bench profile-step --attach "$R/state.json" --engines "$PROFILED" --clients 64 --workload code --seconds 12 --rate 500 \
-    --py-spy "$PY_SPY" --out "$R/profile-c64-code" > "$R/profile-c64-code.md" 2> "$R/profile-c64-code.log"
-  progress "profile at 64 clients (rc $?)"
+  for cell in ${PROFILE_CELLS:-64:code}; do  # CLIENTS:WORKLOAD[:SECONDS] each, e.g. "64:code 1:chat:20"
+    n=${cell%%:*}; rest=${cell#*:}; w=${rest%%:*}; secs=12
+    [ "$rest" != "$w" ] && secs=${rest#*:}
+    python3 -m bench profile-step --attach "$R/state.json" --engines "$PROFILED" --clients "$n" --workload "$w" \
+      --seconds "$secs" --rate 500 --py-spy "$PY_SPY" --out "$R/profile-c$n-$w" > "$R/profile-c$n-$w.md" 2> "$R/profile-c$n-$w.log"
+    progress "profile at $n client(s) of $w (rc $?)"
+  done
 fi
 stop_engines "$M" "$R/state.json" "$R/stop"
 [ -n "$CLOCKS_PID" ] && kill "$CLOCKS_PID" 2>/dev/null && wait "$CLOCKS_PID"
