@@ -32,7 +32,8 @@
 # and `k0` (and `k0full`) in turn at 64 clients of code, where the adaptive engine host switches K
 # (RESULTS/profile-c64-code.md and its folder; with OFF_ARMS `adaptive_off` and `k0_off` too); PROFILE_CELLS
 # replaces the cells profiled (CLIENTS:WORKLOAD[:SECONDS] each, default "64:code", 12 s an engine; e.g. "64:code 1:chat:20"
-# adds chat at one client, RESULTS/profile-c1-chat.md); PROFILE=0 leaves the profile out. `bench gpu-clocks` samples the
+# adds chat at one client, RESULTS/profile-c1-chat.md); PROFILE_ENGINES replaces the engines profiled (their names in
+# RESULTS/state.json: plain, a, f0, aoff, f0off, ...; e.g. "plain,f0"); PROFILE=0 leaves the profile out. `bench gpu-clocks` samples the
 # GPU's clocks, power and P-state every 100 ms through the run (RESULTS/gpu-clocks.csv; GPU_CLOCKS=0 leaves it out):
 # `bench step-trace TRACE --gpu-clocks RESULTS/gpu-clocks.csv` reads each burst's median step against them.
 # CORE_CPU (default auto, the engine host's own default on a GPU: each engine host's step loop on a CPU of its own,
@@ -133,7 +134,7 @@ if [ "${OFF_ARMS:-0}" = 1 ]; then
   ARMS+=(--arm "adaptive_off=$AOFF_URL,mode=adaptive,token-env=AOFF_TOKEN" --arm "k0_off=$F0OFF_URL,mode=fixed:0,token-env=F0OFF_TOKEN")
 fi
 [ -n "$K4_ENGINE" ] && ARMS+=(--arm "k4=$F4_URL,mode=fixed:4,token-env=F4_TOKEN")
-PROFILED=a,f0
+PROFILED=${PROFILE_ENGINES:-a,f0}  # the engines profiled, by their names in the state file (plain, a, f0, ...)
 if [ -n "${K0_FULL:-}" ]; then
   ARMS+=(--arm "k0full=$F0X_URL,mode=fixed:0,token-env=F0X_TOKEN")
   PROFILED=a,f0,f0x
@@ -168,7 +169,7 @@ table() {
 table c1 "${BUDGET_C1:-300}" "${C1_WORKLOADS:-chat,code,docs,mixed}" 1 1
 table c8 "${BUDGET_C8:-200}" "${C8_WORKLOADS:-mixed,code,docs}" 8 4
 table c64 "${BUDGET_C64:-250}" "${C64_WORKLOADS:-docs,code,shift}" 64 2
-[ "${OFF_ARMS:-0}" = 1 ] && PROFILED=$PROFILED,aoff,f0off
+[ "${OFF_ARMS:-0}" = 1 ] && [ -z "${PROFILE_ENGINES:-}" ] && PROFILED=$PROFILED,aoff,f0off
 if [ -n "$PY_SPY" ] && [ "${PROFILE:-1}" != 0 ]; then  # PROFILE=0: no profile after the tables
   for cell in ${PROFILE_CELLS:-64:code}; do  # CLIENTS:WORKLOAD[:SECONDS] each, e.g. "64:code 1:chat:20"
     n=${cell%%:*}; rest=${cell#*:}; w=${rest%%:*}; secs=12
