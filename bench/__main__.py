@@ -12,7 +12,7 @@ Subcommands:
 and every other benchmark of the tree, each with its own options (:data:`TOOLS`;
 ``python -m bench <command> --help``; ``python -m bench.<module>`` still works):
     engine-host, collector, store, dashboard, warmup, draft-layers, profile-step,
-    host-overhead, paired, qwen-models, planner-check, spread, torch-profile, hook-cost, step-trace,
+    host-overhead, paired, qwen-models, planner-check, spread, torch-profile, hook-cost, stat-logger-cost, step-trace,
     gpu-clocks, cpu-pairs, cpu-idle, step-time-replay, policy-bursts, prior-fit
 
 Results (JSON per cell, Plotly charts, summary tables) go to ``--out`` (default
@@ -80,6 +80,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "planner-check": ("planner_check", "the planner's predicted mean latency against measured, rate by rate"),
     "spread": ("spread", "repeated matrix runs side by side: tokens/s per run, spread, target ratios per run"),
     "hook-cost": ("hook_cost", "the CPU time SpecPilot's scheduler hook adds to one step, without vLLM"),
+    "stat-logger-cost": ("stat_logger_cost", "the CPU time SpecPilot's stat logger adds to one step, by batch size"),
     "step-trace": ("step_trace", "wall time of an engine step by its K, from $SPECPILOT_STEP_TRACE files"),
     "gpu-clocks": ("gpu_clocks", "the GPU's clocks, power and load sampled on the clock of the step traces"),
     "cpu-pairs": ("cpu_pairs", "which CPUs slow each other down: hyperthread siblings a hypervisor hides"),

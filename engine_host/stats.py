@@ -19,11 +19,13 @@ figures (:func:`install_iteration_tagging`).
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 import time
-from collections import deque
-from typing import Any, Callable, Iterator
+from collections import Counter, deque
+from functools import partial
+from typing import Any, Callable, Collection, Iterator
 
 from .sample import (
     LATENCY_HISTOGRAMS,
@@ -140,6 +142,30 @@ class SampleRing:
         counts[b] = counts.get(b, 0.0) + 1.0
         self.latency_totals[kind] = (counts, total + value)
 
+    def _observe_many(self, kind: str, values: list[float], skip: Collection[int] = ()) -> None:
+        """:meth:`_observe` for each of ``values`` (s) but those at the indices in ``skip``.
+
+        One step of a full batch brings one inter-token latency per running request; these
+        are counted per bucket index at once (``collections.Counter`` over ``bisect``), so the
+        API server's event loop, which calls the stat loggers after every engine step, spends a
+        few µs a step here instead of one bucket lookup and two dict updates a value.
+        """
+        if skip:
+            values = [v for i, v in enumerate(values) if i not in skip]
+        if not values:
+            return
+        if len(values) == 1:
+            self._observe(kind, values[0])
+            return
+        edges = self._edges[kind]
+        hist = self._hist[kind]
+        counts, total = self.latency_totals[kind]
+        for i, n in Counter(map(partial(bisect.bisect_left, edges), values)).items():
+            b = (edges[i - 1] if i > 0 else 0.0, edges[i] if i < len(edges) else math.inf)
+            hist[b] = hist.get(b, 0.0) + n
+            counts[b] = counts.get(b, 0.0) + n
+        self.latency_totals[kind] = (counts, total + math.fsum(values))
+
     def _roll(self, now: float) -> None:
         sec = int(now)
         if sec > self._sec:  # after a long idle spell, only the seconds the ring keeps are built
@@ -216,14 +242,8 @@ class SampleRing:
                 self._gen += iteration_stats.num_generation_tokens - internal_gen
                 self._internal_gen += internal_gen
                 self._prompt += iteration_stats.num_prompt_tokens
-                skip_ttft = tags["ttft"] if tags else ()
-                skip_itl = tags["itl"] if tags else ()
-                for i, v in enumerate(iteration_stats.time_to_first_tokens_iter):
-                    if i not in skip_ttft:
-                        self._observe("ttft", v)
-                for i, v in enumerate(iteration_stats.inter_token_latencies_iter):
-                    if i not in skip_itl:
-                        self._observe("itl", v)
+                self._observe_many("ttft", iteration_stats.time_to_first_tokens_iter, tags["ttft"] if tags else ())
+                self._observe_many("itl", iteration_stats.inter_token_latencies_iter, tags["itl"] if tags else ())
 
     def samples(self, since: float | None = None, now: float | None = None) -> list[dict[str, Any]]:
         """Closed samples with ``t > since`` (unix s), oldest first; seconds before ``now``

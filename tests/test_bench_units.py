@@ -1088,3 +1088,16 @@ def test_a_probe_spinner_ends_with_its_parent_even_when_it_is_killed(tmp_path):
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError(f"the spinner {child} outlived its killed parent by 10 s")
+
+
+def test_stat_logger_cost_prints_a_row_per_batch_and_refuses_bad_batches(capsys):
+    from bench import stat_logger_cost
+
+    assert stat_logger_cost.main(["--batch", "1,16", "--steps", "20", "--repeat", "1"]) == 0
+    rows = [
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |") or line.startswith("| 16 |")
+    ]
+    assert len(rows) == 2 and all(len(r.split("|")) == 7 for r in rows)
+    assert stat_logger_cost.main(["--batch", "0"]) == 2
+    assert stat_logger_cost.main(["--batch", "x"]) == 2
+    assert "--batch" in capsys.readouterr().err

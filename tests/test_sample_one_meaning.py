@@ -158,3 +158,26 @@ def test_ring_keeps_its_last_seconds_after_a_long_idle_spell():
     assert len(calls) <= 6  # not one sample built per idle second (100 000 of them)
     assert [s["t"] for s in out] == list(range(base + 99_995, base + 100_000))
     assert all(s["output_tokens"] == 0 for s in out)
+
+
+def test_a_step_of_many_latencies_counts_as_each_alone_and_skips_internal_ones():
+    """A full batch's step brings one ITL per request: counted at once, they fill the same
+    buckets and sums as one by one, at the bucket edges and past the last one too, and the
+    values of internal requests (warm-up, heartbeats) stay out."""
+    edges = latency_edges("itl")
+    values = [edges[0] / 2, edges[0], edges[3], edges[3] * 1.01, edges[-1], edges[-1] * 2, 0.0123, 0.0123]
+    batched, single = SampleRing(), SampleRing()
+    skip = {1, 5}
+    it = _iter(len(values), itl=values)
+    it._specpilot_internal = {"ttft": set(), "itl": skip, "gen": 2}
+    batched.record(_sched(), it)
+    for i, v in enumerate(values):
+        if i not in skip:
+            single._observe("itl", v)
+    (counts_b, sum_b), (counts_s, sum_s) = batched.latency_totals["itl"], single.latency_totals["itl"]
+    assert counts_b == counts_s and sum(counts_b.values()) == len(values) - len(skip)
+    assert sum_b == pytest.approx(sum_s, rel=1e-12)
+    assert batched._hist["itl"] == single._hist["itl"]
+    lone = SampleRing()
+    lone.record(_sched(), _iter(1, itl=[edges[2]]))  # one value: the single path
+    assert lone.latency_totals["itl"] == ({bucket_of(edges[2], edges): 1.0}, edges[2])

@@ -137,7 +137,7 @@ fi
 PROFILED=${PROFILE_ENGINES:-a,f0}  # the engines profiled, by their names in the state file (plain, a, f0, ...)
 if [ -n "${K0_FULL:-}" ]; then
   ARMS+=(--arm "k0full=$F0X_URL,mode=fixed:0,token-env=F0X_TOKEN")
-  PROFILED=a,f0,f0x
+  PROFILED=${PROFILE_ENGINES:-a,f0,f0x}
 fi
 TWIN=()
 if [ -n "${K0_TWIN:-}" ]; then
