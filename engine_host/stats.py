@@ -161,7 +161,7 @@ class SampleRing:
         hist = self._hist[kind]
         counts, total = self.latency_totals[kind]
         for i, n in Counter(map(partial(bisect.bisect_left, edges), values)).items():
-            b = (edges[i - 1] if i > 0 else 0.0, edges[i] if i < len(edges) else math.inf)
+            b = bucket_of(edges[i] if i < len(edges) else math.inf, edges)  # the bucket whose upper edge is i
             hist[b] = hist.get(b, 0.0) + n
             counts[b] = counts.get(b, 0.0) + n
         self.latency_totals[kind] = (counts, total + math.fsum(values))
