@@ -50,3 +50,15 @@ def test_every_variable_the_product_names_is_declared_in_envs():
             names |= set(re.findall(r"SPECPILOT_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
     assert names - set(envs.VARIABLES) - {"SPECPILOT_VENV"} == set()
     assert all(doc for doc in envs.VARIABLES.values())
+
+
+def test_an_empty_step_trace_setting_in_an_engine_spec_turns_the_trace_off():
+    """scripts/gpu/paired_table.sh's `k0_notrace` engine host: ``SPECPILOT_STEP_TRACE=`` before its
+    arguments overrides the trace path the run exports, and an empty path is no trace."""
+    from bench.gpu_bench import split_env
+    from engine_host import envs
+
+    env, argv = split_env("SPECPILOT_STEP_TRACE= --core-cpu auto --k 0")
+    assert env == {envs.STEP_TRACE: ""} and argv == ["--core-cpu", "auto", "--k", "0"]
+    assert envs.step_trace({**{envs.STEP_TRACE: "/tmp/steps.csv"}, **env}) is None
+    assert envs.step_trace({envs.STEP_TRACE: "/tmp/steps.csv"}) == "/tmp/steps.csv"

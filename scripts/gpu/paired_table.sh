@@ -23,7 +23,8 @@
 # processes with the same arguments differ by on this host (their step times and tokens/s). MIX_OLD=1 adds
 # `adaptive_old`, an adaptive engine host with the probe schedule and the step-time model of before host 38
 # (SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0), beside the adaptive one on the same prompts. POOLED=0 leaves out
-# the `pooled` engine host (its rounds then go to the others), K4=0 the `k4` one. C1_WORKLOADS, C8_WORKLOADS and
+# the `pooled` engine host (its rounds then go to the others), K4=0 the `k4` one. K0_NOTRACE=1 adds `k0_notrace`, a
+# static K = 0 engine host with no step trace (and so without vLLM's `--cudagraph-metrics`): what tracing costs `k0`. C1_WORKLOADS, C8_WORKLOADS and
 # C64_WORKLOADS replace a table's workloads (defaults chat,code,docs,mixed / mixed,code,docs / docs,code,shift): a
 # per-cell target resolved at 2 % takes 100-460 rounds on the offline H200 hosts (docs/gpu.md, host 36), so spend
 # a run's rounds on the arms and cells it is about. PIN_GPU_NODE=1 runs every process on the CPUs local to the GPU
@@ -54,6 +55,7 @@ mkdir -p "$R"
 [ "${K0_FULL:-}" = 0 ] && K0_FULL=
 [ "${K0_TWIN:-}" = 0 ] && K0_TWIN=
 [ "${MIX_OLD:-}" = 0 ] && MIX_OLD=
+[ "${K0_NOTRACE:-}" = 0 ] && K0_NOTRACE=
 POOLED_ENGINE=1
 [ "${POOLED:-1}" = 0 ] && POOLED_ENGINE=
 K4_ENGINE=1
@@ -109,6 +111,7 @@ SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --
   --engine "host:a:$E" ${POOLED_ENGINE:+--engine "host:p:$E"} --engine "host:f0:$E" ${K4_ENGINE:+--engine "host:f4:$E"} \
   ${K0_FULL:+--engine "host:f0x:SPECPILOT_HOOK_LEAN=0 $E"} ${K0_TWIN:+--engine "host:f0b:$E"} \
   ${MIX_OLD:+--engine "host:ao:SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0 $E"} \
+  ${K0_NOTRACE:+--engine "host:f0nt:SPECPILOT_STEP_TRACE= $E"} \
   ${PIN_ENGINES[@]+"${PIN_ENGINES[@]}"} > "$R/start.log" 2>&1
 rc=$?
 progress "engines up (rc $rc)"
@@ -122,11 +125,12 @@ if [ -n "$HELD" ] && [ -z "${PIN_CPUS:-}" ] && [ "${CPU_PAIRS:-1}" != 0 ]; then 
 fi
 eval "$(engine_vars "$R/state.json")"
 [ "${OFF_ARMS:-0}" = 1 ] && export AOFF_TOKEN F0OFF_TOKEN
-export A_TOKEN F0_TOKEN ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN}
+export A_TOKEN F0_TOKEN ${K0_NOTRACE:+F0NT_TOKEN} ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN}
 ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN")
 [ -n "${MIX_OLD:-}" ] && ARMS+=(--arm "adaptive_old=$AO_URL,mode=adaptive,token-env=AO_TOKEN")
 [ -n "$POOLED_ENGINE" ] && ARMS+=(--arm "pooled=$P_URL,mode=adaptive_pooled,token-env=P_TOKEN")
 ARMS+=(--arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN")
+[ -n "${K0_NOTRACE:-}" ] && ARMS+=(--arm "k0_notrace=$F0NT_URL,mode=fixed:0,token-env=F0NT_TOKEN")
 if [ -n "${PIN_CPUS:-}" ]; then
   ARMS+=(--arm "adaptive_pin=$APIN_URL,mode=adaptive,token-env=APIN_TOKEN" --arm "k0_pin=$F0PIN_URL,mode=fixed:0,token-env=F0PIN_TOKEN")
 fi
