@@ -146,9 +146,9 @@ class SampleRing:
         """:meth:`_observe` for each of ``values`` (s) but those at the indices in ``skip``.
 
         One step of a full batch brings one inter-token latency per running request; these
-        are counted per bucket index at once (``collections.Counter`` over ``bisect``), so the
-        API server's event loop, which calls the stat loggers after every engine step, spends a
-        few µs a step here instead of one bucket lookup and two dict updates a value.
+        are counted per bucket index at once (``collections.Counter`` over ``bisect``), not with
+        one bucket lookup and two dict updates a value: the API server's event loop calls the
+        stat loggers after every engine step (what it costs: ``python -m bench stat-logger-cost``).
         """
         if skip:
             values = [v for i, v in enumerate(values) if i not in skip]
