@@ -24,7 +24,10 @@
 # `adaptive_old`, an adaptive engine host with the probe schedule and the step-time model of before host 38
 # (SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0), beside the adaptive one on the same prompts. POOLED=0 leaves out
 # the `pooled` engine host (its rounds then go to the others), K4=0 the `k4` one. K0_NOTRACE=1 adds `k0_notrace`, a
-# static K = 0 engine host with no step trace (and so without vLLM's `--cudagraph-metrics`): what tracing costs `k0`. C1_WORKLOADS, C8_WORKLOADS and
+# static K = 0 engine host with no step trace (and so without vLLM's `--cudagraph-metrics`): what tracing costs `k0`.
+# SERVE_K0=1 adds `vllm_k0`: plain `vllm serve` with the engine hosts' ngram_gpu speculative config at K_max and a
+# batch-size table giving K = 0 at every batch size, and no SpecPilot part: what vLLM's own speculative path costs at
+# K = 0. PLAIN_LEN=1 adds `plain_2048`: plain vLLM with the engine hosts' --max-model-len 2048. C1_WORKLOADS, C8_WORKLOADS and
 # C64_WORKLOADS replace a table's workloads (defaults chat,code,docs,mixed / mixed,code,docs / docs,code,shift): a
 # per-cell target resolved at 2 % takes 100-460 rounds on the offline H200 hosts (docs/gpu.md, host 36), so spend
 # a run's rounds on the arms and cells it is about. PIN_GPU_NODE=1 runs every process on the CPUs local to the GPU
@@ -56,6 +59,8 @@ mkdir -p "$R"
 [ "${K0_TWIN:-}" = 0 ] && K0_TWIN=
 [ "${MIX_OLD:-}" = 0 ] && MIX_OLD=
 [ "${K0_NOTRACE:-}" = 0 ] && K0_NOTRACE=
+[ "${SERVE_K0:-}" = 0 ] && SERVE_K0=
+[ "${PLAIN_LEN:-}" = 0 ] && PLAIN_LEN=
 POOLED_ENGINE=1
 [ "${POOLED:-1}" = 0 ] && POOLED_ENGINE=
 K4_ENGINE=1
@@ -105,9 +110,13 @@ E="$E --max-model-len 2048 --gpu-memory-utilization $GPU_UTIL --warmup quick -- 
 EB=${E#--core-cpu * }  # the same without the step loop's CPU
 [ -n "${PIN_CPUS:-}" ] && PIN_ENGINES=(--engine "host:apin:--core-cpu $PIN_A $EB" --engine "host:f0pin:--core-cpu $PIN_B $EB")
 [ "${OFF_ARMS:-0}" = 1 ] && PIN_ENGINES+=(--engine "host:aoff:--core-cpu off $EB" --engine "host:f0off:--core-cpu off $EB")
+PLAIN="--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $KV_BYTES --no-enable-prefix-caching --max-num-seqs 64"
+# vLLM's own ngram_gpu engine with K = 0 at every batch size (the engine hosts' method, K_max and n-gram lookup)
+SPEC_K0="{\"method\":\"ngram_gpu\",\"num_speculative_tokens\":$K_MAX,\"prompt_lookup_min\":2,\"prompt_lookup_max\":4,\"num_speculative_tokens_per_batch_size\":[[1,1048576,0]]}"
 SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --parallel-start --keep \
   --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 3 \
-  --engine "serve:plain:--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $KV_BYTES --no-enable-prefix-caching --max-num-seqs 64" \
+  --engine "serve:plain:$PLAIN" ${SERVE_K0:+--engine "serve:vk0:$PLAIN --speculative-config '$SPEC_K0'"} \
+  ${PLAIN_LEN:+--engine "serve:plain2048:$PLAIN --max-model-len 2048"} \
   --engine "host:a:$E" ${POOLED_ENGINE:+--engine "host:p:$E"} --engine "host:f0:$E" ${K4_ENGINE:+--engine "host:f4:$E"} \
   ${K0_FULL:+--engine "host:f0x:SPECPILOT_HOOK_LEAN=0 $E"} ${K0_TWIN:+--engine "host:f0b:$E"} \
   ${MIX_OLD:+--engine "host:ao:SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0 $E"} \
@@ -127,6 +136,8 @@ eval "$(engine_vars "$R/state.json")"
 [ "${OFF_ARMS:-0}" = 1 ] && export AOFF_TOKEN F0OFF_TOKEN
 export A_TOKEN F0_TOKEN ${K0_NOTRACE:+F0NT_TOKEN} ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN}
 ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN")
+[ -n "${SERVE_K0:-}" ] && ARMS+=(--arm "vllm_k0=$VK0_URL")
+[ -n "${PLAIN_LEN:-}" ] && ARMS+=(--arm "plain_2048=$PLAIN2048_URL")
 [ -n "${MIX_OLD:-}" ] && ARMS+=(--arm "adaptive_old=$AO_URL,mode=adaptive,token-env=AO_TOKEN")
 [ -n "$POOLED_ENGINE" ] && ARMS+=(--arm "pooled=$P_URL,mode=adaptive_pooled,token-env=P_TOKEN")
 ARMS+=(--arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN")
