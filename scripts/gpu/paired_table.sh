@@ -27,7 +27,8 @@
 # static K = 0 engine host with no step trace (and so without vLLM's `--cudagraph-metrics`): what tracing costs `k0`.
 # SERVE_K0=1 adds `vllm_k0`: plain `vllm serve` with the engine hosts' ngram_gpu speculative config at K_max and a
 # batch-size table giving K = 0 at every batch size, and no SpecPilot part: what vLLM's own speculative path costs at
-# K = 0. PLAIN_LEN=1 adds `plain_2048`: plain vLLM with the engine hosts' --max-model-len 2048. C1_WORKLOADS, C8_WORKLOADS and
+# K = 0. PLAIN_TWIN=1 adds `plain_b`, a second plain vLLM like `plain`: the A/A control of plain vLLM (every `serve`
+# engine already runs at the engine hosts' --max-model-len 2048, bench/gpu_bench.py). C1_WORKLOADS, C8_WORKLOADS and
 # C64_WORKLOADS replace a table's workloads (defaults chat,code,docs,mixed / mixed,code,docs / docs,code,shift): a
 # per-cell target resolved at 2 % takes 100-460 rounds on the offline H200 hosts (docs/gpu.md, host 36), so spend
 # a run's rounds on the arms and cells it is about. PIN_GPU_NODE=1 runs every process on the CPUs local to the GPU
@@ -60,7 +61,7 @@ mkdir -p "$R"
 [ "${MIX_OLD:-}" = 0 ] && MIX_OLD=
 [ "${K0_NOTRACE:-}" = 0 ] && K0_NOTRACE=
 [ "${SERVE_K0:-}" = 0 ] && SERVE_K0=
-[ "${PLAIN_LEN:-}" = 0 ] && PLAIN_LEN=
+[ "${PLAIN_TWIN:-}" = 0 ] && PLAIN_TWIN=
 POOLED_ENGINE=1
 [ "${POOLED:-1}" = 0 ] && POOLED_ENGINE=
 K4_ENGINE=1
@@ -116,7 +117,7 @@ SPEC_K0="{\"method\":\"ngram_gpu\",\"num_speculative_tokens\":$K_MAX,\"prompt_lo
 SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --parallel-start --keep \
   --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 3 \
   --engine "serve:plain:$PLAIN" ${SERVE_K0:+--engine "serve:vk0:$PLAIN --speculative-config '$SPEC_K0'"} \
-  ${PLAIN_LEN:+--engine "serve:plain2048:$PLAIN --max-model-len 2048"} \
+  ${PLAIN_TWIN:+--engine "serve:plainb:$PLAIN"} \
   --engine "host:a:$E" ${POOLED_ENGINE:+--engine "host:p:$E"} --engine "host:f0:$E" ${K4_ENGINE:+--engine "host:f4:$E"} \
   ${K0_FULL:+--engine "host:f0x:SPECPILOT_HOOK_LEAN=0 $E"} ${K0_TWIN:+--engine "host:f0b:$E"} \
   ${MIX_OLD:+--engine "host:ao:SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0 $E"} \
@@ -137,7 +138,7 @@ eval "$(engine_vars "$R/state.json")"
 export A_TOKEN F0_TOKEN ${K0_NOTRACE:+F0NT_TOKEN} ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN}
 ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN")
 [ -n "${SERVE_K0:-}" ] && ARMS+=(--arm "vllm_k0=$VK0_URL")
-[ -n "${PLAIN_LEN:-}" ] && ARMS+=(--arm "plain_2048=$PLAIN2048_URL")
+[ -n "${PLAIN_TWIN:-}" ] && ARMS+=(--arm "plain_b=$PLAINB_URL")
 [ -n "${MIX_OLD:-}" ] && ARMS+=(--arm "adaptive_old=$AO_URL,mode=adaptive,token-env=AO_TOKEN")
 [ -n "$POOLED_ENGINE" ] && ARMS+=(--arm "pooled=$P_URL,mode=adaptive_pooled,token-env=P_TOKEN")
 ARMS+=(--arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN")
