@@ -115,7 +115,7 @@ PLAIN="--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $KV_BYTES --no
 # vLLM's own ngram_gpu engine with K = 0 at every batch size (the engine hosts' method, K_max and n-gram lookup)
 SPEC_K0="{\"method\":\"ngram_gpu\",\"num_speculative_tokens\":$K_MAX,\"prompt_lookup_min\":2,\"prompt_lookup_max\":4,\"num_speculative_tokens_per_batch_size\":[[1,1048576,0]]}"
 SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --parallel-start --keep \
-  --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 3 \
+  --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 7 \
   --engine "serve:plain:$PLAIN" ${SERVE_K0:+--engine "serve:vk0:$PLAIN --speculative-config '$SPEC_K0'"} \
   ${PLAIN_TWIN:+--engine "serve:plainb:$PLAIN"} \
   --engine "host:a:$E" ${POOLED_ENGINE:+--engine "host:p:$E"} --engine "host:f0:$E" ${K4_ENGINE:+--engine "host:f4:$E"} \
