@@ -47,6 +47,8 @@ _ZEN = (
     "Readability counts. "
 )
 LONG_PROMPT = "Repeat the following text exactly.\n" + _ZEN * 6 + "\nRepeat:\n" + _ZEN
+#: Temperature of the start-up warm-up's chat request (sampled, with a seed; see :func:`warm_chat_path`).
+CHAT_WARMUP_TEMPERATURE = 0.7
 
 
 class RunLog:
@@ -113,10 +115,18 @@ _seq = itertools.count(1)
 
 
 async def timed_request(
-    client: httpx.AsyncClient, args: Any, kind: str, prompt: str, max_tokens: int, chat: bool = False
+    client: httpx.AsyncClient,
+    args: Any,
+    kind: str,
+    prompt: str,
+    max_tokens: int,
+    chat: bool = False,
+    temperature: float = 0.0,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """One streamed completion (``POST /v1/completions``; with ``chat``, ``POST
-    /v1/chat/completions`` with ``prompt`` as the user's message); returns ``{"ttft_s",
+    /v1/chat/completions`` with ``prompt`` as the user's message), greedy unless
+    ``temperature`` > 0, with vLLM's per-request ``seed`` when given; returns ``{"ttft_s",
     "duration_s", "output_tokens"}``.
 
     Raises:
@@ -127,10 +137,12 @@ async def timed_request(
     body: dict[str, Any] = {
         "model": _served_name(args),
         "max_tokens": max_tokens,
-        "temperature": 0,
+        "temperature": temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if seed is not None:
+        body["seed"] = seed
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -189,7 +201,10 @@ def _record_startup(res: dict[str, Any], k: int | None, detail: str) -> None:
 async def warm_chat_path(client: httpx.AsyncClient, args: Any, k: int | None) -> bool:
     """One short chat completion, so that the first chat request after start-up does not pay
     for the chat path's first use (the chat template's compilation and the chat serving
-    code's first call) in its TTFT. Recorded in :data:`RUNS` as a warm-up run at ``k``
+    code's first call) in its TTFT. It is sampled (temperature :data:`CHAT_WARMUP_TEMPERATURE`)
+    with a per-request seed, as chat traffic often is, so that the sampler's random path and
+    its per-request generators are used once before the first user's request too (every
+    other warm-up request is greedy). Recorded in :data:`RUNS` as a warm-up run at ``k``
     (tokens; None: the policy's K). A model without a chat template answers 400: then
     nothing is recorded and the warm-up goes on.
 
@@ -200,7 +215,9 @@ async def warm_chat_path(client: httpx.AsyncClient, args: Any, k: int | None) ->
         httpx.HTTPError: the request failed for another reason.
     """
     try:
-        res = await timed_request(client, args, "warmup", SHORT_PROMPT, 4, chat=True)
+        res = await timed_request(
+            client, args, "warmup", SHORT_PROMPT, 4, chat=True, temperature=CHAT_WARMUP_TEMPERATURE, seed=0
+        )
     except httpx.HTTPStatusError as exc:
         if exc.response.status_code != 400:
             raise

@@ -50,6 +50,8 @@ def test_the_chat_path_is_warmed_and_recorded():
     assert asyncio.run(go()) is True
     assert seen[0]["path"] == "/v1/chat/completions"
     assert seen[0]["body"]["messages"][0]["role"] == "user" and "prompt" not in seen[0]["body"]
+    # sampled with a seed, as chat traffic often is: the sampler's random path is used before a user's request
+    assert seen[0]["body"]["temperature"] == warmup.CHAT_WARMUP_TEMPERATURE > 0 and seen[0]["body"]["seed"] == 0
     run = warmup.RUNS.since(last)[-1]
     assert run["detail"] == "chat" and run["k"] == 4 and run["outcome"] == "ok"
     assert run["output_tokens"] == 4 and run["ttft_s"] is not None
