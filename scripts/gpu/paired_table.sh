@@ -160,6 +160,7 @@ if [ -n "${K0_TWIN:-}" ]; then
   ARMS+=(--arm "k0b=$F0B_URL,mode=fixed:0,token-env=F0B_TOKEN")
   TWIN=(--twin k0=k0b)  # the A/A table under each run's table
 fi
+[ -n "${PLAIN_TWIN:-}" ] && TWIN+=(--twin plain=plain_b)  # plain vLLM's A/A table too
 PY_SPY=${PY_SPY:-}
 SPY=${SPECPILOT_SCRATCH:-/tmp/specpilot-gpu}/site/bin/py-spy
 [ -z "$PY_SPY" ] && [ -x "$SPY" ] && PY_SPY=$SPY
