@@ -134,21 +134,29 @@ def test_the_gpu_scripts_parse_and_the_table_script_says_its_usage():
 
 def test_the_table_scripts_vllm_k0_engine_gets_a_speculative_config_vllm_can_read():
     """`SERVE_K0=1`'s engine: the JSON survives the script's quoting and the engine spec's split, and gives
-    ngram_gpu at K_max with K = 0 at every batch size and no SpecPilot plugin."""
+    the engine hosts' ngram_gpu config at K_max with K = 0 at every batch size and no SpecPilot plugin."""
+    import os
     import subprocess
 
     from bench.gpu_bench import split_env
+    from engine_host.speculation import NGRAM_LOOKUP
 
     script = (ROOT / "scripts" / "gpu" / "paired_table.sh").read_text()
-    lines = [ln for ln in script.splitlines() if ln.startswith(("PLAIN=", "SPEC_K0="))]
-    spec_line = next(ln for ln in script.splitlines() if "serve:vk0:" in ln)
+    script_lines = script.splitlines()
+    start = next(i for i, ln in enumerate(script_lines) if ln.startswith("SPEC_K0="))
+    lines = [ln for ln in script_lines if ln.startswith("PLAIN=")] + script_lines[start : start + 2]
+    spec_line = next(ln for ln in script_lines if "serve:vk0:" in ln)
     spec = spec_line[spec_line.index("${SERVE_K0:+") :].split("}", 1)[0] + "}"  # the script's own words
     shell = "\n".join(["K_MAX=4 GPU_UTIL=0.14 KV_BYTES=1 SERVE_K0=1", *lines, f'set -- {spec}; printf "%s" "$2"'])
-    res = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, check=True)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # python3: this environment's
+    res = subprocess.run(
+        ["bash", "-c", shell], capture_output=True, text=True, check=True, cwd=ROOT, env={**os.environ, "PATH": path}
+    )
     name_args = res.stdout.split(":", 2)
     assert name_args[:2] == ["serve", "vk0"]
     env, argv = split_env(name_args[2])
     assert env == {}  # bench.gpu_bench then starts it with VLLM_PLUGINS="": no SpecPilot part
     config = json.loads(argv[argv.index("--speculative-config") + 1])
     assert config["method"] == "ngram_gpu" and config["num_speculative_tokens"] == 4
+    assert {k: config[k] for k in NGRAM_LOOKUP} == NGRAM_LOOKUP
     assert config["num_speculative_tokens_per_batch_size"] == [[1, 1048576, 0]]

@@ -112,8 +112,9 @@ EB=${E#--core-cpu * }  # the same without the step loop's CPU
 [ -n "${PIN_CPUS:-}" ] && PIN_ENGINES=(--engine "host:apin:--core-cpu $PIN_A $EB" --engine "host:f0pin:--core-cpu $PIN_B $EB")
 [ "${OFF_ARMS:-0}" = 1 ] && PIN_ENGINES+=(--engine "host:aoff:--core-cpu off $EB" --engine "host:f0off:--core-cpu off $EB")
 PLAIN="--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $KV_BYTES --no-enable-prefix-caching --max-num-seqs 64"
-# vLLM's own ngram_gpu engine with K = 0 at every batch size (the engine hosts' method, K_max and n-gram lookup)
-SPEC_K0="{\"method\":\"ngram_gpu\",\"num_speculative_tokens\":$K_MAX,\"prompt_lookup_min\":2,\"prompt_lookup_max\":4,\"num_speculative_tokens_per_batch_size\":[[1,1048576,0]]}"
+# vLLM's own ngram_gpu engine: the engine hosts' speculative config (method, K_max, n-gram lookup), K = 0 at every batch size
+SPEC_K0=$(python3 -c 'import json, sys; from engine_host.speculation import SpeculationSpec as S, speculative_config as c
+print(json.dumps(c(S(method="ngram_gpu", k_max=int(sys.argv[1]))) | {"num_speculative_tokens_per_batch_size": [[1, 1048576, 0]]}))' "$K_MAX")
 SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --parallel-start --keep \
   --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 7 \
   --engine "serve:plain:$PLAIN" ${SERVE_K0:+--engine "serve:vk0:$PLAIN --speculative-config '$SPEC_K0'"} \
