@@ -29,7 +29,6 @@ from .config import SPECULATION_MODES, LiveConfig, SpeculationConfig
 from .home import home, subdir
 from .model import DEFAULT_MODEL_NAME, ModelError, default_model_dir, resolve_draft, resolve_model
 from .orphan_guard import ENV_API_PID
-from .plugin import ENV_WARMUP
 from .speculation import ENV_SPECULATION, METHODS, SpeculationError, SpeculationSpec, speculative_config
 from .vllm_compat import is_cpu_build  # (also looked up here: router.cli, control.up, tests)
 
@@ -397,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     env[ENV_API_PID] = str(os.getpid())  # exec keeps the PID: vLLM's children watch it (orphan_guard)
     env[ENV_TOKEN] = token
     env[ENV_CHANNEL] = str(chan_path)
-    env[ENV_WARMUP] = args.warmup
+    env[envs.WARMUP] = args.warmup
     env[ENV_SPECULATION] = json.dumps(spec.as_dict())
     # vllm serve and all it starts keep off the step loop's CPU and those of other engine hosts here
     if cpu_affinity.affinity_supported():

@@ -77,7 +77,15 @@ class SpeculationSpec:
 
 def installed_vllm_methods() -> set[str]:
     """Every method name the installed vLLM's ``SpeculativeConfig`` accepts (flattened
-    from its ``SpeculativeMethod`` literal); empty when vLLM is not importable."""
+    from its ``SpeculativeMethod`` literal); empty when vLLM is not installed.
+
+    Read from the source of ``vllm/config/speculative.py`` (:func:`_methods_from_source`),
+    because importing that module imports torch and most of vLLM (seconds the launcher would
+    spend before it starts vLLM, which imports them again). Falls back to the import when the
+    source does not have the expected shape."""
+    found = _methods_from_source()
+    if found:
+        return found
     try:
         from vllm.config.speculative import SpeculativeMethod
     except Exception:  # noqa: BLE001 - any import failure means: cannot tell
@@ -94,6 +102,59 @@ def installed_vllm_methods() -> set[str]:
 
     walk(SpeculativeMethod)
     return out
+
+
+def _methods_from_source() -> set[str]:
+    """The strings of ``SpeculativeMethod`` in the installed ``vllm/config/speculative.py``,
+    without importing it: its module-level ``Name = Literal[...]`` aliases, where an alias may
+    name other aliases (``EagleModelTypes``) or join them with ``|``. Empty when the file or
+    the alias is not found, or an element is something else (the caller then imports it)."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+        roots = list(spec.submodule_search_locations or []) if spec is not None else []
+        path = next(
+            (Path(r) / "config" / "speculative.py" for r in roots if (Path(r) / "config" / "speculative.py").is_file()),
+            None,
+        )
+        if path is None:
+            return set()
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (ImportError, ValueError, OSError, SyntaxError):
+        return set()
+    aliases: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            aliases[node.targets[0].id] = node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            aliases[node.target.id] = node.value
+
+    class _Shape(Exception):
+        pass
+
+    def strings(e: ast.expr, seen: frozenset[str]) -> set[str]:
+        if isinstance(e, ast.Constant) and isinstance(e.value, str):
+            return {e.value}
+        if isinstance(e, ast.Name) and e.id in aliases and e.id not in seen:
+            return strings(aliases[e.id], seen | {e.id})
+        if isinstance(e, ast.BinOp) and isinstance(e.op, ast.BitOr):
+            return strings(e.left, seen) | strings(e.right, seen)
+        if isinstance(e, ast.Subscript) and isinstance(e.value, ast.Name) and e.value.id == "Literal":
+            elts = e.slice.elts if isinstance(e.slice, ast.Tuple) else [e.slice]
+            out: set[str] = set()
+            for x in elts:
+                out |= strings(x, seen)
+            return out
+        raise _Shape
+
+    if "SpeculativeMethod" not in aliases:
+        return set()
+    try:
+        return strings(aliases["SpeculativeMethod"], frozenset({"SpeculativeMethod"}))
+    except _Shape:
+        return set()
 
 
 def _config(folder: Path) -> dict:

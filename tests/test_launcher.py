@@ -109,3 +109,26 @@ def test_only_vllms_children_arm_the_orphan_guard():
     assert should_guard(pid=200, env={"SPECPILOT_API_PID": "100"})  # engine core, workers
     assert not should_guard(pid=100, env={"SPECPILOT_API_PID": "100"})  # the engine host itself
     assert not should_guard(pid=200, env={})  # not started by the launcher
+
+
+def test_the_launcher_starts_vllm_without_importing_it_first(tmp_path, default_model):
+    """Everything ``python -m engine_host`` does before it execs ``vllm serve`` (parsing, the
+    speculation checks, the control token, the command) imports neither torch nor vLLM:
+    ``vllm serve`` imports them itself, so an import here only delays the start."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys\n"
+        "import engine_host.launcher as L\n"
+        "def done(*a, **k):\n"
+        "    print('HEAVY', sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))\n"
+        "    os._exit(0)\n"
+        "os.execvpe = done\n"
+        f"sys.argv = ['engine_host', '--model', {default_model!r}, '--port', '0', '--warmup', 'quick']\n"
+        "L.main()\n"
+    )
+    env = {**os.environ, "SPECPILOT_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert "HEAVY []" in out.stdout, out.stdout + out.stderr

@@ -36,6 +36,43 @@ def test_the_installed_vllm_knows_every_method_the_host_offers():
     assert set(speculation.METHODS) <= known  # fails when vLLM renames or drops a method
 
 
+def test_methods_read_from_vllms_source_are_the_ones_its_import_gives():
+    """The launcher reads ``SpeculativeMethod`` from vLLM's source instead of importing it (the
+    import costs seconds before vLLM starts). Fails when vLLM's literal changes shape so that the
+    source read misses it (the import fallback would then cost those seconds again)."""
+    import typing
+
+    from vllm.config.speculative import SpeculativeMethod
+
+    imported: set[str] = set()
+
+    def walk(t):
+        for a in typing.get_args(t):
+            imported.add(a) if isinstance(a, str) else walk(a)
+
+    walk(SpeculativeMethod)
+    assert speculation._methods_from_source() == imported
+
+
+@pytest.mark.parametrize(
+    "source,expect",
+    [
+        ('A = Literal["x", "y"]\nSpeculativeMethod = Literal["ngram", A] | Literal["z"]\n', {"ngram", "x", "y", "z"}),
+        ('SpeculativeMethod = Literal["ngram", make_more()]\n', set()),  # an element of another shape: cannot tell
+        ('Other = Literal["ngram"]\n', set()),  # no SpeculativeMethod
+    ],
+)
+def test_source_read_of_the_methods_takes_literals_and_names_and_nothing_else(tmp_path, monkeypatch, source, expect):
+    import importlib.util
+    import types
+
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "speculative.py").write_text(source)
+    fake = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: fake)
+    assert speculation._methods_from_source() == expect
+
+
 def test_draft_model_command_names_the_draft_and_its_settings():
     args = launcher.build_parser().parse_args(
         [

@@ -283,7 +283,8 @@ class FakeEngineHost:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        # a short poll, so that stop() (shutdown() waits for the loop's next poll) returns at once
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
         return self
 
     def stop(self) -> None:
