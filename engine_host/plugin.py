@@ -56,7 +56,6 @@ from .warmup import RUNS, start_background_tasks
 
 logger = logging.getLogger("specpilot.plugin")
 
-ENV_WARMUP = envs.WARMUP
 ENV_EXTENSIONS = envs.ENDPOINT_EXTENSIONS
 #: How long ``PUT /control/config`` waits for the engine core's decision (s). The core
 #: decides at its next step; a CPU step of a full batch with a long prefill chunk can

@@ -79,7 +79,7 @@ class SpeculationSpec:
 
 def installed_vllm_methods() -> set[str]:
     """Every method name the installed vLLM's ``SpeculativeConfig`` accepts (flattened
-    from its ``SpeculativeMethod`` literal); empty when vLLM is not installed.
+    from its ``SpeculativeMethod`` literal); empty when that cannot be told (vLLM not installed).
 
     Read from the source of ``vllm/config/speculative.py`` (:func:`_methods_from_source`),
     because importing that module imports torch and most of vLLM (seconds the launcher would
@@ -117,13 +117,10 @@ def _methods_from_source() -> set[str]:
     try:
         spec = importlib.util.find_spec("vllm")
         roots = list(spec.submodule_search_locations or []) if spec is not None else []
-        path = next(
-            (Path(r) / "config" / "speculative.py" for r in roots if (Path(r) / "config" / "speculative.py").is_file()),
-            None,
-        )
-        if path is None:
+        files = [p for p in (Path(r) / "config" / "speculative.py" for r in roots) if p.is_file()]
+        if not files:
             return set()
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = ast.parse(files[0].read_text(encoding="utf-8"))
     except (ImportError, ValueError, OSError, SyntaxError):
         return set()
     aliases: dict[str, ast.expr] = {}
