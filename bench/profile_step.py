@@ -3,6 +3,7 @@ plain engine (no speculative config), on the same chat prompts.
 
     python -m bench profile-step [--clients 4] [--seconds 20] [--rate 100]
     python -m bench profile-step --attach STATE [--engines plain,ngram] [--workload code]   # engines already up
+    python -m bench profile-step --report DIR   # an earlier run's table, its raw samples counted again
 
 Starts both engine hosts (eager, one after the other so they do not share the CPU while
 measured), sends the ``chat`` workload (``--workload``: any of ``bench.workloads.WORKLOADS``,
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import lzma
 import shutil
 import subprocess
 import sys
@@ -43,7 +45,11 @@ DRAFT_SPECULATOR_KEYS = (
     "spec_decode/target_dependent_ar",
 )
 
+#: the step trace of the benchmarks (``$SPECPILOT_STEP_TRACE``), told apart from the rest of SpecPilot
+TRACE_KEYS = ("engine_host/step_trace", "_trace_row", "_untime_trace")
+
 COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("SpecPilot step trace (benchmarks only)", TRACE_KEYS),
     ("SpecPilot hook and controller", ("engine_host/",)),
     (
         "n-gram proposer",
@@ -54,23 +60,53 @@ COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model forward", ("forward", "torch/nn/modules", "_call_impl", "attention", "model_executor/models")),
     ("input preparation", ("_prepare_inputs", "_update_states", "prepare_", "input_batch", "_calc_spec_decode")),
     ("output / bookkeeping", ("_bookkeeping", "output", "update_from_output", "tolist")),
-    ("scheduler", ("scheduler.py", "core/sched", "engine_host/scheduler")),
+    ("scheduler", ("scheduler.py", "core/sched")),
 )
 
 
 def component_of(stack: str) -> str:
-    """The component a collapsed stack (``frame;frame;...``) belongs to: the draft-model /
-    EAGLE speculator when any frame is one of theirs (:data:`DRAFT_SPECULATOR_KEYS`), else
-    innermost-first matching of :data:`COMPONENTS` (the first component found scanning from
-    the leaf)."""
+    """The component a collapsed stack (``frame;frame;...``) belongs to.
+
+    The draft-model / EAGLE speculator when any frame is one of theirs
+    (:data:`DRAFT_SPECULATOR_KEYS`). Else SpecPilot's own (its step trace, :data:`TRACE_KEYS`,
+    or the hook and controller) when the innermost frame of vLLM or SpecPilot is SpecPilot's:
+    a SpecPilot wrapper around a vLLM method (``engine_host.vllm_patches``, the hook's
+    ``super()`` calls) does not take vLLM's work under it. Else innermost-first matching of
+    :data:`COMPONENTS` over the frames that are not SpecPilot's (the first component found
+    scanning from the leaf)."""
     frames = stack.split(";")
     if any(k in frame for frame in frames for k in DRAFT_SPECULATOR_KEYS):
         return "draft-model / EAGLE speculator"
     for frame in reversed(frames):
-        for name, keys in COMPONENTS:
+        if "engine_host/" in frame:
+            return COMPONENTS[0][0] if any(k in frame for k in TRACE_KEYS) else COMPONENTS[1][0]
+        if "vllm/" in frame:
+            break
+    for frame in reversed(frames):
+        if "engine_host/" in frame:
+            continue
+        for name, keys in COMPONENTS[2:]:
             if any(k in frame for k in keys):
                 return name
     return "other"
+
+
+def components_of(path: Path) -> collections.Counter:
+    """Samples per component (:func:`component_of`) of one py-spy ``raw`` file (lines
+    ``frame;frame;... COUNT``; ``PATH.xz``, xz-compressed, where ``PATH`` is not there); an
+    empty counter for a missing file. Lines that do not end in a count are skipped."""
+    comps: collections.Counter = collections.Counter()
+    packed = path.with_name(path.name + ".xz")
+    if not path.exists() and packed.exists():
+        text = lzma.decompress(packed.read_bytes()).decode()
+    else:
+        text = path.read_text() if path.exists() else ""
+    if text:
+        for line in text.splitlines():
+            stack, _, n = line.rpartition(" ")
+            if stack and n.isdigit():
+                comps[component_of(stack)] += int(n)
+    return comps
 
 
 def _engine_pids(root_pid: int) -> list[int]:
@@ -147,12 +183,7 @@ def _sample(pids: list[int], seconds: float, rate: int, out_dir: Path, tag: str,
     wall = time.monotonic() - t0
     best: dict = {}
     for pid, f in files:
-        comps: collections.Counter = collections.Counter()
-        if f.exists():
-            for line in f.read_text().splitlines():
-                stack, _, n = line.rpartition(" ")
-                if stack and n.isdigit():
-                    comps[component_of(stack)] += int(n)
+        comps = components_of(f)
         # the process that runs the model (on CPU the executor's worker, not the engine core,
         # which has as many samples: it spins while the worker computes)
         if comps["model forward"] > best.get("components", {}).get("model forward", -1):
@@ -269,6 +300,29 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def reread(folder: Path) -> dict:
+    """The results of an earlier run (``FOLDER/profile.json`` and the raw samples beside it,
+    ``pyspy-TAG-PID.txt``), each engine's components counted again from its raw samples with
+    :func:`component_of` as it is now; an engine whose raw file is missing keeps the counts
+    on record.
+
+    Raises:
+        FileNotFoundError: no ``profile.json`` in ``folder``.
+        ValueError: ``profile.json`` is not a run's results.
+    """
+    results = json.loads((folder / "profile.json").read_text())
+    if not isinstance(results, dict) or not all(isinstance(r, dict) and "steps" in r for r in results.values()):
+        raise ValueError(f"{folder / 'profile.json'} does not hold profile-step results")
+    for name, r in results.items():
+        pid = r.get("pid")
+        found = [folder / f"pyspy-{name}-{pid}.txt{x}" for x in ("", ".xz")]
+        found += sorted(folder.glob(f"pyspy-*-{pid}.txt")) + sorted(folder.glob(f"pyspy-*-{pid}.txt.xz"))
+        raw = next((f for f in found if f.exists()), None)
+        if raw is not None:
+            r["components"] = dict(components_of(raw.with_suffix("") if raw.suffix == ".xz" else raw))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench profile-step",
@@ -302,12 +356,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--py-spy", default=None, help="py-spy executable (default: next to Python, or on PATH)")
     ap.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="print the table of an earlier run's folder (its profile.json and raw samples), the samples "
+        "counted again as this version attributes them; starts and samples nothing",
+    )
+    ap.add_argument(
         "--spec-first",
         action="store_true",
         help="without --attach: profile the n-gram engine before the plain one (the engines run one "
         "after the other; swapping the order tells a difference between them from a drift of the host)",
     )
     args = ap.parse_args(argv)
+    if args.report is not None:
+        try:
+            print(table(reread(args.report)))
+        except (OSError, ValueError) as e:
+            print(f"profile-step: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         py_spy = _py_spy(args.py_spy)
         live = []

@@ -347,6 +347,12 @@ class CoreCpuKeeper:
     An engine host whose step loop is not pinned (``cpu`` None) keeps all its threads off the
     other engine hosts' CPUs.
 
+    The descendant processes are listed again every ``TREE_EVERY`` passes, or sooner when
+    one listed has ended: listing them (psutil) reads every process of the host, holding the
+    interpreter's lock for most of it, while the step loop waits for that lock (an engine's
+    processes are all started by its first step). The threads of the processes listed are
+    read at every pass.
+
     Args:
         cpu: the step loop's CPU (int >= 0), or None (not pinned).
         step_tid: the step loop thread's id (``threading.get_native_id()``), or None.
@@ -355,6 +361,8 @@ class CoreCpuKeeper:
         every_s: seconds between two passes (> 0).
         folder: where the locks live (default :func:`lock_dir`).
     """
+
+    TREE_EVERY = 6  # passes between two listings of the descendant processes
 
     def __init__(
         self,
@@ -368,6 +376,8 @@ class CoreCpuKeeper:
         self.cpu, self.step_tid, self.pids = cpu, step_tid, list(dict.fromkeys(pids))
         self.base, self.every_s, self.folder = set(base), every_s, folder
         self.moved = 0  # threads moved so far (all passes)
+        self._tree: list[int] = []  # pids and their descendants, as last listed
+        self._passes = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -376,13 +386,21 @@ class CoreCpuKeeper:
         off = held_by_others(self.folder) | ({self.cpu} if self.cpu is not None else set())
         if not off:
             return 0
-        pids = dict.fromkeys(p for root in self.pids for p in process_tree(root))
-        tids = [t for pid in pids for t in task_ids(pid) if t != self.step_tid]
+        tids = [t for pid in self._processes() for t in task_ids(pid) if t != self.step_tid]
         n = keep_threads_off(tids, off, self.base)
         if n:
             logger.info("SpecPilot: moved %d thread(s) off the step loops' CPUs %s", n, _span(off))
         self.moved += n
         return n
+
+    def _processes(self) -> list[int]:
+        """The processes whose threads a pass moves: listed again every ``TREE_EVERY``
+        passes, or when one of those listed has ended."""
+        tree = self._tree
+        if not tree or self._passes % self.TREE_EVERY == 0 or not all(os.path.exists(f"/proc/{p}") for p in tree):
+            tree = self._tree = list(dict.fromkeys(p for root in self.pids for p in process_tree(root)))
+        self._passes += 1
+        return tree
 
     def _run(self) -> None:
         with contextlib.suppress(OSError, ValueError):  # this thread itself never on the step loop's CPU

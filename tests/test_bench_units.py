@@ -880,6 +880,68 @@ def test_profile_components_name_the_speculators_and_the_hook():
     assert component_of("main (x.py:1)") == "other"
 
 
+def test_profile_components_leave_vllm_work_under_a_specpilot_wrapper_to_vllm():
+    """A SpecPilot frame counts as SpecPilot's only where it is the innermost frame of vLLM or
+    SpecPilot: the patch wrapping the model runner's sample_tokens, or the hook's super() call
+    into vLLM's scheduler, does not take the vLLM work under it; the step trace has its own row."""
+    from bench.profile_step import component_of
+
+    core = "run_busy_loop (vllm/v1/engine/core.py:1);step_with_batch_queue (vllm/v1/engine/core.py:750);"
+    wrapped = (
+        core
+        + "sample_tokens (engine_host/vllm_patches.py:1505);sample_tokens (vllm/v1/worker/gpu/model_runner.py:2232);"
+    )
+    assert component_of(wrapped + "async_copy_to_np (vllm/v1/worker/gpu/async_utils.py:274)") == "other"
+    assert component_of(wrapped + "gumbel_sample (vllm/v1/worker/gpu/sample/sampler.py:80)") == (
+        "sampler / rejection sampler"
+    )
+    hook = core + "_SpecPilotHook.schedule (engine_host/scheduler.py:586);"
+    assert component_of(hook + "Scheduler.schedule (vllm/v1/core/sched/scheduler.py:300)") == "scheduler"
+    assert component_of(hook + "StepClock.scheduled (engine_host/step_clock.py:49)") == "SpecPilot hook and controller"
+    # SpecPilot's own frame with library code (numpy, the time module) below it is still SpecPilot's
+    assert component_of(hook + "teaches (engine_host/step_clock.py:108);_amax (numpy/_core/_methods.py:41)") == (
+        "SpecPilot hook and controller"
+    )
+    out = core + "_SpecPilotHook.update_from_output (engine_host/scheduler.py:913);"
+    trace = "SpecPilot step trace (benchmarks only)"
+    assert component_of(out + "_SpecPilotHook._trace_row (engine_host/scheduler.py:1084)") == trace
+    assert component_of(out + "_trace_row (engine_host/scheduler.py:1084);add (engine_host/step_trace.py:163)") == trace
+    # vLLM's own update under the hook's super() call: where it goes in plain vLLM's stacks
+    vllm_update = "Scheduler.update_from_output (vllm/v1/core/sched/scheduler.py:1200)"
+    assert component_of(out + vllm_update) == component_of(core + vllm_update) == "output / bookkeeping"
+
+
+def test_profile_step_report_counts_an_earlier_runs_raw_samples_again(tmp_path, capsys):
+    import lzma
+
+    from bench.profile_step import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    stale = {"SpecPilot hook and controller": 100}  # what an older attribution put on record
+    results = {
+        "f0": {"steps": 10, "rate": 100, "wall_s": 2.0, "pid": 7, "components": stale},
+        "plain": {"steps": 10, "rate": 100, "wall_s": 2.0, "pid": 8, "components": {"other": 50}},
+    }
+    (run / "profile.json").write_text(json.dumps(results))
+    wrapped = "core (vllm/v1/engine/core.py:1);sample_tokens (engine_host/vllm_patches.py:1);"
+    raw = (
+        f"{wrapped}gumbel_sample (vllm/v1/worker/gpu/sample/sampler.py:80) 60\n"
+        "x (vllm/v1/engine/core.py:1);update_from_output (engine_host/scheduler.py:903) 40\n"
+        "a line cut short (vllm/x.py:1);\n"
+    )
+    (run / "pyspy-f0-7.txt.xz").write_bytes(lzma.compress(raw.encode()))  # packed, as the results folders keep them
+    assert main(["--report", str(run)]) == 0
+    out = capsys.readouterr().out
+    # 60 samples of vLLM's sampler under the wrapper and 40 of the hook's own, of 10 steps at 100 Hz
+    assert "| sampler / rejection sampler | 0.00 | 0.0% | 60.00 | 60.0% |" not in out  # columns: f0 first
+    assert "| sampler / rejection sampler | 60.00 | 60.0% | 0.00 | 0.0% |" in out
+    assert "| SpecPilot hook and controller | 40.00 | 40.0% | 0.00 | 0.0% |" in out
+    assert "| other | 0.00 | 0.0% | 50.00 | 100.0% |" in out  # no raw file: the counts on record
+    assert main(["--report", str(tmp_path / "nothing-here")]) == 2
+    assert "profile.json" in capsys.readouterr().err
+
+
 def test_matrix_against_an_engine_that_is_not_up_says_so(tmp_path, capsys):
     import socket
 

@@ -380,3 +380,45 @@ def test_the_keeper_moves_the_threads_of_descendant_processes_too(tmp_path):
         assert other is not None
         os.close(other.fd)
     assert cpu_affinity.process_tree(child.pid) == [child.pid]  # an ended process: itself only
+
+
+@needs_two_cpus
+def test_the_keeper_lists_the_descendant_processes_again_only_every_few_passes(tmp_path, monkeypatch):
+    """Listing the process tree reads every process of the host: a pass reuses the last list,
+    and a process started since is found at the latest TREE_EVERY passes later."""
+    import subprocess
+    import sys
+
+    held = ALLOWED[-1]
+    other = cpu_affinity.claim_core_cpu(held, tmp_path, refused=lambda c: None)
+    listed: list[int] = []
+    real_tree = cpu_affinity.process_tree
+
+    def counting_tree(pid: int) -> list[int]:
+        listed.append(pid)
+        return real_tree(pid)
+
+    monkeypatch.setattr(cpu_affinity, "process_tree", counting_tree)
+    keeper = cpu_affinity.CoreCpuKeeper(None, None, [os.getpid()], set(ALLOWED), folder=tmp_path)
+    child = None
+    try:
+        keeper.keep_off_once()
+        assert listed == [os.getpid()]
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        os.sched_setaffinity(child.pid, set(ALLOWED))  # (it inherits this thread's mask, already moved off)
+        for _ in range(keeper.TREE_EVERY - 1):
+            keeper.keep_off_once()
+        assert listed == [os.getpid()] and held in os.sched_getaffinity(child.pid)  # the list of the first pass
+        keeper.keep_off_once()  # the TREE_EVERY-th pass after the first lists them again
+        assert len(listed) == 2 and held not in os.sched_getaffinity(child.pid)
+        child.kill()
+        child.wait()
+        keeper.keep_off_once()  # a process listed has ended: listed again at once
+        assert len(listed) == 3
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        _restore_all_threads()
+        assert other is not None
+        os.close(other.fd)
