@@ -146,6 +146,9 @@ class _SpecPilotHook:
     GATE_COST_EVERY = 8
     # the step trace records the per-request gate's estimates with at most this many requests running
     TRACE_ESTIMATE_MAX_BATCH = 8
+    # the step trace's rows are written out when the engine drains, or once this many are kept
+    # (their text is made then: on a busy engine a few ms every few seconds, not on every step)
+    TRACE_FLUSH_ROWS = 512
     # the async gate's kept answer when none is kept: (K, newest running request, batch
     # size, step index, answer), see ``_any_request_wants_drafts``
     _WANTS_STALE: tuple[int, Any, int, int, bool] = (-1, None, 0, -(1 << 62), False)
@@ -1137,10 +1140,12 @@ class _SpecPilotHook:
         if self._quiet:
             self._observe_quiet()
         self._flush_lean()
-        if self._trace is not None and self._trace.pending:
+        trace = self._trace
+        # written out when drained, or once TRACE_FLUSH_ROWS rows are kept
+        if trace is not None and trace.pending and (trace.pending >= self.TRACE_FLUSH_ROWS or not self.running):  # type: ignore[attr-defined]
             t0 = time.perf_counter()
             try:
-                self._trace.flush()
+                trace.flush()
             except OSError:  # never let profiling break scheduling
                 logger.exception("could not write the step trace")
             self._untime_trace(time.perf_counter() - t0)

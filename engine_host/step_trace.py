@@ -7,8 +7,9 @@ wall time of the later step, whatever overlaps what. ``python -m bench step-trac
 those intervals by the K each step verified and proposed.
 
 Enabled with ``$SPECPILOT_STEP_TRACE`` (a file path; the engine core appends ``.PID``). The
-hook buffers rows in memory and appends them to the file when it publishes its state (a few
-times a second), so tracing adds no file I/O to a step. The hook's lean path at K = 0, which
+hook buffers each row's values in memory and makes their text and appends it to the file when
+the engine drains, or once ``TRACE_FLUSH_ROWS`` rows are kept (``engine_host.scheduler``), so
+tracing adds no file I/O and no text formatting to a step. The hook's lean path at K = 0, which
 skips most outputs, stays on while tracing; each skipped output still gets its row.
 
 File format: CSV with a header, one row per step output:
@@ -88,7 +89,7 @@ class StepTrace:
 
     def __init__(self, path: str, max_rows: int = 200_000, time_gc: bool = False):
         self.path = path
-        self._rows: deque[str] = deque(maxlen=max_rows)
+        self._rows: deque[tuple] = deque(maxlen=max_rows)
         self.dropped = 0  # rows that fell out of a full buffer
         self._cpu = _cpu_reader()
         # Python's garbage collections since the last row: seconds, the oldest generation (-1:
@@ -147,21 +148,38 @@ class StepTrace:
         measured)."""
         if len(self._rows) == self._rows.maxlen:
             self.dropped += 1
-        est = "" if estimate is None else f"{estimate:.3f}"
-        pri = "" if prior is None else f"{prior:.3f}"
-        tc = "" if token_cost is None else f"{token_cost:.4f}"
-        sc = "" if step_cost is None else f"{step_cost:.4f}"
-        vs = "" if not vllm_schedule_s else f"{vllm_schedule_s * 1e6:.1f}"
-        vu = "" if vllm_update_s is None else f"{vllm_update_s * 1e6:.1f}"
         cpu = self._cpu() if self._cpu is not None else -1
         if self._gc_gen >= 0:
-            gcs = f"{self._gc_s * 1e6:.1f},{self._gc_gen}"
+            gc_s, gc_gen = self._gc_s, self._gc_gen
             self._gc_s, self._gc_gen = 0.0, -1
         else:
-            gcs = ","
+            gc_s, gc_gen = 0.0, -1
+        # the values as they are: the text is made at flush(), which the hook calls when the
+        # engine drains or every TRACE_FLUSH_ROWS rows, not on every step
         self._rows.append(
-            f"{t_scheduled:.6f},{t_output:.6f},{k_drafted},{k_proposed},{decode},{requests},{tokens},{context},{graph},"
-            f"{draft_tokens},{accepted_tokens},{est},{pri},{tc},{sc},{path},{vs},{vu},{cpu if cpu >= 0 else ''},{gcs}\n"
+            (
+                t_scheduled,
+                t_output,
+                k_drafted,
+                k_proposed,
+                decode,
+                requests,
+                tokens,
+                context,
+                graph,
+                draft_tokens,
+                accepted_tokens,
+                estimate,
+                prior,
+                token_cost,
+                step_cost,
+                path,
+                vllm_schedule_s,
+                vllm_update_s,
+                cpu,
+                gc_s,
+                gc_gen,
+            )
         )
 
     @property
@@ -174,9 +192,27 @@ class StepTrace:
         (the rows are kept for the next try)."""
         if not self._rows:
             return
+        text = [_row_text(r) for r in self._rows]
         with open(self.path, "a", encoding="utf-8") as f:
-            f.writelines(self._rows)
+            f.writelines(text)
         self._rows.clear()
+
+
+def _row_text(row: tuple) -> str:
+    """One buffered row (:meth:`StepTrace.add`'s values, then the CPU, the collection's s and
+    generation) as its CSV line."""
+    (ts, to, kd, kp, dec, req, tok, ctx, graph, dt, at, est, pri, tc, sc, path, vs, vu, cpu, gc_s, gc_gen) = row
+    est_s = "" if est is None else f"{est:.3f}"
+    pri_s = "" if pri is None else f"{pri:.3f}"
+    tc_s = "" if tc is None else f"{tc:.4f}"
+    sc_s = "" if sc is None else f"{sc:.4f}"
+    vs_s = "" if not vs else f"{vs * 1e6:.1f}"
+    vu_s = "" if vu is None else f"{vu * 1e6:.1f}"
+    gcs = f"{gc_s * 1e6:.1f},{gc_gen}" if gc_gen >= 0 else ","
+    return (
+        f"{ts:.6f},{to:.6f},{kd},{kp},{dec},{req},{tok},{ctx},{graph},"
+        f"{dt},{at},{est_s},{pri_s},{tc_s},{sc_s},{path},{vs_s},{vu_s},{cpu if cpu >= 0 else ''},{gcs}\n"
+    )
 
 
 def graph_mode(stats: object) -> str:

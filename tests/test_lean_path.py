@@ -131,6 +131,14 @@ def test_at_fixed_k0_steps_take_the_lean_path_and_every_step_is_still_counted(ho
     assert ctl.k_current == 0
 
 
+def _publish_drained(hook) -> None:
+    """The publish of an engine that has drained (no request running), which writes the
+    step trace's rows out; the running requests are put back afterwards."""
+    running, hook.running = hook.running, []
+    hook._publish(time.monotonic())
+    hook.running = running
+
+
 def _observed_on_lean_path(hook, n: int) -> int:
     """Run one step, then ``n`` more with no publish in between; returns how many of the
     ``n`` outputs reached the controller (``observe_quiet``)."""
@@ -160,14 +168,26 @@ def test_a_step_trace_keeps_the_lean_path_and_writes_a_row_for_every_step(tmp_pa
         assert hook._trace is not None
         n = 10 * hook.LEAN_SAMPLE
         assert _observed_on_lean_path(hook, n) == n // hook.LEAN_SAMPLE  # one output in LEAN_SAMPLE is observed
-        hook._publish(time.monotonic())  # flushes the trace
         files = list(tmp_path.glob("steps.csv.*"))
         assert len(files) == 1
+        assert n + 1 < hook.TRACE_FLUSH_ROWS
+        hook._publish(time.monotonic())  # busy, fewer rows than TRACE_FLUSH_ROWS: kept, no text made yet
+        assert files[0].read_text().splitlines()[1:] == [] and hook._trace.pending == n + 1
+        _publish_drained(hook)  # drained: written out
         rows = files[0].read_text().splitlines()[1:]
-        assert len(rows) == n + 1
+        assert len(rows) == n + 1 and hook._trace.pending == 0
         # every row: K 0 verified and proposed, both requests decoding, of 2, with their context
         assert {tuple(r.split(",")[2:6]) for r in rows} == {("0", "0", "2", "2")}
         assert {r.split(",")[7] for r in rows} == {"400"}
+        # a busy engine writes them out once TRACE_FLUSH_ROWS are kept, at the next publish
+        hook.TRACE_FLUSH_ROWS = hook.LEAN_SAMPLE
+        hook._publish_due = float("inf")
+        _run(hook, hook.LEAN_SAMPLE - 1)
+        hook._publish(time.monotonic())
+        assert len(files[0].read_text().splitlines()[1:]) == n + 1  # one row short: still kept
+        _run(hook, 1)
+        hook._publish(time.monotonic())
+        assert len(files[0].read_text().splitlines()[1:]) == n + 1 + hook.LEAN_SAMPLE
 
 
 @pytest.mark.parametrize("lean", ["1", "0"])
@@ -191,7 +211,7 @@ def test_the_step_trace_names_each_outputs_hook_path_and_times_vllms_own_work(tm
     monkeypatch.setattr(_SchedulerStandIn, "update_from_output", lambda self, *a, **k: ticks(4) or upd(self, *a, **k))
     with _standin("fixed:0", 2, tmp_path) as hook:
         _run(hook, 3 * hook.LEAN_SAMPLE)
-        hook._publish(time.monotonic())
+        _publish_drained(hook)  # writes the trace out
     steps = read_trace(next(tmp_path.glob("steps.csv.*")))[1:]  # (the first step is decided on the full path)
     assert {st.path for st in steps} == {"lean" if lean == "1" else "full"}
     # the clock read before and after each: one tick more than the stand-in's own. On the full path
@@ -215,7 +235,7 @@ def test_the_step_trace_records_the_cuda_graph_mode_vllm_reports_for_each_step(t
     with _standin(mode, 2, tmp_path) as hook:
         _run(hook, 40, runner_out=types.SimpleNamespace(cudagraph_stats=stat))
         _run(hook, 40, start=40)  # vLLM without --cudagraph-metrics (or the CPU build): no mode
-        hook._publish(time.monotonic())
+        _publish_drained(hook)  # writes the trace out
     rows = next(tmp_path.glob("steps.csv.*")).read_text().splitlines()
     assert rows[0].split(",")[8] == "graph"
     assert [r.split(",")[8] for r in rows[1:]] == ["FULL"] * 40 + [""] * 40
@@ -231,7 +251,7 @@ def test_the_step_trace_records_each_steps_verified_tokens_and_the_gates_estimat
     (tmp_path / "a").mkdir()
     with _standin("adaptive", 1, tmp_path / "a", async_scheduling=True) as hook:
         _run(hook, 60, accept=lambda i: 4, async_order=True)  # every draft token accepted
-        hook._publish(time.monotonic())
+        _publish_drained(hook)  # writes the trace out
     steps = read_trace(next((tmp_path / "a").glob("steps.csv.*")))
     verified = [st for st in steps if st.draft_tokens]
     assert verified and all(st.accepted_tokens == st.draft_tokens for st in verified)
@@ -243,7 +263,7 @@ def test_the_step_trace_records_each_steps_verified_tokens_and_the_gates_estimat
     (tmp_path / "f").mkdir()
     with _standin("fixed:2", 1, tmp_path / "f") as hook:
         _run(hook, 20, accept=lambda i: 1)
-        hook._publish(time.monotonic())
+        _publish_drained(hook)  # writes the trace out
     steps = read_trace(next((tmp_path / "f").glob("steps.csv.*")))
     assert sum(st.draft_tokens or 0 for st in steps) == 2 * 19 and sum(st.accepted_tokens or 0 for st in steps) == 19
     assert {st.estimate for st in steps} == {None} and {st.step_cost for st in steps} == {None}
@@ -253,7 +273,7 @@ def test_the_step_trace_records_each_steps_verified_tokens_and_the_gates_estimat
     with _standin("adaptive", 9, tmp_path / "b", async_scheduling=True) as hook:
         assert hook.TRACE_ESTIMATE_MAX_BATCH == 8
         _run(hook, 60, accept=lambda i: 4, async_order=True)
-        hook._publish(time.monotonic())
+        _publish_drained(hook)  # writes the trace out
     steps = read_trace(next((tmp_path / "b").glob("steps.csv.*")))
     assert any(st.draft_tokens for st in steps) and {st.estimate for st in steps} == {None}
 
