@@ -67,9 +67,10 @@ class _SchedulerStandIn:
         self.waiting: list[Any] = []
         self.requests: dict[str, Any] = {}
         self.finished_req_ids: set[str] = set()  # since the last schedule(), as vLLM names them
+        self.busy = True  # what has_requests() answers (False: the engine waits for work)
 
     def has_requests(self) -> bool:
-        return True
+        return self.busy
 
     def add_request(self, request: Any) -> None:
         self.running.append(request)

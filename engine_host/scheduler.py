@@ -41,6 +41,8 @@ from .step_trace import graph_mode, step_trace_from_env
 logger = logging.getLogger("specpilot.scheduler")
 
 PUBLISH_INTERVAL_S = 0.25
+# time.sleep(0): hands the interpreter to another thread that waits for it (the one sending outputs)
+_yield_interpreter = time.sleep
 
 
 class _LiveLookup:
@@ -146,8 +148,8 @@ class _SpecPilotHook:
     GATE_COST_EVERY = 8
     # the step trace records the per-request gate's estimates with at most this many requests running
     TRACE_ESTIMATE_MAX_BATCH = 8
-    # the step trace's rows are written out when the engine drains, or once this many are kept
-    # (their text is made then: on a busy engine a few ms every few seconds, not on every step)
+    # the step trace's rows are written out when the engine waits for work, or once this many are
+    # kept (their text is made then: on a busy engine a few ms every few seconds, not on every step)
     TRACE_FLUSH_ROWS = 512
     # the async gate's kept answer when none is kept: (K, newest running request, batch
     # size, step index, answer), see ``_any_request_wants_drafts``
@@ -564,6 +566,11 @@ class _SpecPilotHook:
                 self._publish(time.monotonic())
             self._overhead_s += time.perf_counter() - t
             self._overhead_cpu_s += time.thread_time() - c
+            if self._trace is not None and self._trace.pending:
+                # the engine waits for work: the trace's rows are written out now, after the
+                # interpreter is handed to the thread sending the last outputs
+                _yield_interpreter(0)
+                self._flush_trace()
         return busy
 
     def schedule(self, *args: Any, **kwargs: Any):  # type: ignore[override]
@@ -1106,6 +1113,16 @@ class _SpecPilotHook:
         )
         self._untime_trace(time.perf_counter() - t0)
 
+    def _flush_trace(self) -> None:
+        """Write the step trace's rows out, its time kept out of the hook's clocks."""
+        assert self._trace is not None
+        t0 = time.perf_counter()
+        try:
+            self._trace.flush()
+        except OSError:  # never let profiling break scheduling
+            logger.exception("could not write the step trace")
+        self._untime_trace(time.perf_counter() - t0)
+
     def _untime_trace(self, d: float) -> None:
         """Take ``d`` (s) spent on the step trace out of the hook's clocks: the trace is a
         profiling aid the operator turns on, not the hook's cost, and a row per step (its
@@ -1140,15 +1157,10 @@ class _SpecPilotHook:
         if self._quiet:
             self._observe_quiet()
         self._flush_lean()
-        trace = self._trace
-        # written out when drained, or once TRACE_FLUSH_ROWS rows are kept
-        if trace is not None and trace.pending and (trace.pending >= self.TRACE_FLUSH_ROWS or not self.running):  # type: ignore[attr-defined]
-            t0 = time.perf_counter()
-            try:
-                trace.flush()
-            except OSError:  # never let profiling break scheduling
-                logger.exception("could not write the step trace")
-            self._untime_trace(time.perf_counter() - t0)
+        # a busy engine's step trace is written out once TRACE_FLUSH_ROWS rows are kept (an idle
+        # one's when it waits for work: has_requests)
+        if self._trace is not None and self._trace.pending >= self.TRACE_FLUSH_ROWS:
+            self._flush_trace()
         if self._channel is None:
             return
         running = len(self.running)  # type: ignore[attr-defined]

@@ -8,8 +8,8 @@ those intervals by the K each step verified and proposed.
 
 Enabled with ``$SPECPILOT_STEP_TRACE`` (a file path; the engine core appends ``.PID``). The
 hook buffers each row's values in memory and makes their text and appends it to the file when
-the engine drains, or once ``TRACE_FLUSH_ROWS`` rows are kept (``engine_host.scheduler``), so
-tracing adds no file I/O and no text formatting to a step. The hook's lean path at K = 0, which
+the engine waits for work, or once ``TRACE_FLUSH_ROWS`` rows are kept (``engine_host.scheduler``),
+so tracing adds no file I/O and no text formatting to a step. The hook's lean path at K = 0, which
 skips most outputs, stays on while tracing; each skipped output still gets its row.
 
 File format: CSV with a header, one row per step output:
@@ -155,7 +155,7 @@ class StepTrace:
         else:
             gc_s, gc_gen = 0.0, -1
         # the values as they are: the text is made at flush(), which the hook calls when the
-        # engine drains or every TRACE_FLUSH_ROWS rows, not on every step
+        # engine waits for work or every TRACE_FLUSH_ROWS rows, not on every step
         self._rows.append(
             (
                 t_scheduled,

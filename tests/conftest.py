@@ -35,7 +35,8 @@ def engine_host(default_model, tmp_path_factory, artifacts_dir):
     """A real engine host: SmolLM2-135M, ngram speculation K_max=8, max_num_seqs=8.
 
     Yields the :class:`engine_host.process.EngineHostProcess` (``.url``,
-    ``.control_headers``, ``.token``). Session-scoped: tests that change its config
+    ``.control_headers``, ``.token``, ``.step_trace``: the step trace's path, the engine
+    core's pid appended). Session-scoped: tests that change its config
     must restore it (see ``restore_config``).
     """
     from engine_host.process import EngineHostProcess
@@ -56,10 +57,15 @@ def engine_host(default_model, tmp_path_factory, artifacts_dir):
             "--k",
             "0",
         ],
-        env={"SPECPILOT_HOME": str(home), "SPECPILOT_NGRAM_TRACE": str(home / "ngram-trace.json")},
+        env={
+            "SPECPILOT_HOME": str(home),
+            "SPECPILOT_NGRAM_TRACE": str(home / "ngram-trace.json"),
+            "SPECPILOT_STEP_TRACE": str(home / "steps.csv"),  # the engine core appends .PID
+        },
         log_path=artifacts_dir / "engine-host.log",
     )
     eh.ngram_trace = home / "ngram-trace.json"
+    eh.step_trace = home / "steps.csv"
     eh.start()
     try:
         eh.wait_ready(timeout_s=float(os.environ.get("SPECPILOT_TEST_READY_TIMEOUT", "400")))

@@ -75,6 +75,27 @@ def test_streaming_yields_chunks_and_final_usage(engine_host):
     assert 0 < chunks[-1].usage.completion_tokens <= 32
 
 
+def test_the_step_trace_is_written_out_when_the_engine_waits_for_work(engine_host):
+    """With ``$SPECPILOT_STEP_TRACE`` the engine core keeps a row per step and writes them out
+    once it waits for work again, with the engine still up (not at its exit): a request's decode
+    steps are in the file within moments of its answer."""
+    from bench.step_trace import read_trace
+
+    def rows() -> int:
+        files = list(engine_host.step_trace.parent.glob(engine_host.step_trace.name + ".*"))
+        return sum(len(read_trace(f)) for f in files)
+
+    before = rows()
+    r = client(engine_host).completions.create(model=MODEL, prompt="One, two, three,", max_tokens=16, temperature=0)
+    assert r.usage.completion_tokens >= 8
+    deadline = time.monotonic() + 10
+    while rows() < before + r.usage.completion_tokens - 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rows() >= before + r.usage.completion_tokens - 1  # its decode steps (the first token is the prefill's)
+    steps = read_trace(next(engine_host.step_trace.parent.glob(engine_host.step_trace.name + ".*")))
+    assert {st.path for st in steps[-8:]} <= {"lean", "full"} and steps[-1].t_output > steps[-1].t_scheduled
+
+
 def test_completions_endpoint_answers(engine_host):
     r = client(engine_host).completions.create(
         model=MODEL, prompt="The alphabet starts with A, B, C,", max_tokens=8, temperature=0

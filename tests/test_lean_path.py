@@ -132,11 +132,13 @@ def test_at_fixed_k0_steps_take_the_lean_path_and_every_step_is_still_counted(ho
 
 
 def _publish_drained(hook) -> None:
-    """The publish of an engine that has drained (no request running), which writes the
-    step trace's rows out; the running requests are put back afterwards."""
+    """The engine drains (no request running) and waits for work (``has_requests``), which
+    writes the step trace's rows out; the running requests are put back afterwards."""
     running, hook.running = hook.running, []
     hook._publish(time.monotonic())
-    hook.running = running
+    hook.busy = False
+    assert not hook.has_requests()
+    hook.running, hook.busy = running, True
 
 
 def _observed_on_lean_path(hook, n: int) -> int:
@@ -172,8 +174,13 @@ def test_a_step_trace_keeps_the_lean_path_and_writes_a_row_for_every_step(tmp_pa
         assert len(files) == 1
         assert n + 1 < hook.TRACE_FLUSH_ROWS
         hook._publish(time.monotonic())  # busy, fewer rows than TRACE_FLUSH_ROWS: kept, no text made yet
+        assert hook.has_requests()
         assert files[0].read_text().splitlines()[1:] == [] and hook._trace.pending == n + 1
-        _publish_drained(hook)  # drained: written out
+        running, hook.running = hook.running, []
+        hook._publish(time.monotonic())  # drained: still kept, the last outputs go first
+        assert files[0].read_text().splitlines()[1:] == []
+        hook.running = running
+        _publish_drained(hook)  # waits for work: written out
         rows = files[0].read_text().splitlines()[1:]
         assert len(rows) == n + 1 and hook._trace.pending == 0
         # every row: K 0 verified and proposed, both requests decoding, of 2, with their context
