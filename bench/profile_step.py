@@ -9,8 +9,9 @@ Starts both engine hosts (eager, one after the other so they do not share the CP
 measured), sends the ``chat`` workload (``--workload``: any of ``bench.workloads.WORKLOADS``,
 e.g. ``code``, where an adaptive engine host switches K) with N concurrent clients, and samples every
 vLLM process of the engine with py-spy (PyPI ``py-spy``) for ``--seconds``. Each sample's
-stack is put in one component (model forward, n-gram proposer, sampler and rejection
-sampler, input preparation, scheduler, output processing, other). Prints, per engine and
+stack is put in one component (SpecPilot's step trace, SpecPilot's hook and controller, model
+forward, n-gram proposer, draft-model or EAGLE speculator, sampler and rejection sampler, input
+preparation, scheduler, output processing, other; :func:`component_of`). Prints, per engine and
 component, the share of the busy samples of the process that runs the model and its
 CPU time in ms per engine step (samples / rate / steps; steps from ``/control/state``).
 """
