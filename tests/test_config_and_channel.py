@@ -296,6 +296,7 @@ def test_the_hook_reads_the_config_in_has_requests_only_while_idle():
     h._overhead_s = 0.0
     h._overhead_cpu_s = 0.0
     h._step_index = h._published_step = 0  # nothing ran since the last publish
+    h._trace = None  # no step trace to write out while idle
     assert h.has_requests() is True
     assert polls == []
     h.busy = False
