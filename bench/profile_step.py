@@ -13,7 +13,9 @@ stack is put in one component (SpecPilot's step trace, SpecPilot's hook and cont
 forward, n-gram proposer, draft-model or EAGLE speculator, sampler and rejection sampler, input
 preparation, scheduler, output processing, other; :func:`component_of`). Prints, per engine and
 component, the share of the busy samples of the process that runs the model and its
-CPU time in ms per engine step (samples / rate / steps; steps from ``/control/state``).
+CPU time in ms per engine step (samples / rate / steps; steps from ``/control/state``). With
+``--attach`` the API server's process is sampled too (:data:`FRONTEND_COMPONENTS`), in a second
+table: vLLM's front end and SpecPilot's plugins run there, beside the engine core.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -92,10 +95,33 @@ def component_of(stack: str) -> str:
     return "other"
 
 
-def components_of(path: Path) -> collections.Counter:
-    """Samples per component (:func:`component_of`) of one py-spy ``raw`` file (lines
-    ``frame;frame;... COUNT``; ``PATH.xz``, xz-compressed, where ``PATH`` is not there); an
-    empty counter for a missing file. Lines that do not end in a count are skipped."""
+#: components of the API-server process (vLLM's OpenAI-compatible server and its engine client),
+#: innermost vLLM or SpecPilot frame first
+FRONTEND_COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("SpecPilot (stat logger, endpoints, plugins)", ("engine_host/",)),
+    ("vLLM output processing and detokenization", ("output_processor", "detokeniz", "v1/engine/async_llm")),
+    ("vLLM metrics and stat loggers", ("v1/metrics",)),
+    ("vLLM OpenAI server and input processing", ("entrypoints", "input_processor", "v1/engine/processor", "tokeniz")),
+)
+
+
+def frontend_component_of(stack: str) -> str:
+    """The component (:data:`FRONTEND_COMPONENTS`) of one collapsed stack of the API-server
+    process: that of the innermost frame of vLLM or SpecPilot, "other" when none matches
+    (the event loop, HTTP libraries, threads outside vLLM)."""
+    for frame in reversed(stack.split(";")):
+        if "engine_host/" in frame or "vllm/" in frame:
+            for name, keys in FRONTEND_COMPONENTS:
+                if any(k in frame for k in keys):
+                    return name
+    return "other"
+
+
+def components_of(path: Path, classify: Callable[[str], str] | None = None) -> collections.Counter:
+    """Samples per component (``classify``, default :func:`component_of`) of one py-spy ``raw``
+    file (lines ``frame;frame;... COUNT``; ``PATH.xz``, xz-compressed, where ``PATH`` is not
+    there); an empty counter for a missing file. Lines that do not end in a count are skipped."""
+    classify = classify or component_of
     comps: collections.Counter = collections.Counter()
     packed = path.with_name(path.name + ".xz")
     if not path.exists() and packed.exists():
@@ -106,7 +132,7 @@ def components_of(path: Path) -> collections.Counter:
         for line in text.splitlines():
             stack, _, n = line.rpartition(" ")
             if stack and n.isdigit():
-                comps[component_of(stack)] += int(n)
+                comps[classify(stack)] += int(n)
     return comps
 
 
@@ -164,10 +190,13 @@ def _py_spy(explicit: str | None = None) -> str:
     raise FileNotFoundError("py-spy not found: pip install 'py-spy>=0.4' (or pass --py-spy PATH)")
 
 
-def _sample(pids: list[int], seconds: float, rate: int, out_dir: Path, tag: str, py_spy: str) -> dict:
+def _sample(
+    pids: list[int], seconds: float, rate: int, out_dir: Path, tag: str, py_spy: str, frontend: int | None = None
+) -> dict:
     """py-spy every process of ``pids`` at once for ``seconds``; returns ``{"pid",
     "components": {name: samples}, "wall_s"}`` for the process with the most model-forward
-    samples (the one running the model)."""
+    samples (the one running the model), and with ``frontend`` (the API server's pid, one of
+    ``pids``) ``"frontend": {"pid", "components"}`` by :func:`frontend_component_of`."""
     procs, files = [], []
     for pid in pids:
         f = out_dir / f"pyspy-{tag}-{pid}.txt"
@@ -184,11 +213,16 @@ def _sample(pids: list[int], seconds: float, rate: int, out_dir: Path, tag: str,
     wall = time.monotonic() - t0
     best: dict = {}
     for pid, f in files:
+        if pid == frontend:
+            continue
         comps = components_of(f)
         # the process that runs the model (on CPU the executor's worker, not the engine core,
         # which has as many samples: it spins while the worker computes)
         if comps["model forward"] > best.get("components", {}).get("model forward", -1):
             best = {"pid": pid, "components": dict(comps)}
+    if frontend is not None:
+        f = out_dir / f"pyspy-{tag}-{frontend}.txt"
+        best["frontend"] = {"pid": frontend, "components": dict(components_of(f, frontend_component_of))}
     return {"wall_s": wall, **best}
 
 
@@ -270,9 +304,10 @@ def profile_attached(
     clients_running = _load(url, model, clients, stop, workload)
     try:
         time.sleep(5)  # let the batch fill
-        pids = [p for p in _engine_pids(int(live["pid"])) if p != int(live["pid"])] or [int(live["pid"])]
+        api = int(live["pid"])  # the API server (vLLM's OpenAI-compatible server); the engine core below it
+        pids = [api] + [p for p in _engine_pids(api) if p != api]
         s0 = _engine_steps(url)
-        res = _sample(pids, seconds, rate, out_dir, live["name"], py_spy)
+        res = _sample(pids, seconds, rate, out_dir, live["name"], py_spy, frontend=api if len(pids) > 1 else None)
         s1 = _engine_steps(url)
     finally:
         stop.set()
@@ -298,6 +333,23 @@ def table(results: dict) -> str:
             cells.append(f"{ms:.2f} | {share:.1%}")
         lines.append(f"| {c} | {' | '.join(cells)} |")
     lines.append("| steps/s | " + " | ".join(f"{r['steps'] / r['wall_s']:.1f} | " for r in results.values()) + "|")
+    fronts = {n: r for n, r in results.items() if r.get("frontend")}
+    if fronts:
+        lines += [
+            "",
+            "API server process (vLLM's OpenAI-compatible server, its engine client and SpecPilot's plugins):",
+            "",
+            f"| component | {' | '.join(f'{n}: ms/step | share' for n in fronts)} |",
+            "|---|" + "---:|---:|" * len(fronts),
+        ]
+        for c in [c for c, _ in FRONTEND_COMPONENTS] + ["other"]:
+            cells = []
+            for r in fronts.values():
+                comps = r["frontend"].get("components", {})
+                share = comps.get(c, 0) / (sum(comps.values()) or 1)
+                ms = comps.get(c, 0) / r["rate"] * 1000.0 / max(r["steps"], 1)
+                cells.append(f"{ms:.2f} | {share:.1%}")
+            lines.append(f"| {c} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -321,6 +373,11 @@ def reread(folder: Path) -> dict:
         raw = next((f for f in found if f.exists()), None)
         if raw is not None:
             r["components"] = dict(components_of(raw.with_suffix("") if raw.suffix == ".xz" else raw))
+        front = r.get("frontend")
+        if isinstance(front, dict):
+            raw = folder / f"pyspy-{name}-{front.get('pid')}.txt"
+            if raw.exists() or raw.with_name(raw.name + ".xz").exists():
+                front["components"] = dict(components_of(raw, frontend_component_of))
     return results
 
 

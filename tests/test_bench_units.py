@@ -911,6 +911,44 @@ def test_profile_components_leave_vllm_work_under_a_specpilot_wrapper_to_vllm():
     assert component_of(out + vllm_update) == component_of(core + vllm_update) == "output / bookkeeping"
 
 
+def test_profile_step_samples_the_api_server_beside_the_engine_core(tmp_path):
+    """With --attach the API server's process is sampled too and reported on its own (vLLM's
+    front end and SpecPilot's plugins run there); the engine core is still the model's process."""
+    import stat
+
+    from bench.profile_step import _sample, reread, table
+
+    api, core = 4242, 4243
+    spy = tmp_path / "py-spy"
+    spy.write_text(
+        "#!/bin/sh\n"  # writes each process's samples where it is told (-p PID ... -o FILE)
+        'while [ $# -gt 0 ]; do case "$1" in -p) p=$2; shift;; -o) o=$2; shift;; esac; shift; done\n'
+        f'if [ "$p" = {api} ]; then\n'
+        '  echo "loop (asyncio/base_events.py:1);record (engine_host/stats.py:203) 7" > "$o"\n'
+        '  echo "loop (asyncio/base_events.py:1);process_outputs (vllm/v1/engine/output_processor.py:9) 5" >> "$o"\n'
+        '  echo "loop (asyncio/base_events.py:1);select (selectors.py:1) 3" >> "$o"\n'
+        "else\n"
+        '  echo "busy (vllm/v1/engine/core.py:1);forward (vllm/model_executor/models/qwen2.py:300) 30" > "$o"\n'
+        "fi\n"
+    )
+    spy.chmod(spy.stat().st_mode | stat.S_IEXEC)
+    res = _sample([api, core], 1, 100, tmp_path, "f0", str(spy), frontend=api)
+    assert res["pid"] == core and res["components"] == {"model forward": 30}
+    assert res["frontend"] == {
+        "pid": api,
+        "components": {
+            "SpecPilot (stat logger, endpoints, plugins)": 7,
+            "vLLM output processing and detokenization": 5,
+            "other": 3,
+        },
+    }
+    results = {"f0": {"steps": 10, "rate": 100, **res}}
+    t = table(results)
+    assert "API server process" in t and "| SpecPilot (stat logger, endpoints, plugins) | 7.00 | 46.7% |" in t
+    (tmp_path / "profile.json").write_text(json.dumps(results))
+    assert reread(tmp_path)["f0"]["frontend"]["components"]["other"] == 3  # counted again from its raw file
+
+
 def test_profile_step_report_counts_an_earlier_runs_raw_samples_again(tmp_path, capsys):
     import lzma
 
