@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import httpx
 
@@ -353,11 +353,23 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _raw_samples(folder: Path, name: str, pid: Any) -> Path | None:
+    """The raw samples of process ``pid`` in ``folder`` as :func:`components_of` takes them
+    (``pyspy-NAME-PID.txt``, else any ``pyspy-*-PID.txt``; each also found xz-compressed),
+    None when there are none."""
+    for f in [folder / f"pyspy-{name}-{pid}.txt", *sorted(folder.glob(f"pyspy-*-{pid}.txt*"))]:
+        base = f.with_suffix("") if f.suffix == ".xz" else f
+        if base.exists() or base.with_name(base.name + ".xz").exists():
+            return base
+    return None
+
+
 def reread(folder: Path) -> dict:
     """The results of an earlier run (``FOLDER/profile.json`` and the raw samples beside it,
-    ``pyspy-TAG-PID.txt``), each engine's components counted again from its raw samples with
-    :func:`component_of` as it is now; an engine whose raw file is missing keeps the counts
-    on record.
+    ``pyspy-TAG-PID.txt``), each engine's components, and its API server's where they were
+    sampled, counted again from the raw samples as :func:`component_of` and
+    :func:`frontend_component_of` count them now; where a raw file is missing the counts on
+    record are kept.
 
     Raises:
         FileNotFoundError: no ``profile.json`` in ``folder``.
@@ -367,17 +379,13 @@ def reread(folder: Path) -> dict:
     if not isinstance(results, dict) or not all(isinstance(r, dict) and "steps" in r for r in results.values()):
         raise ValueError(f"{folder / 'profile.json'} does not hold profile-step results")
     for name, r in results.items():
-        pid = r.get("pid")
-        found = [folder / f"pyspy-{name}-{pid}.txt{x}" for x in ("", ".xz")]
-        found += sorted(folder.glob(f"pyspy-*-{pid}.txt")) + sorted(folder.glob(f"pyspy-*-{pid}.txt.xz"))
-        raw = next((f for f in found if f.exists()), None)
+        raw = _raw_samples(folder, name, r.get("pid"))
         if raw is not None:
-            r["components"] = dict(components_of(raw.with_suffix("") if raw.suffix == ".xz" else raw))
+            r["components"] = dict(components_of(raw))
         front = r.get("frontend")
-        if isinstance(front, dict):
-            raw = folder / f"pyspy-{name}-{front.get('pid')}.txt"
-            if raw.exists() or raw.with_name(raw.name + ".xz").exists():
-                front["components"] = dict(components_of(raw, frontend_component_of))
+        raw = _raw_samples(folder, name, front.get("pid")) if isinstance(front, dict) else None
+        if raw is not None:
+            front["components"] = dict(components_of(raw, frontend_component_of))
     return results
 
 
