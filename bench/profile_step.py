@@ -221,7 +221,7 @@ def _sample(
         if comps["model forward"] > best.get("components", {}).get("model forward", -1):
             best = {"pid": pid, "components": dict(comps)}
     if frontend is not None:
-        f = out_dir / f"pyspy-{tag}-{frontend}.txt"
+        f = dict(files)[frontend]
         best["frontend"] = {"pid": frontend, "components": dict(components_of(f, frontend_component_of))}
     return {"wall_s": wall, **best}
 
@@ -316,40 +316,39 @@ def profile_attached(
     return {"steps": s1 - s0, "rate": rate, **res}
 
 
-def table(results: dict) -> str:
-    """Markdown: per component, CPU ms per engine step and share of the model process's
-    samples, one column pair per engine; steps/s last."""
-    names = [c for c, _ in COMPONENTS] + ["other"]
+def _component_rows(names: list[str], columns: dict[str, tuple[dict, dict]]) -> list[str]:
+    """Markdown rows: a header, then per component name its CPU ms per engine step and share
+    of the process's samples, one column pair per engine. ``columns``: engine name ->
+    (result with ``rate`` and ``steps``, ``{component: samples}``)."""
     lines = [
-        f"| component | {' | '.join(f'{n}: ms/step | share' for n in results)} |",
-        "|---|" + "---:|---:|" * len(results),
+        f"| component | {' | '.join(f'{n}: ms/step | share' for n in columns)} |",
+        "|---|" + "---:|---:|" * len(columns),
     ]
     for c in names:
         cells = []
-        for r in results.values():
-            total = sum(r.get("components", {}).values()) or 1
-            share = r.get("components", {}).get(c, 0) / total
-            ms = r.get("components", {}).get(c, 0) / r["rate"] * 1000.0 / max(r["steps"], 1)
-            cells.append(f"{ms:.2f} | {share:.1%}")
+        for r, comps in columns.values():
+            share = comps.get(c, 0) / (sum(comps.values()) or 1)
+            ms = comps.get(c, 0) / r["rate"] * 1000.0 / max(r["steps"], 1)
+            cells.append(f"{ms:.3f} | {share:.1%}")
         lines.append(f"| {c} | {' | '.join(cells)} |")
+    return lines
+
+
+def table(results: dict) -> str:
+    """Markdown: per component, CPU ms per engine step and share of the model process's
+    samples, one column pair per engine; steps/s last. Where the API server was sampled,
+    a second table of its components (:data:`FRONTEND_COMPONENTS`)."""
+    names = [c for c, _ in COMPONENTS] + ["other"]
+    lines = _component_rows(names, {n: (r, r.get("components", {})) for n, r in results.items()})
     lines.append("| steps/s | " + " | ".join(f"{r['steps'] / r['wall_s']:.1f} | " for r in results.values()) + "|")
-    fronts = {n: r for n, r in results.items() if r.get("frontend")}
+    fronts = {n: (r, r["frontend"].get("components", {})) for n, r in results.items() if r.get("frontend")}
     if fronts:
         lines += [
             "",
             "API server process (vLLM's OpenAI-compatible server, its engine client and SpecPilot's plugins):",
             "",
-            f"| component | {' | '.join(f'{n}: ms/step | share' for n in fronts)} |",
-            "|---|" + "---:|---:|" * len(fronts),
         ]
-        for c in [c for c, _ in FRONTEND_COMPONENTS] + ["other"]:
-            cells = []
-            for r in fronts.values():
-                comps = r["frontend"].get("components", {})
-                share = comps.get(c, 0) / (sum(comps.values()) or 1)
-                ms = comps.get(c, 0) / r["rate"] * 1000.0 / max(r["steps"], 1)
-                cells.append(f"{ms:.2f} | {share:.1%}")
-            lines.append(f"| {c} | {' | '.join(cells)} |")
+        lines += _component_rows([c for c, _ in FRONTEND_COMPONENTS] + ["other"], fronts)
     return "\n".join(lines)
 
 

@@ -828,7 +828,7 @@ def test_profile_step_attach_refuses_a_state_without_engines(tmp_path, capsys):
     assert main(["--attach", str(state), "--engines", "ngram", "--py-spy", str(fake_spy)]) == 2
     assert "no engine up" in capsys.readouterr().err
     t = table({"plain": {"rate": 100, "steps": 50, "wall_s": 10.0, "components": {"model forward": 300, "other": 100}}})
-    assert "| model forward | 60.00 | 75.0% |" in t and "| steps/s | 5.0 |" in t
+    assert "| model forward | 60.000 | 75.0% |" in t and "| steps/s | 5.0 |" in t
 
 
 def test_profile_step_runs_the_engines_in_the_order_asked(tmp_path, monkeypatch, capsys):
@@ -944,7 +944,7 @@ def test_profile_step_samples_the_api_server_beside_the_engine_core(tmp_path):
     }
     results = {"f0": {"steps": 10, "rate": 100, **res}}
     t = table(results)
-    assert "API server process" in t and "| SpecPilot (stat logger, endpoints, plugins) | 7.00 | 46.7% |" in t
+    assert "API server process" in t and "| SpecPilot (stat logger, endpoints, plugins) | 7.000 | 46.7% |" in t
     (tmp_path / "profile.json").write_text(json.dumps(results))
     assert reread(tmp_path)["f0"]["frontend"]["components"]["other"] == 3  # counted again from its raw file
 
@@ -972,10 +972,10 @@ def test_profile_step_report_counts_an_earlier_runs_raw_samples_again(tmp_path, 
     assert main(["--report", str(run)]) == 0
     out = capsys.readouterr().out
     # 60 samples of vLLM's sampler under the wrapper and 40 of the hook's own, of 10 steps at 100 Hz
-    assert "| sampler / rejection sampler | 0.00 | 0.0% | 60.00 | 60.0% |" not in out  # columns: f0 first
-    assert "| sampler / rejection sampler | 60.00 | 60.0% | 0.00 | 0.0% |" in out
-    assert "| SpecPilot hook and controller | 40.00 | 40.0% | 0.00 | 0.0% |" in out
-    assert "| other | 0.00 | 0.0% | 50.00 | 100.0% |" in out  # no raw file: the counts on record
+    assert "| sampler / rejection sampler | 0.000 | 0.0% | 60.000 | 60.0% |" not in out  # columns: f0 first
+    assert "| sampler / rejection sampler | 60.000 | 60.0% | 0.000 | 0.0% |" in out
+    assert "| SpecPilot hook and controller | 40.000 | 40.0% | 0.000 | 0.0% |" in out
+    assert "| other | 0.000 | 0.0% | 50.000 | 100.0% |" in out  # no raw file: the counts on record
     assert main(["--report", str(tmp_path / "nothing-here")]) == 2
     assert "profile.json" in capsys.readouterr().err
 
