@@ -68,6 +68,7 @@ class _SchedulerStandIn:
         self.requests: dict[str, Any] = {}
         self.finished_req_ids: set[str] = set()  # since the last schedule(), as vLLM names them
         self.busy = True  # what has_requests() answers (False: the engine waits for work)
+        self.current_step = 0  # vLLM's count of schedule() calls
 
     def has_requests(self) -> bool:
         return self.busy
@@ -83,6 +84,7 @@ class _SchedulerStandIn:
         self.finished_req_ids.add(req_id)
 
     def schedule(self) -> Any:
+        self.current_step += 1
         k = self.dynamic_sd_lookup[len(self.running)]  # type: ignore[attr-defined]
         spec = {r.request_id: [-1] * k for r in self.running} if k else {}
         finished, self.finished_req_ids = self.finished_req_ids, set()

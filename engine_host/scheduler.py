@@ -191,6 +191,24 @@ class _SpecPilotHook:
     # the per-request gate drops drafts request by request (synchronous scheduling), whose
     # per-request probe counts advance every step.
     LEAN_SPAN = 16
+    # stepping aside: on the lean path (a static K = 0 or off, and the adaptive policy's rests),
+    # with the batch caps at their start-up limits and no step trace, the hook takes itself out
+    # of vLLM's per-step calls. It sets vLLM's own schedule() and update_from_output() as
+    # attributes of the scheduler object, which Python finds before the class's methods, so the
+    # engine core calls vLLM's directly (it looks them up on every step: the vLLM shape test pins
+    # that). Only has_requests(), which the engine core calls before every step, stays the hook's:
+    # it steps back in (removes those attributes) when the config's sequence number changed, a
+    # state publish is due, the engine drained, the rest span's steps are used up (counted by
+    # vLLM's own step counter, ``Scheduler.current_step``) or, where a join ends the span, a
+    # request joined; the next steps take the lean path (at a static K = 0 it steps aside again
+    # at its next observed output; a rest span's end decides K on the full path). The steps
+    # scheduled meanwhile are counted from ``current_step``, their outputs as one each, their
+    # requests as the running ones at the step back in, and their wall time as busy time; with
+    # one request running at both ends (no other joined: a lone request's span ends at a join,
+    # and at a static K = 0 the engine drains between requests at one client), their mean time
+    # teaches the step-time model what a plain step takes, as the lean path's sampled steps do.
+    # "Speculation off" then costs a step a few comparisons in has_requests() instead of the
+    # lean path's frames.
 
     # Attributes of vLLM's Scheduler (set in its __init__) that the hook reads and caps.
     max_num_running_reqs: int
@@ -259,6 +277,16 @@ class _SpecPilotHook:
         self._clock = StepClock()
         self._stretch = DecodeStretch()
         self._trace = step_trace_from_env()  # $SPECPILOT_STEP_TRACE: one row per step (profiling)
+        # the hook may step aside at a static K = 0 ($SPECPILOT_HOOK_ASIDE; not while tracing, whose
+        # rows are per step; only on a vLLM that counts its steps)
+        self._aside_ok = (
+            envs.hook_aside_on() and self._trace is None and isinstance(getattr(self, "current_step", None), int)
+        )
+        self._aside = False  # the hook stands aside: vLLM's schedule() and update_from_output() run directly
+        self._aside_from = (0, 0.0, 0)  # (vLLM's current_step, perf_counter(), running) when it stepped aside
+        self._aside_until = 0  # vLLM's current_step at which the rest span's steps are used up
+        self._aside_s = 0.0  # wall time stood aside with requests running (s)
+        self._aside_steps = 0  # steps vLLM scheduled meanwhile
         self._step_index = 0
         self._published_step = -1  # _step_index at the last state publish
         self.specpilot_last_scheduled_k: int | None = None  # K of the step scheduled last
@@ -555,6 +583,18 @@ class _SpecPilotHook:
         # requests, schedule() follows and reads the config itself (vLLM's engine core
         # asks this several times per step).
         busy = super().has_requests()  # type: ignore[misc]
+        if self._aside:
+            # (the hook steps aside only with a config channel: _step_aside)
+            if (
+                busy
+                and self._config_seq_view[0] == self._config_seq  # type: ignore[index]
+                and self.current_step < self._aside_until  # type: ignore[attr-defined]
+                and time.perf_counter() < self._publish_due
+                # a lone request's span (or a small batch's): a request that joined ends it
+                and (not self._lean_join_ends or ((r := self.running) and r[-1] is self._lean_newest))  # type: ignore[attr-defined]
+            ):
+                return True
+            self._step_in()
         if not busy:
             t = time.perf_counter()
             c = time.thread_time()
@@ -594,7 +634,7 @@ class _SpecPilotHook:
                 self._overhead_s += d
                 self._overhead_cpu_s += d
                 out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-                self._clock.scheduled(t, 0, 0, time.perf_counter() - t1)  # (vLLM's own schedule(), for the trace)
+                self._clock.scheduled(t, 0, 0, time.perf_counter() - t1, out)  # (vLLM's own schedule(), for the trace)
                 return out
             if self._resting:  # the rest span is over (or a request joined): this step decides K again
                 self._leave_lean()
@@ -622,7 +662,7 @@ class _SpecPilotHook:
         # the K the proposer runs with after this step (engine_host.vllm_patches reads it)
         k_sched = getattr(out, "num_spec_tokens_to_schedule", None)
         self.specpilot_last_scheduled_k = k_sched if isinstance(k_sched, int) else None
-        self._clock.scheduled(t, self._k_drafted, self._k_decided, vllm_s)
+        self._clock.scheduled(t, self._k_drafted, self._k_decided, vllm_s, out)
         self._step_index += 1
         return out
 
@@ -910,7 +950,7 @@ class _SpecPilotHook:
         t = time.perf_counter()
         # under async scheduling the last schedule() is the *next* step: match outputs to
         # their own step (engine_host.step_clock)
-        step_time, step = self._clock.output(t)
+        step_time, step = self._clock.output(t, scheduler_output)
         if self._lean:
             n = self._lean_outputs = self._lean_outputs + 1
             if (
@@ -924,8 +964,10 @@ class _SpecPilotHook:
                         step, t, scheduler_output, 0, 0, None, model_runner_output, path="lean", vllm_update_s=t - t0
                     )
                 n_req = len(scheduler_output.num_scheduled_tokens)
-                if self._stretch.teaches(n_req, scheduler_output.total_num_scheduled_tokens == n_req) and (
-                    self._lean_times_on
+                if (
+                    self._stretch.teaches(n_req, scheduler_output.total_num_scheduled_tokens == n_req)
+                    and self._lean_times_on
+                    and step is not None  # (an output of a step scheduled while the hook stood aside: not timed)
                 ):
                     self._lean_timed += 1
                     self._lean_timed_requests += n_req
@@ -979,9 +1021,10 @@ class _SpecPilotHook:
             )
         # a lone request's first decode steps do not teach the step-time model (their
         # cost is not what its later steps cost: DecodeStretch); warm-up steps always do
-        pure = self._stretch.teaches(n_dec, n_dec == total and n_dec > 0) or (
-            self._warmup_k is not None and n_dec == total
-        )
+        pure = (
+            self._stretch.teaches(n_dec, n_dec == total and n_dec > 0)
+            or (self._warmup_k is not None and n_dec == total)
+        ) and step is not None  # (not timed: scheduled while the hook stood aside)
         running = len(self.running)  # type: ignore[attr-defined]
         if running > self._max_running_seen:
             self._max_running_seen = running
@@ -1045,7 +1088,58 @@ class _SpecPilotHook:
         self._overhead_s += time.perf_counter() - t
         self._overhead_cpu_s += time.thread_time() - c
         self._t_output_done = time.perf_counter()
+        if (
+            self._lean
+            and self._aside_ok
+            and self._lean_left > 1
+            and self._caps_steady
+            and running
+            and self._config_seq_view is not None
+        ):
+            self._step_aside()
         return outputs
+
+    # -- stepping aside at a static K = 0 -----------------------------------------
+    def _step_aside(self) -> None:
+        """Take the hook out of vLLM's per-step calls (the class comment above ``__init__``):
+        the engine core's ``schedule()`` and ``update_from_output()`` become vLLM's own until
+        :meth:`_step_in`."""
+        base = super()  # vLLM's class after the hook in the method resolution order
+        d = self.__dict__
+        d["schedule"] = base.schedule  # type: ignore[attr-defined]
+        d["update_from_output"] = base.update_from_output  # type: ignore[attr-defined]
+        step = self.current_step  # type: ignore[attr-defined]
+        self._aside_from = (step, time.perf_counter(), len(self.running))  # type: ignore[attr-defined]
+        self._aside_until = step + self._lean_left if self._resting else 1 << 62
+        self._aside = True
+
+    def _step_in(self) -> None:
+        """Put the hook back into vLLM's per-step calls and count the steps vLLM ran while it
+        stood aside (at K = 0: the lean path's counts, flushed with them)."""
+        d = self.__dict__
+        d.pop("schedule", None)
+        d.pop("update_from_output", None)
+        self._aside = False
+        step0, t0, running0 = self._aside_from
+        steps = max(0, self.current_step - step0)  # type: ignore[attr-defined]
+        dt = time.perf_counter() - t0
+        running = len(self.running)  # type: ignore[attr-defined]
+        self._step_index += steps
+        self._lean_scheduled += steps
+        self._lean_left -= steps
+        if steps and running == running0 == 1 and self._lean_times_on:
+            # a lone request's decode steps: their mean time is a plain step's
+            self._lean_timed += steps
+            self._lean_timed_requests += steps
+            self._lean_timed_s += dt
+        self._lean_skipped += steps  # one output a step (the step in flight now was counted at the step aside)
+        self._lean_request_steps += steps * running
+        if running > self._max_running_seen:
+            self._max_running_seen = running
+        self._busy_s += dt
+        self._aside_s += dt
+        self._aside_steps += steps
+        self._clock.clear()  # the steps in flight were scheduled by vLLM alone: their outputs are not timed
 
     def _trace_row(
         self,
@@ -1213,6 +1307,9 @@ class _SpecPilotHook:
                 "hook_cpu_seconds": round(self._overhead_cpu_s, 6),
                 "busy_seconds": round(self._busy_s, 6),
                 "trace_seconds": round(self._trace_s, 6),
+                # the hook stood aside (static K = 0): wall time with requests running (s) and steps
+                "aside_seconds": round(self._aside_s, 6),
+                "aside_steps": self._aside_steps,
                 "fraction": (self._overhead_s / self._busy_s) if self._busy_s > 0 else None,
                 "cpu_fraction": (self._overhead_cpu_s / self._busy_s) if self._busy_s > 0 else None,
             },

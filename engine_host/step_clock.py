@@ -12,6 +12,11 @@ and the previous step's output: on a busy async engine the device starts step N 
 N-1 is done, so consecutive outputs bound a step; after an idle spell the step starts when
 it was scheduled. On a synchronous engine both rules give the old answer, the time from
 ``schedule()`` to its output.
+
+A step may also carry the object ``schedule()`` returned (vLLM's ``SchedulerOutput``, which
+the engine core hands back with the step's output): an output is then matched to its own step
+by that object, and the output of a step that was never recorded (scheduled while the hook
+stepped aside, ``engine_host.scheduler``) pops nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class ScheduledStep(NamedTuple):
     k_drafted: int  # K of the drafts verified in this step
     k_proposed: int  # K chosen in this step for the next drafts
     vllm_schedule_s: float = 0.0  # vLLM's own schedule() for this step (s; 0.0: not measured)
+    key: object = None  # what schedule() returned for this step (None: match by order only)
 
 
 class StepClock:
@@ -43,26 +49,44 @@ class StepClock:
         self._pending: deque[ScheduledStep] = deque(maxlen=depth)
         self._t_last_output = 0.0
 
-    def scheduled(self, t: float, k_drafted: int, k_proposed: int, vllm_schedule_s: float = 0.0) -> None:
+    def scheduled(
+        self, t: float, k_drafted: int, k_proposed: int, vllm_schedule_s: float = 0.0, key: object = None
+    ) -> None:
         """Record a ``schedule()`` call made at ``t`` (s), in which vLLM's own scheduler took
-        ``vllm_schedule_s`` (s)."""
-        self._pending.append(ScheduledStep(t, k_drafted, k_proposed, vllm_schedule_s))
+        ``vllm_schedule_s`` (s) and returned ``key`` (its output comes back with it)."""
+        self._pending.append(ScheduledStep(t, k_drafted, k_proposed, vllm_schedule_s, key))
+
+    def clear(self) -> None:
+        """Forget the steps in flight (their outputs will not be matched)."""
+        self._pending.clear()
 
     @property
     def in_flight(self) -> int:
         """Steps scheduled whose output has not come back yet."""
         return len(self._pending)
 
-    def output(self, t: float) -> tuple[float, ScheduledStep | None]:
-        """An output came back at ``t`` (s): its step and the step's duration (s).
+    def output(self, t: float, key: object = None) -> tuple[float, ScheduledStep | None]:
+        """An output came back at ``t`` (s), for the step whose ``schedule()`` returned ``key``
+        (None: the oldest step in flight): its step and the step's duration (s). Steps recorded
+        before a matched one are dropped (their outputs went missing).
 
         Returns:
-            ``(step_time_s, step)``; ``(0.0, None)`` when no step was recorded.
+            ``(step_time_s, step)``; ``(0.0, None)`` when no step was recorded, or none with
+            ``key`` (nothing is popped then).
         """
-        step = self._pending.popleft() if self._pending else None
+        pending = self._pending
         last, self._t_last_output = self._t_last_output, t
-        if step is None:
+        if not pending:
             return 0.0, None
+        step = pending[0]
+        if key is not None and step.key is not key and step.key is not None:
+            older = next((i for i, s in enumerate(pending) if s.key is key), -1)
+            if older < 0:
+                return 0.0, None
+            for _ in range(older):
+                pending.popleft()
+            step = pending[0]
+        pending.popleft()
         return max(0.0, t - max(step.t_scheduled, last)), step
 
 

@@ -52,7 +52,12 @@ V2_PER_STEP_K_SINCE = (0, 32)
 ASYNC_METHODS = ("ngram_gpu", "draft_model", "eagle", "eagle3", "mtp")
 """Speculative methods that keep async scheduling on Model Runner V2 (vLLM >= 0.32, GPU)."""
 
-SCHEDULER_SOURCES = ("v1/core/sched/scheduler.py", "v1/core/sched/async_scheduler.py", "config/scheduler.py")
+SCHEDULER_SOURCES = (
+    "v1/core/sched/scheduler.py",
+    "v1/core/sched/async_scheduler.py",
+    "config/scheduler.py",
+    "v1/engine/core.py",
+)
 """vLLM source files (relative to the ``vllm`` package) that :func:`scheduler_shape` reads."""
 
 
@@ -155,6 +160,7 @@ def scheduler_class(async_on: bool) -> str:
 
 EXPECTED_SHAPE: dict[str, Any] = {
     "scheduler_init_sets": [
+        "current_step",
         "dynamic_sd_lookup",
         "max_num_running_reqs",
         "max_num_scheduled_tokens",
@@ -162,6 +168,7 @@ EXPECTED_SHAPE: dict[str, Any] = {
         "requests",
     ],
     "schedule_indexes_dynamic_sd_lookup": True,
+    "schedule_counts_current_step": True,
     "scheduler_methods": [
         "add_request",
         "has_requests",
@@ -188,6 +195,10 @@ EXPECTED_SHAPE: dict[str, Any] = {
     "async_placeholders_follow_step_k": True,
     "default_class_with_async": "AsyncScheduler",
     "update_from_output_reads_cudagraph_stats": True,
+    "engine_core_step_calls": {
+        "step": ["has_requests", "schedule", "update_from_output"],
+        "step_with_batch_queue": ["has_requests", "schedule", "update_from_output"],
+    },
 }
 """What :func:`scheduler_shape` returns for every release in :data:`CHECKED_VLLM_VERSIONS`."""
 
@@ -229,6 +240,22 @@ def _indexes_self_attr(fn: ast.FunctionDef, attr: str) -> bool:
     )
 
 
+def _scheduler_calls(fn: ast.FunctionDef) -> list[str]:
+    """The methods ``fn`` calls as ``self.scheduler.NAME(...)``, sorted by name."""
+    out: list[str] = []
+    for n in ast.walk(fn):
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Attribute)
+            and n.func.value.attr == "scheduler"
+            and isinstance(n.func.value.value, ast.Name)
+            and n.func.value.value.id == "self"
+        ):
+            out.append(n.func.attr)
+    return sorted(set(out))
+
+
 def scheduler_shape(sources: dict[str, str]) -> dict:
     """The facts about vLLM's scheduler that the engine host relies on.
 
@@ -243,7 +270,12 @@ def scheduler_shape(sources: dict[str, str]) -> dict:
         placeholders follow each step's ``num_spec_tokens_to_schedule``, and the class
         ``SchedulerConfig.get_scheduler_cls`` returns for async scheduling when no class
         is named, and whether ``update_from_output`` reads ``model_runner_output.cudagraph_stats``
-        (the step's CUDA graph mode, which the step trace records).
+        (the step's CUDA graph mode, which the step trace records); whether ``schedule``
+        counts itself in ``self.current_step`` (the hook counts the steps it stood aside for
+        from it), and which of the scheduler's methods ``EngineCore.step`` and
+        ``step_with_batch_queue`` call as ``self.scheduler.NAME(...)``, looked up on every call
+        (the hook steps aside by setting two of them on the scheduler object, and back in
+        from ``has_requests``).
     Raises:
         VllmShapeError: a file is missing or a class is not found.
     """
@@ -251,6 +283,7 @@ def scheduler_shape(sources: dict[str, str]) -> dict:
         sched = ast.parse(sources["v1/core/sched/scheduler.py"])
         asched = ast.parse(sources["v1/core/sched/async_scheduler.py"])
         cfg = ast.parse(sources["config/scheduler.py"])
+        core = ast.parse(sources["v1/engine/core.py"])
     except KeyError as exc:
         raise VllmShapeError(f"source {exc} not given") from exc
     s = _class(sched, "Scheduler")
@@ -284,6 +317,21 @@ def scheduler_shape(sources: dict[str, str]) -> dict:
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "SchedulerOutput"
         for kw in n.keywords
     }
+    counts_step = any(
+        isinstance(n, ast.AugAssign)
+        and isinstance(n.op, ast.Add)
+        and isinstance(n.target, ast.Attribute)
+        and n.target.attr == "current_step"
+        and isinstance(n.target.value, ast.Name)
+        and n.target.value.id == "self"
+        for n in ast.walk(schedule)
+    )
+    ec = _class(core, "EngineCore")
+    wanted = EXPECTED_SHAPE["engine_core_step_calls"]
+    step_calls = {}
+    for name in wanted:
+        fn = _method(ec, name)
+        step_calls[name] = [m for m in _scheduler_calls(fn) if m in wanted[name]] if fn is not None else []
     return {
         "scheduler_init_sets": sorted(a for a in EXPECTED_SHAPE["scheduler_init_sets"] if a in assigned),
         "schedule_indexes_dynamic_sd_lookup": _indexes_self_attr(schedule, "dynamic_sd_lookup"),
@@ -294,6 +342,8 @@ def scheduler_shape(sources: dict[str, str]) -> dict:
         "async_placeholders_follow_step_k": follows,
         "default_class_with_async": default_async,
         "update_from_output_reads_cudagraph_stats": reads_cg,
+        "schedule_counts_current_step": counts_step,
+        "engine_core_step_calls": step_calls,
     }
 
 

@@ -1084,7 +1084,7 @@ def test_hook_cost_drives_the_real_hook_and_reports_per_step(capsys):
     assert measure("adaptive", 1, 300)["hook_clock_us_per_step"] > 0
     assert r["verify_us_per_step"] > 0  # vLLM's per-request call at K > 0, timed apart
     assert measure("fixed:0", 2, 100)["verify_us_per_step"] == 0.0
-    cold = measure("fixed:0", 1, 50, cold_mib=1)  # caches made cold between steps; only the steps timed
+    cold = measure("fixed:4", 1, 50, cold_mib=1)  # caches made cold between steps; only the steps timed
     assert 0 < cold["hook_clock_us_per_step"] <= cold["us_per_step"]
     assert main(["--modes", "fixed:0", "--batch", "1", "--steps", "10", "--cold", "-1"]) == 2
     assert "--cold needs MiB >= 0" in capsys.readouterr().err

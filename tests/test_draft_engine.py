@@ -90,16 +90,27 @@ def test_state_and_metrics_name_the_method_and_draft(draft_host, dcontrol):
 
 
 def test_draft_tokens_per_step_follow_live_k_and_none_at_k0(draft_host, dcontrol):
+    def aside_steps() -> int:
+        return dcontrol.get("/control/state").json()["overhead"]["aside_steps"]
+
     for k in (0, 3, 1, 0):
         r = dcontrol.put("/control/config", json={"speculation": {"mode": "fixed", "k": k}})
         assert r.status_code == 200, r.text
         d0, t0 = _counters(draft_host)
+        a0 = aside_steps()
+        at_k0 = dcontrol.get("/control/state").json()["controller"]["steps_at_k"][0]
         _complete(draft_host)
         d1, t1 = _counters(draft_host)
         if k == 0:
             assert t1 == t0, f"K=0 drafted {t1 - t0} tokens"
+            # the hook stood aside (vLLM's own schedule() and update_from_output() ran) and stepped
+            # back in for the next config, which took effect at once; the steps it stood aside for
+            # count at K = 0 (24 tokens: 23 decode steps at least)
+            assert aside_steps() > a0
+            assert dcontrol.get("/control/state").json()["controller"]["steps_at_k"][0] - at_k0 >= 23
         else:  # a draft model always drafts K tokens per request-step
             assert d1 > d0 and (t1 - t0) == pytest.approx(k * (d1 - d0)), (k, d1 - d0, t1 - t0)
+            assert aside_steps() == a0
         assert dcontrol.get("/control/state").json()["speculation"]["k_current"] == k
 
 

@@ -127,6 +127,9 @@ def test_k_change_takes_effect_without_restart(engine_host, control, restore_con
     c.completions.create(model=MODEL, prompt=COPY_PROMPT, max_tokens=48, temperature=0)
     d1 = metric_values(engine_host.url).get(key, 0.0)
     assert d1 == d0, "K=0 must propose no draft tokens"
+    # this engine host writes a step trace, a row a step: its hook never stands aside at K = 0
+    # (tests/test_draft_engine.py has one that does)
+    assert control.get("/control/state").json()["overhead"]["aside_steps"] == 0
 
     r = control.put("/control/config", json={"speculation": {"mode": "fixed", "k": 4}})
     assert r.status_code == 200, r.text

@@ -46,6 +46,14 @@ def _steady_clock(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _hook_stays_in(monkeypatch):
+    """At a static K = 0 the hook steps aside between state publishes (tests/test_hook_aside.py);
+    these tests keep it on its lean path, which it takes in between and in the adaptive
+    policy's rests."""
+    monkeypatch.setenv("SPECPILOT_HOOK_ASIDE", "0")
+
+
+@pytest.fixture(autouse=True)
 def _every_step_teaches(monkeypatch):
     """The stand-in runs one endless lone request: the rule that a lone request's first
     decode steps do not teach the step-time model (``DecodeStretch``) would only drop the

@@ -451,7 +451,7 @@ def test_quiet_steps_are_folded_in_a_few_at_a_time_in_order_and_before_a_publish
         times = iter([0.010 + i / 1000 for i in range(100)])
         hook._clock = types.SimpleNamespace(
             scheduled=lambda *a: None,
-            output=lambda t: (next(times), types.SimpleNamespace(k_drafted=0, k_proposed=0, t_scheduled=t)),
+            output=lambda t, key=None: (next(times), types.SimpleNamespace(k_drafted=0, k_proposed=0, t_scheduled=t)),
         )
 
         def step():

@@ -40,3 +40,22 @@ def test_an_idle_spell_does_not_count_as_step_time():
 
 def test_an_output_without_a_recorded_step_is_not_timed():
     assert StepClock().output(3.0) == (0.0, None)
+
+
+def test_outputs_are_matched_to_their_steps_by_what_schedule_returned():
+    """An output of a step that was never recorded (scheduled while the hook stood aside)
+    pops nothing; one whose older steps' outputs went missing drops those."""
+    a, b, c = object(), object(), object()
+    clock = StepClock()
+    clock.scheduled(1.00, 0, 0, key=a)
+    assert clock.output(1.01, key=object()) == (0.0, None)  # not a recorded step
+    assert clock.in_flight == 1
+    dt, step = clock.output(1.03, key=a)
+    assert step.key is a and abs(dt - 0.02) < 1e-9  # from the output before (async: the device was busy)
+    clock.scheduled(1.04, 0, 1, key=b)
+    clock.scheduled(1.05, 0, 2, key=c)
+    dt, step = clock.output(1.08, key=c)  # b's output never came
+    assert step.k_proposed == 2 and clock.in_flight == 0
+    clock.scheduled(1.10, 0, 0, key=a)
+    clock.clear()
+    assert clock.in_flight == 0 and clock.output(1.2, key=a) == (0.0, None)

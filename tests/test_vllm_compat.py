@@ -156,3 +156,26 @@ def test_launcher_asks_vllm_for_each_steps_cuda_graph_mode_while_tracing_on_a_gp
     assert "--cudagraph-metrics" not in launcher.vllm_command(_args(k_max=4, enforce_eager=True), "/m", [])
     monkeypatch.setattr(launcher, "is_cpu_build", lambda: True)  # no CUDA graphs on the CPU build
     assert "--cudagraph-metrics" not in launcher.vllm_command(_args(k_max=8), "/m", [])
+
+
+def test_shape_check_fails_when_the_scheduler_stops_counting_its_steps():
+    # the hook counts the steps it stood aside for (engine_host.scheduler) from current_step
+    src = sources_033()
+    src["v1/core/sched/scheduler.py"], n = re.subn(
+        r"\n(\s*)self\.current_step \+= 1\n", r"\n\1pass\n", src["v1/core/sched/scheduler.py"]
+    )
+    assert n >= 1
+    with pytest.raises(VllmShapeError, match="schedule_counts_current_step"):
+        check_shape(scheduler_shape(src))
+
+
+def test_shape_check_fails_when_the_engine_core_binds_the_schedulers_methods_once():
+    # stepping aside sets schedule() and update_from_output() on the scheduler object: the engine
+    # core must look them up on every step
+    src = sources_033()
+    src["v1/engine/core.py"], n = re.subn(
+        r"self\.scheduler\.update_from_output\(", "self._update_from_output(", src["v1/engine/core.py"]
+    )
+    assert n >= 2
+    with pytest.raises(VllmShapeError, match="engine_core_step_calls"):
+        check_shape(scheduler_shape(src))

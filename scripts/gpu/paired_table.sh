@@ -24,7 +24,11 @@
 # `adaptive_old`, an adaptive engine host with the probe schedule and the step-time model of before host 38
 # (SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0), beside the adaptive one on the same prompts. POOLED=0 leaves out
 # the `pooled` engine host (its rounds then go to the others), K4=0 the `k4` one. K0_NOTRACE=1 adds `k0_notrace`, a
-# static K = 0 engine host with no step trace (and so without vLLM's `--cudagraph-metrics`): what tracing costs `k0`.
+# static K = 0 engine host with no step trace (and so without vLLM's `--cudagraph-metrics`): what tracing costs `k0`,
+# and, since an untraced hook at a static K = 0 steps aside between state publishes (engine_host/scheduler.py), what
+# stepping aside gives. K0_IN=1 adds `k0_in`, the same with SPECPILOT_HOOK_ASIDE=0: the hook on its lean path every step.
+# A_IN=1 adds `adaptive_in`, the adaptive engine host with SPECPILOT_HOOK_ASIDE=0 (its rests at K = 0 on the lean path).
+# TRACE=0 writes no step trace (a traced hook never steps aside).
 # SERVE_K0=1 adds `vllm_k0`: plain `vllm serve` with the engine hosts' ngram_gpu speculative config at K_max and a
 # batch-size table giving K = 0 at every batch size, and no SpecPilot part: what vLLM's own speculative path costs at
 # K = 0. PLAIN_TWIN=1 adds `plain_b`, a second plain vLLM like `plain`: the A/A control of plain vLLM (every `serve`
@@ -60,6 +64,8 @@ mkdir -p "$R"
 [ "${K0_TWIN:-}" = 0 ] && K0_TWIN=
 [ "${MIX_OLD:-}" = 0 ] && MIX_OLD=
 [ "${K0_NOTRACE:-}" = 0 ] && K0_NOTRACE=
+[ "${K0_IN:-}" = 0 ] && K0_IN=
+[ "${A_IN:-}" = 0 ] && A_IN=
 [ "${SERVE_K0:-}" = 0 ] && SERVE_K0=
 [ "${PLAIN_TWIN:-}" = 0 ] && PLAIN_TWIN=
 POOLED_ENGINE=1
@@ -115,14 +121,18 @@ PLAIN="--gpu-memory-utilization $GPU_UTIL --kv-cache-memory-bytes $KV_BYTES --no
 # vLLM's own ngram_gpu engine: the engine hosts' speculative config (method, K_max, n-gram lookup), K = 0 at every batch size
 SPEC_K0=$(python3 -c 'import json, sys; from engine_host.speculation import SpeculationSpec as S, speculative_config as c
 print(json.dumps(c(S(method="ngram_gpu", k_max=int(sys.argv[1]))) | {"num_speculative_tokens_per_batch_size": [[1, 1048576, 0]]}))' "$K_MAX")
-SPECPILOT_STEP_TRACE=$R/steps.csv python3 -m bench host-overhead --model "$M" --parallel-start --keep \
+TRACE_FILE=$R/steps.csv
+[ "${TRACE:-1}" = 0 ] && TRACE_FILE=
+SPECPILOT_STEP_TRACE=$TRACE_FILE python3 -m bench host-overhead --model "$M" --parallel-start --keep \
   --state "$R/state.json" --out "$R/overhead" --workloads chat --loads 1 --rounds 1 --duration 3 --warm 2 --ttfts 7 \
   --engine "serve:plain:$PLAIN" ${SERVE_K0:+--engine "serve:vk0:$PLAIN --speculative-config '$SPEC_K0'"} \
   ${PLAIN_TWIN:+--engine "serve:plainb:$PLAIN"} \
   --engine "host:a:$E" ${POOLED_ENGINE:+--engine "host:p:$E"} --engine "host:f0:$E" ${K4_ENGINE:+--engine "host:f4:$E"} \
   ${K0_FULL:+--engine "host:f0x:SPECPILOT_HOOK_LEAN=0 $E"} ${K0_TWIN:+--engine "host:f0b:$E"} \
   ${MIX_OLD:+--engine "host:ao:SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0 $E"} \
+  ${A_IN:+--engine "host:ain:SPECPILOT_HOOK_ASIDE=0 $E"} \
   ${K0_NOTRACE:+--engine "host:f0nt:SPECPILOT_STEP_TRACE= $E"} \
+  ${K0_IN:+--engine "host:f0in:SPECPILOT_STEP_TRACE= SPECPILOT_HOOK_ASIDE=0 $E"} \
   ${PIN_ENGINES[@]+"${PIN_ENGINES[@]}"} > "$R/start.log" 2>&1
 rc=$?
 progress "engines up (rc $rc)"
@@ -136,7 +146,7 @@ if [ -n "$HELD" ] && [ -z "${PIN_CPUS:-}" ] && [ "${CPU_PAIRS:-1}" != 0 ]; then 
 fi
 eval "$(engine_vars "$R/state.json")"
 [ "${OFF_ARMS:-0}" = 1 ] && export AOFF_TOKEN F0OFF_TOKEN
-export A_TOKEN F0_TOKEN ${K0_NOTRACE:+F0NT_TOKEN} ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN}
+export A_TOKEN F0_TOKEN ${K0_NOTRACE:+F0NT_TOKEN} ${K0_IN:+F0IN_TOKEN} ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN} ${A_IN:+AIN_TOKEN}
 ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN")
 [ -n "${SERVE_K0:-}" ] && ARMS+=(--arm "vllm_k0=$VK0_URL")
 [ -n "${PLAIN_TWIN:-}" ] && ARMS+=(--arm "plain_b=$PLAINB_URL")
@@ -144,6 +154,8 @@ ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_
 [ -n "$POOLED_ENGINE" ] && ARMS+=(--arm "pooled=$P_URL,mode=adaptive_pooled,token-env=P_TOKEN")
 ARMS+=(--arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN")
 [ -n "${K0_NOTRACE:-}" ] && ARMS+=(--arm "k0_notrace=$F0NT_URL,mode=fixed:0,token-env=F0NT_TOKEN")
+[ -n "${K0_IN:-}" ] && ARMS+=(--arm "k0_in=$F0IN_URL,mode=fixed:0,token-env=F0IN_TOKEN")
+[ -n "${A_IN:-}" ] && ARMS+=(--arm "adaptive_in=$AIN_URL,mode=adaptive,token-env=AIN_TOKEN")
 if [ -n "${PIN_CPUS:-}" ]; then
   ARMS+=(--arm "adaptive_pin=$APIN_URL,mode=adaptive,token-env=APIN_TOKEN" --arm "k0_pin=$F0PIN_URL,mode=fixed:0,token-env=F0PIN_TOKEN")
 fi
@@ -168,6 +180,8 @@ SPY=${SPECPILOT_SCRATCH:-/tmp/specpilot-gpu}/site/bin/py-spy
 states() {
   curl -s -H "Authorization: Bearer $A_TOKEN" "$A_URL/control/state" > "$R/mixture-state-$1.json"
   [ -z "${MIX_OLD:-}" ] || curl -s -H "Authorization: Bearer $AO_TOKEN" "$AO_URL/control/state" > "$R/mixture-old-state-$1.json"
+  [ -z "${A_IN:-}" ] || curl -s -H "Authorization: Bearer $AIN_TOKEN" "$AIN_URL/control/state" > "$R/mixture-in-state-$1.json"
+  [ -z "${K0_IN:-}" ] || curl -s -H "Authorization: Bearer $F0IN_TOKEN" "$F0IN_URL/control/state" > "$R/k0-in-state-$1.json"
   [ -z "${PIN_CPUS:-}" ] || curl -s -H "Authorization: Bearer $APIN_TOKEN" "$APIN_URL/control/state" > "$R/mixture-pin-state-$1.json"
   [ -z "$POOLED_ENGINE" ] || curl -s -H "Authorization: Bearer $P_TOKEN" "$P_URL/control/state" > "$R/pooled-state-$1.json"
   curl -s -H "Authorization: Bearer $F0_TOKEN" "$F0_URL/control/state" > "$R/k0-state-$1.json"
