@@ -1140,6 +1140,9 @@ class _SpecPilotHook:
         self._aside_s += dt
         self._aside_steps += steps
         self._clock.clear()  # the steps in flight were scheduled by vLLM alone: their outputs are not timed
+        # the next output takes the full path (the lean path's sample), where the hook steps aside again:
+        # after a drain the next request's steps are vLLM's from its first output on
+        self._lean_outputs = self.LEAN_SAMPLE - 1
 
     def _trace_row(
         self,

@@ -14,7 +14,7 @@ import types
 import pytest
 
 import engine_host.scheduler as scheduler_module
-from bench.hook_cost import _SchedulerStandIn, standin_hook
+from bench.hook_cost import _SchedulerStandIn, standin_hook, standin_request
 from engine_host.config import LiveConfig
 
 STEP_S = 2e-3  # what a step takes (s): the clock moves by this much per step
@@ -118,6 +118,11 @@ def test_the_engine_draining_steps_the_hook_back_in_and_publishes_the_idle_state
         assert not hook._aside and "update_from_output" not in hook.__dict__
         state = hook._channel.read_state()
         assert state["running"] == 0 and state["step_index"] == hook.current_step == 12
+        # the next request's steps are vLLM's own from its first output on
+        _SchedulerStandIn.add_request(hook, standin_request("r1", 2))
+        hook.busy = True
+        _run(hook, 1)
+        assert _aside(hook)
 
 
 def test_the_hook_stays_in_while_tracing_and_under_a_batch_cap(tmp_path, monkeypatch):
