@@ -172,6 +172,8 @@ class _SpecPilotHook:
     QUIET_STEPS = 8
     # the K decision's time inside vLLM's schedule() (the K lookup) in the step being scheduled (s)
     _decide_s = 0.0
+    # the hook stands aside (set per instance by _step_aside; False until it first does)
+    _aside = False
     # the lean path: while the policy holds K at 0 and learns nothing from steps (off, fixed
     # at 0), with the gate off and no warm-up, a step only checks the config's sequence
     # number (and a batch cap below the start-up limits), keeps the step clock and counts
