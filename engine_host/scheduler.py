@@ -193,24 +193,23 @@ class _SpecPilotHook:
     # the per-request gate drops drafts request by request (synchronous scheduling), whose
     # per-request probe counts advance every step.
     LEAN_SPAN = 16
-    # stepping aside: on the lean path (a static K = 0 or off, and the adaptive policy's rests),
-    # with the batch caps at their start-up limits and no step trace, the hook takes itself out
-    # of vLLM's per-step calls. It sets vLLM's own schedule() and update_from_output() as
-    # attributes of the scheduler object, which Python finds before the class's methods, so the
-    # engine core calls vLLM's directly (it looks them up on every step: the vLLM shape test pins
-    # that). Only has_requests(), which the engine core calls before every step, stays the hook's:
-    # it steps back in (removes those attributes) when the config's sequence number changed, a
-    # state publish is due, the engine drained, the rest span's steps are used up (counted by
-    # vLLM's own step counter, ``Scheduler.current_step``) or, where a join ends the span, a
-    # request joined; the next steps take the lean path (at a static K = 0 it steps aside again
-    # at its next observed output; a rest span's end decides K on the full path). The steps
-    # scheduled meanwhile are counted from ``current_step``, their outputs as one each, their
-    # requests as the running ones at the step back in, and their wall time as busy time; with
-    # one request running at both ends (no other joined: a lone request's span ends at a join,
-    # and at a static K = 0 the engine drains between requests at one client), their mean time
-    # teaches the step-time model what a plain step takes, as the lean path's sampled steps do.
-    # "Speculation off" then costs a step a few comparisons in has_requests() instead of the
-    # lean path's frames.
+    # stepping aside: at a static K = 0 (or off) on the lean path, with the batch caps at their
+    # start-up limits and no step trace, the hook takes itself out of vLLM's per-step calls. It
+    # sets vLLM's own schedule() and update_from_output() as attributes of the scheduler object,
+    # which Python finds before the class's methods, so the engine core calls vLLM's directly (it
+    # looks them up on every step: the vLLM shape test pins that). Only has_requests(), which the
+    # engine core calls before every step, stays the hook's: it steps back in (removes those
+    # attributes) when the config's sequence number changed, a state publish is due or the engine
+    # drained; the next output takes the full path, which steps aside again. The steps scheduled
+    # meanwhile are counted from vLLM's own step counter (``Scheduler.current_step``), their
+    # outputs as one each, their requests as the running ones at the step back in, and their wall
+    # time as busy time; with one request running at both ends their mean time teaches the
+    # step-time model what a plain step takes, as the lean path's sampled steps do. "Speculation
+    # off" then costs a step two comparisons in has_requests() instead of the lean path's frames.
+    # Not in the adaptive policy's rests: there its decisions learn from the lean path's steps
+    # (the step-time model's price of a plain step at each batch), and stood aside the policy
+    # drafted in 34 of 60 steps of a quoting burst where the lean path drafted in 50
+    # (python -m bench policy-bursts, docs/engine_host.md).
 
     # Attributes of vLLM's Scheduler (set in its __init__) that the hook reads and caps.
     max_num_running_reqs: int
@@ -286,7 +285,6 @@ class _SpecPilotHook:
         )
         self._aside = False  # the hook stands aside: vLLM's schedule() and update_from_output() run directly
         self._aside_from = (0, 0.0, 0)  # (vLLM's current_step, perf_counter(), running) when it stepped aside
-        self._aside_until = 0  # vLLM's current_step at which the rest span's steps are used up
         self._aside_s = 0.0  # wall time stood aside with requests running (s)
         self._aside_steps = 0  # steps vLLM scheduled meanwhile
         self._step_index = 0
@@ -590,10 +588,7 @@ class _SpecPilotHook:
             if (
                 busy
                 and self._config_seq_view[0] == self._config_seq  # type: ignore[index]
-                and self.current_step < self._aside_until  # type: ignore[attr-defined]
                 and time.perf_counter() < self._publish_due
-                # a lone request's span (or a small batch's): a request that joined ends it
-                and (not self._lean_join_ends or ((r := self.running) and r[-1] is self._lean_newest))  # type: ignore[attr-defined]
             ):
                 return True
             self._step_in()
@@ -1093,7 +1088,7 @@ class _SpecPilotHook:
         if (
             self._lean
             and self._aside_ok
-            and self._lean_left > 1
+            and not self._resting
             and self._caps_steady
             and running
             and self._config_seq_view is not None
@@ -1112,7 +1107,6 @@ class _SpecPilotHook:
         d["update_from_output"] = base.update_from_output  # type: ignore[attr-defined]
         step = self.current_step  # type: ignore[attr-defined]
         self._aside_from = (step, time.perf_counter(), len(self.running))  # type: ignore[attr-defined]
-        self._aside_until = step + self._lean_left if self._resting else 1 << 62
         self._aside = True
 
     def _step_in(self) -> None:
@@ -1128,9 +1122,9 @@ class _SpecPilotHook:
         running = len(self.running)  # type: ignore[attr-defined]
         self._step_index += steps
         self._lean_scheduled += steps
-        self._lean_left -= steps
         if steps and running == running0 == 1 and self._lean_times_on:
-            # a lone request's decode steps: their mean time is a plain step's
+            # a lone request's decode steps (at one client the engine drains between requests): their mean
+            # time is a plain step's
             self._lean_timed += steps
             self._lean_timed_requests += steps
             self._lean_timed_s += dt

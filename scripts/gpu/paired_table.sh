@@ -27,7 +27,8 @@
 # static K = 0 engine host with no step trace (and so without vLLM's `--cudagraph-metrics`): what tracing costs `k0`,
 # and, since an untraced hook at a static K = 0 steps aside between state publishes (engine_host/scheduler.py), what
 # stepping aside gives. K0_IN=1 adds `k0_in`, the same with SPECPILOT_HOOK_ASIDE=0: the hook on its lean path every step.
-# A_IN=1 adds `adaptive_in`, the adaptive engine host with SPECPILOT_HOOK_ASIDE=0 (its rests at K = 0 on the lean path).
+# A_IN=1 adds `adaptive_in`, the adaptive engine host with SPECPILOT_HOOK_ASIDE=0 (host 49's tree stood aside in the
+# adaptive policy's rests too; since then the adaptive engine host's rests stay on the lean path and the two run alike).
 # TRACE=0 writes no step trace (a traced hook never steps aside).
 # SERVE_K0=1 adds `vllm_k0`: plain `vllm serve` with the engine hosts' ngram_gpu speculative config at K_max and a
 # batch-size table giving K = 0 at every batch size, and no SpecPilot part: what vLLM's own speculative path costs at
