@@ -1128,7 +1128,8 @@ class _SpecPilotHook:
             self._lean_timed += steps
             self._lean_timed_requests += steps
             self._lean_timed_s += dt
-        self._lean_skipped += steps  # one output a step (the step in flight now was counted at the step aside)
+        # one output a step: the step in flight at the step aside came back meanwhile, the one in flight now comes back to the hook
+        self._lean_skipped += steps
         self._lean_request_steps += steps * running
         if running > self._max_running_seen:
             self._max_running_seen = running
