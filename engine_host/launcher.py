@@ -35,7 +35,14 @@ from .vllm_compat import is_cpu_build  # (also looked up here: router.cli, contr
 PLUGINS = "specpilot_control,specpilot_stats,specpilot_general"
 ENV_API_KEY = envs.API_KEY
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
-DEFAULT_METHOD = "ngram"
+DEFAULT_METHOD = "ngram"  # where no GPU build of vLLM >= 0.32 is installed (default_method)
+
+
+def default_method() -> str:
+    """``--speculative-method``'s default here (:func:`engine_host.vllm_compat.default_speculative_method`
+    for the installed vLLM): ``"ngram_gpu"`` on a GPU build of vLLM >= 0.32, ``DEFAULT_METHOD`` elsewhere."""
+    dist = vllm_compat.installed_vllm()
+    return vllm_compat.default_speculative_method(dist[1] if dist else None, cpu_build=is_cpu_build())
 
 
 def cpu_has_native_fp16() -> bool:
@@ -106,9 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--speculative-method",
         choices=METHODS,
-        default=DEFAULT_METHOD,
-        help="how drafts are made: ngram (prompt lookup), ngram_gpu (GPU build), draft_model (a smaller "
-        "model with the target's tokenizer), eagle/eagle3 (a trained head), mtp (the target's own layers)",
+        default=default_method(),
+        help="how drafts are made: ngram (prompt lookup), ngram_gpu (the same on the GPU), draft_model (a "
+        "smaller model with the target's tokenizer), eagle/eagle3 (a trained head), mtp (the target's own "
+        "layers). Default: ngram_gpu on a GPU build of vLLM >= 0.32 (Model Runner V2 with async scheduling), "
+        "ngram elsewhere",
     )
     p.add_argument(
         "--draft-model",

@@ -101,6 +101,17 @@ def has_v2_per_step_k(version: str, *, cpu_build: bool) -> bool:
     return not cpu_build and parse_version(version)[:2] >= V2_PER_STEP_K_SINCE
 
 
+def default_speculative_method(version: str | None, *, cpu_build: bool) -> str:
+    """``--speculative-method``'s default for the installed vLLM: ``"ngram_gpu"`` on a GPU
+    build of vLLM >= 0.32 (Model Runner V2: the per-step K, async scheduling and full CUDA
+    graphs at every K, the engine that docs/gpu.md measures beside plain vLLM), ``"ngram"``
+    elsewhere (the CPU build, which has no GPU kernels, and older GPU builds, whose V1 runner
+    runs n-gram drafts only as ``ngram``). ``version`` None: no vLLM installed (``"ngram"``)."""
+    if version is None or cpu_build:
+        return "ngram"
+    return "ngram_gpu" if has_v2_per_step_k(version, cpu_build=False) else "ngram"
+
+
 def async_scheduling_default(method: str, k_max: int, *, version: str, cpu_build: bool) -> bool:
     """Whether the engine host runs vLLM's async scheduling when ``--async-scheduling`` is
     not given (and so subclasses ``AsyncScheduler``).

@@ -101,7 +101,31 @@ def test_launcher_on_a_033_gpu_build_keeps_async_scheduling_with_ngram_gpu(monke
     assert spec["method"] == "ngram_gpu" and spec["num_speculative_tokens_per_batch_size"] == live_k_table(4)
 
 
+def test_default_speculative_method_is_ngram_gpu_only_on_a_gpu_build_with_model_runner_v2():
+    assert vllm_compat.default_speculative_method("0.33.0", cpu_build=False) == "ngram_gpu"
+    assert vllm_compat.default_speculative_method("0.32.0", cpu_build=False) == "ngram_gpu"
+    assert vllm_compat.default_speculative_method("0.26.0", cpu_build=False) == "ngram"
+    assert vllm_compat.default_speculative_method("0.32.0+cpu", cpu_build=True) == "ngram"
+    assert vllm_compat.default_speculative_method(None, cpu_build=False) == "ngram"
+
+
+def test_launcher_on_a_033_gpu_build_drafts_with_ngram_gpu_by_default(monkeypatch):
+    # `make run` on a GPU machine: the engine the GPU tables measure (async scheduling, per-step K)
+    monkeypatch.setattr(launcher, "is_cpu_build", lambda: False)
+    monkeypatch.setattr(vllm_compat, "installed_vllm", lambda: ("vllm", "0.33.0"))
+    args = _args(k_max=4)
+    assert args.speculative_method == "ngram_gpu"
+    cmd = launcher.vllm_command(args, "/m", [])
+    assert cmd[cmd.index("--scheduler-cls") + 1] == "engine_host.scheduler.SpecPilotAsyncScheduler"
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1])["method"] == "ngram_gpu"
+    monkeypatch.setattr(vllm_compat, "installed_vllm", lambda: ("vllm", "0.26.0"))  # V1 runner: ngram
+    assert _args(k_max=4).speculative_method == "ngram"
+    # an explicit choice stands
+    assert launcher.build_parser().parse_args(["--speculative-method", "ngram"]).speculative_method == "ngram"
+
+
 def test_launcher_on_the_cpu_build_is_unchanged():
+    assert _args().speculative_method == "ngram"
     cmd = launcher.vllm_command(_args(k_max=8), "/m", [])
     assert cmd[cmd.index("--scheduler-cls") + 1] == "engine_host.scheduler.SpecPilotScheduler"
     assert "--no-async-scheduling" in cmd

@@ -36,7 +36,9 @@
 # engine already runs at the engine hosts' --max-model-len 2048, bench/gpu_bench.py). C1_WORKLOADS, C8_WORKLOADS and
 # C64_WORKLOADS replace a table's workloads (defaults chat,code,docs,mixed / mixed,code,docs / docs,code,shift): a
 # per-cell target resolved at 2 % takes 100-460 rounds on the offline H200 hosts (docs/gpu.md, host 36), so spend
-# a run's rounds on the arms and cells it is about. PIN_GPU_NODE=1 runs every process on the CPUs local to the GPU
+# a run's rounds on the arms and cells it is about. C8_PER_CLIENT and C64_PER_CLIENT (defaults 4 and 2) are the requests
+# each client sends per arm in a round of those tables: fewer make shorter rounds, and so more of them in a budget.
+# PIN_GPU_NODE=1 runs every process on the CPUs local to the GPU
 # (its PCI device's local_cpulist; RESULTS/topology.txt says what was done). With a py-spy executable (PY_SPY, or the payload's in
 # $SPECPILOT_SCRATCH/site/bin), after the tables: `bench profile-step --attach` samples the mixture engine host
 # and `k0` (and `k0full`) in turn at 64 clients of code, where the adaptive engine host switches K
@@ -200,8 +202,8 @@ table() {
   states "$1"
 }
 table c1 "${BUDGET_C1:-300}" "${C1_WORKLOADS:-chat,code,docs,mixed}" 1 1
-table c8 "${BUDGET_C8:-200}" "${C8_WORKLOADS:-mixed,code,docs}" 8 4
-table c64 "${BUDGET_C64:-250}" "${C64_WORKLOADS:-docs,code,shift}" 64 2
+table c8 "${BUDGET_C8:-200}" "${C8_WORKLOADS:-mixed,code,docs}" 8 "${C8_PER_CLIENT:-4}"
+table c64 "${BUDGET_C64:-250}" "${C64_WORKLOADS:-docs,code,shift}" 64 "${C64_PER_CLIENT:-2}"
 [ "${OFF_ARMS:-0}" = 1 ] && [ -z "${PROFILE_ENGINES:-}" ] && PROFILED=$PROFILED,aoff,f0off
 if [ -n "$PY_SPY" ] && [ "${PROFILE:-1}" != 0 ]; then  # PROFILE=0: no profile after the tables
   for cell in ${PROFILE_CELLS:-64:code}; do  # CLIENTS:WORKLOAD[:SECONDS] each, e.g. "64:code 1:chat:20"
