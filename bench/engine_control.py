@@ -322,7 +322,9 @@ def overhead_delta(first: dict[str, Any] | None, last: dict[str, Any] | None) ->
     """The scheduler hook's own time between two state documents (their ``overhead``:
     cumulative since the engine started): ``{"hook_seconds", "hook_cpu_seconds",
     "busy_seconds"}`` (s) of the interval and ``fraction`` / ``cpu_fraction``, the hook's
-    wall and CPU time as a fraction 0..1 of the engine's busy time in it. None where either
+    wall and CPU time as a fraction 0..1 of the engine's busy time in it; with
+    ``aside_steps`` and ``lean_steps`` (steps) where both documents count them: the steps
+    the hook stood aside for and those it ran on its lean path in the interval. None where either
     document lacks the figures or the engine was not busy in between (or restarted: its
     counters went back)."""
     a, b = (first or {}).get("overhead") or {}, (last or {}).get("overhead") or {}
@@ -333,11 +335,16 @@ def overhead_delta(first: dict[str, Any] | None, last: dict[str, Any] | None) ->
     busy = d["busy_seconds"]
     if busy <= 0 or d["hook_seconds"] < 0 or d["hook_cpu_seconds"] < 0:
         return None
-    return {
+    out: dict[str, float] = {
         **{k: round(v, 6) for k, v in d.items()},
         "fraction": d["hook_seconds"] / busy,
         "cpu_fraction": d["hook_cpu_seconds"] / busy,
     }
+    # the steps the hook stood aside for and those on its lean path (engine hosts since host 50)
+    for k in ("aside_steps", "lean_steps"):
+        if isinstance(a.get(k), int) and isinstance(b.get(k), int) and b[k] >= a[k]:
+            out[k] = b[k] - a[k]
+    return out
 
 
 def mean_k(steps_at_k: list[int]) -> float | None:

@@ -318,10 +318,24 @@ def summarize(res: dict[str, Any]) -> list[dict[str, Any]]:
                 hook = [x["overhead"] for x in engine if x.get("overhead")]
                 busy = sum(h["busy_seconds"] for h in hook)
                 row["hook_share"] = sum(h["hook_seconds"] for h in hook) / busy if busy > 0 else None
+                if hook and len(hook) == len(engine) and all("lean_steps" in h and "aside_steps" in h for h in hook):
+                    # the steps the hook ran its full path on (neither lean nor stood aside)
+                    row["steps_full_path"] = max(
+                        row["steps"] - sum(h["lean_steps"] + h["aside_steps"] for h in hook), 0
+                    )
             row["draft_tokens"] = sum(x.get("draft_tokens", 0) for x in a)
             row["accepted_tokens"] = sum(x.get("accepted_tokens", 0) for x in a)
             rows.append(row)
     return rows
+
+
+def _steps_cell(r: dict[str, Any]) -> str:
+    """The table's steps column: ``steps (at K > 0)``, and the steps on the hook's full path
+    where the engine host counted them."""
+    if "steps" not in r:
+        return "-"
+    full = f"; full path {r['steps_full_path']}" if "steps_full_path" in r else ""
+    return f"{r['steps']} ({r['steps_k_gt0']}{full})"
 
 
 def render(res: dict[str, Any]) -> str:
@@ -357,7 +371,7 @@ def render(res: dict[str, Any]) -> str:
                     "-" if base or not per else f"{per[0]:.3f} [{per[1]:.3f}, {per[2]:.3f}]",
                     "-" if base else f"{r['faster']} of {r['rounds']}",
                     f(r["ttft_ms"], "{:.2f}"),
-                    f"{r['steps']} ({r['steps_k_gt0']})" if "steps" in r else "-",
+                    _steps_cell(r),
                     f"{int(r['accepted_tokens'])} / {int(r['draft_tokens'])}" if r["draft_tokens"] else "-",
                     f(r.get("hook_share"), "{:.2%}"),
                 ]

@@ -312,6 +312,7 @@ class _SpecPilotHook:
         self._lean_allowed = envs.hook_lean_on()  # $SPECPILOT_K0_LEAN / _HOOK_LEAN=0: never (side-by-side benchmarks)
         self._lean_ok = False  # the config allows it (a static K = 0 or adaptive, no warm-up, no per-request drops)
         self._lean_scheduled = 0  # steps scheduled on the lean path since the last flush
+        self._lean_steps = 0  # steps on the lean path or stood aside since the start (flushed ones)
         self._lean_skipped = 0  # outputs handed back on it without an observation
         self._lean_request_steps = 0  # requests in those outputs, all together
         # of those, the pure-decode ones past their batch's first steps (DecodeStretch.teaches):
@@ -490,6 +491,7 @@ class _SpecPilotHook:
     def _flush_lean(self) -> None:
         """Hand the lean path's step counts to the controller."""
         if self._lean_scheduled:
+            self._lean_steps += self._lean_scheduled
             self.controller.count_scheduled_at_zero(self._lean_scheduled)
             if self._lean_probe_count:  # steps at K = 0 toward the gate's next probe
                 self._steps_planned_out += self._lean_scheduled
@@ -1310,6 +1312,8 @@ class _SpecPilotHook:
                 # the hook stood aside (static K = 0): wall time with requests running (s) and steps
                 "aside_seconds": round(self._aside_s, 6),
                 "aside_steps": self._aside_steps,
+                # steps on the lean path, less those stood aside; the rest of step_index took the full path
+                "lean_steps": self._lean_steps - self._aside_steps,
                 "fraction": (self._overhead_s / self._busy_s) if self._busy_s > 0 else None,
                 "cpu_fraction": (self._overhead_cpu_s / self._busy_s) if self._busy_s > 0 else None,
             },

@@ -801,6 +801,49 @@ def test_the_hooks_share_of_a_cell_is_taken_between_the_window_and_the_end():
     assert overhead_delta(state(1.0, 0.8, 100.0), state(1.0, 0.8, 100.0)) is None  # not busy in between
     assert overhead_delta({}, state(1.0, 0.8, 100.0)) is None  # plain vLLM: no hook
     assert overhead_delta(None, None) is None
+    assert "lean_steps" not in d  # engine hosts that did not count them
+    a, b = state(1.0, 0.8, 100.0), state(1.5, 1.1, 120.0)
+    a["overhead"].update(aside_steps=100, lean_steps=40)
+    b["overhead"].update(aside_steps=900, lean_steps=52)
+    d = overhead_delta(a, b)
+    assert (d["aside_steps"], d["lean_steps"]) == (800, 12)
+
+
+def test_a_paired_cell_shows_the_steps_on_the_hooks_full_path():
+    from bench import paired
+
+    def burst(r, arm, steps, hook):
+        return {
+            "round": r,
+            "cell": "chat@c8",
+            "arm": arm,
+            "tokens": 100,
+            "wall_s": 1.0,
+            "tok_s": 100.0,
+            "ttft_ms": 10.0,
+            "errors": 0,
+            "draft_tokens": 0,
+            "accepted_tokens": 0,
+            "steps_at_k": steps,
+            "overhead": hook,
+        }
+
+    hook = {"hook_seconds": 0.01, "hook_cpu_seconds": 0.01, "busy_seconds": 1.0, "aside_steps": 70, "lean_steps": 20}
+    res = {
+        "baseline": "plain",
+        "arms": ["plain", "k0"],
+        "cells": ["chat@c8"],
+        "per_client": 1,
+        "bursts": [b for r in range(3) for b in (burst(r, "plain", None, None), burst(r, "k0", [100, 0], hook))],
+    }
+    row = next(r for r in paired.summarize(res) if r["arm"] == "k0")
+    assert row["steps"] == 300 and row["steps_full_path"] == 30
+    assert "300 (0; full path 30)" in paired.render(res)
+    # without the counts (older engine hosts' results), the column as before
+    for b in res["bursts"]:
+        if b["overhead"]:
+            b["overhead"] = {k: v for k, v in hook.items() if k not in ("aside_steps", "lean_steps")}
+    assert "| 300 (0) |" in paired.render(res)
 
 
 def test_metric_total_sums_every_label_set_and_histogram_counts():

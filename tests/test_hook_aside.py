@@ -89,6 +89,9 @@ def test_at_a_static_k0_the_hook_steps_aside_and_every_step_still_counts(tmp_pat
         assert _aside(hook)  # the published step steps aside again
         state = hook._channel.read_state()
         assert state["step_index"] == 44 and state["overhead"]["aside_steps"] == hook._aside_steps
+        # every step is counted on one path: full, lean or stood aside
+        lean = state["overhead"]["lean_steps"]
+        assert lean >= 0 and lean + state["overhead"]["aside_steps"] <= 44
         assert state["overhead"]["aside_seconds"] > 0
         # the time stood aside with requests running is busy time
         assert state["overhead"]["busy_seconds"] >= state["overhead"]["aside_seconds"]
