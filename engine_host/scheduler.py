@@ -146,6 +146,13 @@ class _SpecPilotHook:
     # steps, while pricing them is most of the hook's per-step work at batch 1 under the
     # adaptive policy (python -m bench hook-cost)
     GATE_COST_EVERY = 8
+    # under async scheduling a batch of B >= 2 * BATCH_PAYS_REQUESTS requests that the gate holds
+    # at K = 0 rests on the lean path for up to GATE_COST_EVERY * (B // BATCH_PAYS_REQUESTS) steps
+    # (_rest_span) rather than GATE_COST_EVERY: each full-path step there prices all B requests
+    # again, and leaves vLLM's own code slower after it (docs/gpu.md, hosts 34-35 and 50); the
+    # gate's probes and the policy's explorations still end a span at their step.
+    # $SPECPILOT_REST_SPAN_SCALING=0 keeps GATE_COST_EVERY (side-by-side benchmarks)
+    _rest_span_scaling = True
     # the step trace records the per-request gate's estimates with at most this many requests running
     TRACE_ESTIMATE_MAX_BATCH = 8
     # the step trace's rows are written out when the engine waits for work, or once this many are
@@ -309,6 +316,7 @@ class _SpecPilotHook:
         self._live_lookup = _LiveLookup(self)
         self._zero_lookup = [0] * (self._startup_max_seqs + 2)  # the lean path's K lookup
         self._lean = False  # steps take the lean path (LEAN_SAMPLE)
+        self._rest_span_scaling = envs.rest_span_scaling_on()
         self._lean_allowed = envs.hook_lean_on()  # $SPECPILOT_K0_LEAN / _HOOK_LEAN=0: never (side-by-side benchmarks)
         self._lean_ok = False  # the config allows it (a static K = 0 or adaptive, no warm-up, no per-request drops)
         self._lean_scheduled = 0  # steps scheduled on the lean path since the last flush
@@ -439,7 +447,8 @@ class _SpecPilotHook:
         and until its next probe it holds every step there, so asking the policy meanwhile
         only costs the hook's time (the policy counts the steps, ``Policy.skip``). Under async
         scheduling the same holds for several requests whose batch the gate held at K = 0
-        (``RequestDraftGate.batch_pays``), the span then at most ``GATE_COST_EVERY`` steps and
+        (``RequestDraftGate.batch_pays``), the span then at most ``GATE_COST_EVERY`` steps
+        (``B // BATCH_PAYS_REQUESTS`` times that from ``2 * BATCH_PAYS_REQUESTS`` requests) and
         ending before the policy's next exploration. A request that joins ends the lone
         request's span at its first step, and the batch's below ``2 * BATCH_PAYS_REQUESTS``
         requests (above, the full path keeps the batch's answer through a join too)."""
@@ -468,7 +477,12 @@ class _SpecPilotHook:
             self._lean_probe_count = True
             self._lean_join_ends = b < 2 * self.BATCH_PAYS_REQUESTS
             to_probe = self._probe_interval - self._steps_planned_out - 1
-            return max(min(to_probe, self.GATE_COST_EVERY, self.controller.steps_to_explore()), 0)
+            # from 2 * BATCH_PAYS_REQUESTS requests the span runs on through joins, and the full
+            # path that ends it prices the whole batch again (its answers kept GATE_COST_EVERY
+            # steps have all run out after a span): there the span is B // BATCH_PAYS_REQUESTS
+            # times as long (_rest_span_scaling; $SPECPILOT_REST_SPAN_SCALING=0: not)
+            scale = max(b // self.BATCH_PAYS_REQUESTS, 1) if self._rest_span_scaling else 1
+            return max(min(to_probe, self.GATE_COST_EVERY * scale, self.controller.steps_to_explore()), 0)
         return max(min(span, self.LEAN_SPAN), 0)
 
     def _enter_lean(self, span: int) -> None:

@@ -697,10 +697,12 @@ def test_a_batch_whose_drafts_do_not_pay_rests_between_probes_under_async_schedu
 def test_a_large_batchs_rest_runs_on_when_a_request_joins(tmp_path, monkeypatch):
     """At 2 * BATCH_PAYS_REQUESTS requests or more a request that joins does not end the batch's
     rest (the full path keeps the batch's answer through a join there too); the span still ends
-    within GATE_COST_EVERY steps, and the joined request is priced at the next full-path step."""
+    within GATE_COST_EVERY * (B // BATCH_PAYS_REQUESTS) steps, and the joined request is priced
+    at the next full-path step."""
     import types
 
     cls = scheduler_module._SpecPilotHook
+    most = cls.GATE_COST_EVERY * 2  # B // BATCH_PAYS_REQUESTS = 2
     with _standin("adaptive", 2 * cls.BATCH_PAYS_REQUESTS, tmp_path, async_scheduling=True) as hook:
         _hold_policy_at_k4(hook, monkeypatch)
         _run(hook, 300, async_order=True)
@@ -717,8 +719,34 @@ def test_a_large_batchs_rest_runs_on_when_a_request_joins(tmp_path, monkeypatch)
         decided = []
         decide = hook._decide_k
         monkeypatch.setattr(hook, "_decide_k", lambda b, d=decide, seen=decided: seen.append(b) or d(b))
-        _run(hook, cls.GATE_COST_EVERY, start=401, async_order=True)
+        _run(hook, most, start=401, async_order=True)
         assert decided and decided[0] == 2 * cls.BATCH_PAYS_REQUESTS + 1  # the joined request is in the batch
+
+
+def test_rest_spans_grow_with_a_large_batch_under_span_scaling(tmp_path, monkeypatch):
+    """With ``SPECPILOT_REST_SPAN_SCALING=1``, 64 requests whose drafts are all rejected and the
+    policy's own K held at 4 rest for up to GATE_COST_EVERY * 4 steps between full-path steps
+    (GATE_COST_EVERY without it), with as many probes at K > 0 give or take three; 8 requests
+    rest as before."""
+    cls = scheduler_module._SpecPilotHook
+    runs = {}
+    for scaling in ("0", "1"):
+        monkeypatch.setenv("SPECPILOT_REST_SPAN_SCALING", scaling)
+        for b in (8, 4 * cls.BATCH_PAYS_REQUESTS):
+            with _standin("adaptive", b, tmp_path / f"{scaling}-{b}", async_scheduling=True) as hook:
+                _hold_policy_at_k4(hook, monkeypatch)
+                spans: list[int] = []
+                enter = hook._enter_lean
+                monkeypatch.setattr(hook, "_enter_lean", lambda span, e=enter, seen=spans: seen.append(span) or e(span))
+                ks = _run(hook, 800, async_order=True)
+                hook._publish(time.monotonic())
+                assert sum(hook.controller.steps_at_k) == hook._step_index  # every step counted
+                runs[scaling, b] = (max(spans), sum(k > 0 for k in ks), hook._step_index - hook._lean_steps)
+    assert runs["0", 8][0] == runs["1", 8][0] == cls.GATE_COST_EVERY
+    assert runs["0", 64][0] == cls.GATE_COST_EVERY
+    assert cls.GATE_COST_EVERY < runs["1", 64][0] <= 4 * cls.GATE_COST_EVERY
+    assert runs["1", 64][2] < runs["0", 64][2]  # fewer steps on the full path
+    assert runs["1", 64][1] > 0 and abs(runs["1", 64][1] - runs["0", 64][1]) <= 3  # the probes still run
 
 
 @pytest.mark.parametrize("to_explore", [1 << 62, 3])

@@ -29,6 +29,8 @@
 # stepping aside gives. K0_IN=1 adds `k0_in`, the same with SPECPILOT_HOOK_ASIDE=0: the hook on its lean path every step.
 # A_IN=1 adds `adaptive_in`, the adaptive engine host with SPECPILOT_HOOK_ASIDE=0 (host 49's tree stood aside in the
 # adaptive policy's rests too; since then the adaptive engine host's rests stay on the lean path and the two run alike).
+# SPAN8=1 adds `adaptive_span8`, the adaptive engine host with SPECPILOT_REST_SPAN_SCALING=0: its rests at K = 0 under the
+# gate's batch rule stay at 8 steps at every batch size (host 50's tree), where they now grow with the batch from 32 requests.
 # TRACE=0 writes no step trace (a traced hook never steps aside).
 # SERVE_K0=1 adds `vllm_k0`: plain `vllm serve` with the engine hosts' ngram_gpu speculative config at K_max and a
 # batch-size table giving K = 0 at every batch size, and no SpecPilot part: what vLLM's own speculative path costs at
@@ -69,6 +71,7 @@ mkdir -p "$R"
 [ "${K0_NOTRACE:-}" = 0 ] && K0_NOTRACE=
 [ "${K0_IN:-}" = 0 ] && K0_IN=
 [ "${A_IN:-}" = 0 ] && A_IN=
+[ "${SPAN8:-}" = 0 ] && SPAN8=
 [ "${SERVE_K0:-}" = 0 ] && SERVE_K0=
 [ "${PLAIN_TWIN:-}" = 0 ] && PLAIN_TWIN=
 POOLED_ENGINE=1
@@ -134,6 +137,7 @@ SPECPILOT_STEP_TRACE=$TRACE_FILE python3 -m bench host-overhead --model "$M" --p
   ${K0_FULL:+--engine "host:f0x:SPECPILOT_HOOK_LEAN=0 $E"} ${K0_TWIN:+--engine "host:f0b:$E"} \
   ${MIX_OLD:+--engine "host:ao:SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0 $E"} \
   ${A_IN:+--engine "host:ain:SPECPILOT_HOOK_ASIDE=0 $E"} \
+  ${SPAN8:+--engine "host:as8:SPECPILOT_REST_SPAN_SCALING=0 $E"} \
   ${K0_NOTRACE:+--engine "host:f0nt:SPECPILOT_STEP_TRACE= $E"} \
   ${K0_IN:+--engine "host:f0in:SPECPILOT_STEP_TRACE= SPECPILOT_HOOK_ASIDE=0 $E"} \
   ${PIN_ENGINES[@]+"${PIN_ENGINES[@]}"} > "$R/start.log" 2>&1
@@ -149,7 +153,7 @@ if [ -n "$HELD" ] && [ -z "${PIN_CPUS:-}" ] && [ "${CPU_PAIRS:-1}" != 0 ]; then 
 fi
 eval "$(engine_vars "$R/state.json")"
 [ "${OFF_ARMS:-0}" = 1 ] && export AOFF_TOKEN F0OFF_TOKEN
-export A_TOKEN F0_TOKEN ${K0_NOTRACE:+F0NT_TOKEN} ${K0_IN:+F0IN_TOKEN} ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN} ${A_IN:+AIN_TOKEN}
+export A_TOKEN F0_TOKEN ${K0_NOTRACE:+F0NT_TOKEN} ${K0_IN:+F0IN_TOKEN} ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN} ${A_IN:+AIN_TOKEN} ${SPAN8:+AS8_TOKEN}
 ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN")
 [ -n "${SERVE_K0:-}" ] && ARMS+=(--arm "vllm_k0=$VK0_URL")
 [ -n "${PLAIN_TWIN:-}" ] && ARMS+=(--arm "plain_b=$PLAINB_URL")
@@ -159,6 +163,7 @@ ARMS+=(--arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN")
 [ -n "${K0_NOTRACE:-}" ] && ARMS+=(--arm "k0_notrace=$F0NT_URL,mode=fixed:0,token-env=F0NT_TOKEN")
 [ -n "${K0_IN:-}" ] && ARMS+=(--arm "k0_in=$F0IN_URL,mode=fixed:0,token-env=F0IN_TOKEN")
 [ -n "${A_IN:-}" ] && ARMS+=(--arm "adaptive_in=$AIN_URL,mode=adaptive,token-env=AIN_TOKEN")
+[ -n "${SPAN8:-}" ] && ARMS+=(--arm "adaptive_span8=$AS8_URL,mode=adaptive,token-env=AS8_TOKEN")
 if [ -n "${PIN_CPUS:-}" ]; then
   ARMS+=(--arm "adaptive_pin=$APIN_URL,mode=adaptive,token-env=APIN_TOKEN" --arm "k0_pin=$F0PIN_URL,mode=fixed:0,token-env=F0PIN_TOKEN")
 fi
@@ -184,6 +189,7 @@ states() {
   curl -s -H "Authorization: Bearer $A_TOKEN" "$A_URL/control/state" > "$R/mixture-state-$1.json"
   [ -z "${MIX_OLD:-}" ] || curl -s -H "Authorization: Bearer $AO_TOKEN" "$AO_URL/control/state" > "$R/mixture-old-state-$1.json"
   [ -z "${A_IN:-}" ] || curl -s -H "Authorization: Bearer $AIN_TOKEN" "$AIN_URL/control/state" > "$R/mixture-in-state-$1.json"
+  [ -z "${SPAN8:-}" ] || curl -s -H "Authorization: Bearer $AS8_TOKEN" "$AS8_URL/control/state" > "$R/mixture-span8-state-$1.json"
   [ -z "${K0_IN:-}" ] || curl -s -H "Authorization: Bearer $F0IN_TOKEN" "$F0IN_URL/control/state" > "$R/k0-in-state-$1.json"
   [ -z "${PIN_CPUS:-}" ] || curl -s -H "Authorization: Bearer $APIN_TOKEN" "$APIN_URL/control/state" > "$R/mixture-pin-state-$1.json"
   [ -z "$POOLED_ENGINE" ] || curl -s -H "Authorization: Bearer $P_TOKEN" "$P_URL/control/state" > "$R/pooled-state-$1.json"
