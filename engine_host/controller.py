@@ -920,10 +920,12 @@ class Policy:
     def observe(self, obs: StepObservation) -> None:
         """Learn from one step (default: nothing)."""
 
-    def rest_steps(self) -> int:
+    def rest_steps(self, scale: int = 1) -> int:
         """Steps (>= 0) for which this policy holds K at 0 without being asked: the
         scheduler hook may schedule that many steps at K = 0 without :meth:`k_for_batch`
-        and report them with :meth:`skip`. Default 0 (ask every step)."""
+        and report them with :meth:`skip`; ``scale`` (>= 1) lengthens a policy's own rest
+        between two decisions by that factor (the hook's, for a large batch). Default 0 (ask
+        every step)."""
         return 0
 
     def skip(self, steps: int) -> None:
@@ -1182,9 +1184,9 @@ class AdaptivePolicy(Policy):
             self.interval = min(self.interval * 2, self.p.explore_every * self.MAX_BACKOFF)
         return self.current
 
-    def rest_steps(self) -> int:
+    def rest_steps(self, scale: int = 1) -> int:
         """While the policy's choice is K = 0 and no exploration burst runs: the steps
-        until its next goodput comparison, ``REST_DECIDE_EVERY`` steps after the last, or
+        until its next goodput comparison, ``REST_DECIDE_EVERY`` (times ``scale``) steps after the last, or
         its next exploration (:meth:`k_for_batch` starts one when ``steps`` reaches
         ``next_explore``), whichever comes first; 0 otherwise. Resting that long and then
         asking again explores at the same steps as asking every step, and compares goodput
@@ -1194,7 +1196,7 @@ class AdaptivePolicy(Policy):
         for the rest's end."""
         if self.current != 0 or self.explore_left > 0:
             return 0
-        n = self._decided_at + self.REST_DECIDE_EVERY - self.steps
+        n = self._decided_at + self.REST_DECIDE_EVERY * max(scale, 1) - self.steps
         if self.p.explore_every and self.k_hi > self.k_lo:
             n = min(n, self.next_explore - self.steps - 1)
         return max(n, 0)
@@ -1326,13 +1328,14 @@ class SpeculationController:
         (:attr:`Policy.exploring_step`)."""
         return self.policy.exploring_step
 
-    def rest_steps(self) -> int:
+    def rest_steps(self, scale: int = 1) -> int:
         """Steps (>= 0) the scheduler hook may schedule at K = 0 without asking
         :meth:`k_for_batch`: unbounded (``2**62``) while :meth:`static_k` is 0, the
-        adaptive policy's :meth:`AdaptivePolicy.rest_steps` while it holds K at 0, else 0."""
+        adaptive policy's :meth:`AdaptivePolicy.rest_steps` while it holds K at 0 (its rest
+        between two decisions ``scale`` times as long), else 0."""
         if self.static_k() == 0:
             return 1 << 62
-        return max(int(self.policy.rest_steps()), 0)
+        return max(int(self.policy.rest_steps(scale)), 0)
 
     def steps_to_explore(self) -> int:
         """Steps (>= 0) the scheduler hook may schedule without :meth:`k_for_batch` before the

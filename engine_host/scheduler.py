@@ -146,12 +146,14 @@ class _SpecPilotHook:
     # steps, while pricing them is most of the hook's per-step work at batch 1 under the
     # adaptive policy (python -m bench hook-cost)
     GATE_COST_EVERY = 8
-    # under async scheduling a batch of B >= 2 * BATCH_PAYS_REQUESTS requests that the gate holds
-    # at K = 0 rests on the lean path for up to GATE_COST_EVERY * (B // BATCH_PAYS_REQUESTS) steps
-    # (_rest_span) rather than GATE_COST_EVERY: each full-path step there prices all B requests
-    # again, and leaves vLLM's own code slower after it (docs/gpu.md, hosts 34-35 and 50); the
+    # REST_SPAN_SCALING: with B >= 2 * BATCH_PAYS_REQUESTS requests running, a rest on the lean
+    # path lasts B // BATCH_PAYS_REQUESTS times as long (_rest_span): under async scheduling a
+    # batch the gate holds at K = 0 up to GATE_COST_EVERY * (B // BATCH_PAYS_REQUESTS) steps
+    # rather than GATE_COST_EVERY, and the adaptive policy's own rest at K = 0 up to that factor
+    # times REST_DECIDE_EVERY and LEAN_SPAN: each full-path step there prices all B requests
+    # again, and leaves vLLM's own code slower after it (docs/gpu.md, hosts 34-35 and 50). The
     # gate's probes and the policy's explorations still end a span at their step.
-    # $SPECPILOT_REST_SPAN_SCALING=0 keeps GATE_COST_EVERY (side-by-side benchmarks)
+    # $SPECPILOT_REST_SPAN_SCALING=0 turns it off (side-by-side benchmarks)
     _rest_span_scaling = True
     # the step trace records the per-request gate's estimates with at most this many requests running
     TRACE_ESTIMATE_MAX_BATCH = 8
@@ -440,7 +442,9 @@ class _SpecPilotHook:
     def _rest_span(self) -> int:
         """Steps the lean path may schedule from now (0: none): the controller's
         :meth:`~engine_host.controller.SpeculationController.rest_steps`, at most
-        ``LEAN_SPAN`` for a policy that decides K (unbounded at a static K = 0). With the gate
+        ``LEAN_SPAN`` for a policy that decides K (unbounded at a static K = 0); from
+        ``2 * BATCH_PAYS_REQUESTS`` requests the policy's rest and this bound are
+        ``B // BATCH_PAYS_REQUESTS`` times as long (the ``REST_SPAN_SCALING`` comment). With the gate
         on and one request running, the span ends before the gate's next all-request probe
         (``_any_request_wants_drafts``), and it is taken also while the policy's own K is
         above 0: the gate held this step at K = 0 because the request's drafts do not pay,
@@ -453,10 +457,14 @@ class _SpecPilotHook:
         request's span at its first step, and the batch's below ``2 * BATCH_PAYS_REQUESTS``
         requests (above, the full path keeps the batch's answer through a join too)."""
         self._lean_probe_count = self._lean_join_ends = False
-        span = self.controller.rest_steps()
+        b = len(self.running)  # type: ignore[attr-defined]
+        # from 2 * BATCH_PAYS_REQUESTS requests a rest lasts B // BATCH_PAYS_REQUESTS times as long
+        # (_rest_span_scaling; $SPECPILOT_REST_SPAN_SCALING=0: not): the full path that ends it
+        # prices the whole batch again
+        scale = max(b // self.BATCH_PAYS_REQUESTS, 1) if self._rest_span_scaling else 1
+        span = self.controller.rest_steps(scale)
         if span >= 1 << 62:
             return span
-        b = len(self.running)  # type: ignore[attr-defined]
         lone = self._gate_on and b == 1
         if lone:
             self._lean_probe_count = self._lean_join_ends = True
@@ -477,13 +485,10 @@ class _SpecPilotHook:
             self._lean_probe_count = True
             self._lean_join_ends = b < 2 * self.BATCH_PAYS_REQUESTS
             to_probe = self._probe_interval - self._steps_planned_out - 1
-            # from 2 * BATCH_PAYS_REQUESTS requests the span runs on through joins, and the full
-            # path that ends it prices the whole batch again (its answers kept GATE_COST_EVERY
-            # steps have all run out after a span): there the span is B // BATCH_PAYS_REQUESTS
-            # times as long (_rest_span_scaling; $SPECPILOT_REST_SPAN_SCALING=0: not)
-            scale = max(b // self.BATCH_PAYS_REQUESTS, 1) if self._rest_span_scaling else 1
+            # (at 2 * BATCH_PAYS_REQUESTS or more the span runs on through joins, and the answers
+            # the full path keeps GATE_COST_EVERY steps have all run out after it: scaled as above)
             return max(min(to_probe, self.GATE_COST_EVERY * scale, self.controller.steps_to_explore()), 0)
-        return max(min(span, self.LEAN_SPAN), 0)
+        return max(min(span, self.LEAN_SPAN * scale), 0)
 
     def _enter_lean(self, span: int) -> None:
         self._lean = True

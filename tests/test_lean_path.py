@@ -491,6 +491,10 @@ def test_the_adaptive_policy_says_how_long_it_holds_k0():
     assert ctl.rest_steps() == 11  # the 16th step after the last comparison compares again
     pol._decided_at = 104
     assert ctl.rest_steps() == 16
+    assert ctl.rest_steps(4) == 64  # a large batch's rest (the hook's scale), still before the exploration
+    pol.next_explore = 150
+    assert ctl.rest_steps(4) == 45
+    pol.next_explore = 400
     pol.current = 2
     assert ctl.rest_steps() == 0  # speculating: asked every step
     pol.current, pol.explore_left = 0, 3
@@ -620,7 +624,7 @@ def test_a_lone_request_whose_drafts_do_not_pay_rests_even_where_the_policy_hold
         monkeypatch.setenv("SPECPILOT_K0_LEAN", lean)
         with _standin("adaptive", 1, tmp_path / name, async_scheduling=True) as hook:
             monkeypatch.setattr(hook.controller.policy, "k_for_batch", lambda b: 4)
-            monkeypatch.setattr(hook.controller.policy, "rest_steps", lambda: 0)
+            monkeypatch.setattr(hook.controller.policy, "rest_steps", lambda scale=1: 0)
             lean_steps, ks = 0, []
             for _ in range(600):
                 lean_steps += hook._lean
@@ -649,7 +653,7 @@ def _hold_policy_at_k4(hook, monkeypatch, steps_to_explore: int = 1 << 62) -> No
     exploration ``steps_to_explore`` steps away (its ``k_for_batch`` would never start one)."""
     policy = hook.controller.policy
     monkeypatch.setattr(policy, "k_for_batch", lambda b: 4)
-    monkeypatch.setattr(policy, "rest_steps", lambda: 0)
+    monkeypatch.setattr(policy, "rest_steps", lambda scale=1: 0)
     monkeypatch.setattr(policy, "steps_to_explore", lambda: steps_to_explore)
     monkeypatch.setattr(hook.controller, "exploring", lambda: False)
 
@@ -747,6 +751,27 @@ def test_rest_spans_grow_with_a_large_batch_under_span_scaling(tmp_path, monkeyp
     assert cls.GATE_COST_EVERY < runs["1", 64][0] <= 4 * cls.GATE_COST_EVERY
     assert runs["1", 64][2] < runs["0", 64][2]  # fewer steps on the full path
     assert runs["1", 64][1] > 0 and abs(runs["1", 64][1] - runs["0", 64][1]) <= 3  # the probes still run
+
+
+def test_the_policys_own_rests_grow_with_a_large_batch_under_span_scaling(tmp_path, monkeypatch):
+    """64 requests whose drafts are all rejected under async scheduling: the adaptive policy holds
+    K at 0 itself, and rests for up to LEAN_SPAN * 4 steps between full-path steps
+    (LEAN_SPAN with ``SPECPILOT_REST_SPAN_SCALING=0``), exploring as often."""
+    cls = scheduler_module._SpecPilotHook
+    runs = {}
+    for scaling in ("0", "1"):
+        monkeypatch.setenv("SPECPILOT_REST_SPAN_SCALING", scaling)
+        with _standin("adaptive", 4 * cls.BATCH_PAYS_REQUESTS, tmp_path / scaling, async_scheduling=True) as hook:
+            spans: list[int] = []
+            enter = hook._enter_lean
+            monkeypatch.setattr(hook, "_enter_lean", lambda span, e=enter, seen=spans: seen.append(span) or e(span))
+            ks = _run(hook, 1200, async_order=True)
+            hook._publish(time.monotonic())
+            assert sum(hook.controller.steps_at_k) == hook._step_index  # every step counted
+            runs[scaling] = (max(spans), sum(k > 0 for k in ks), hook._step_index - hook._lean_steps)
+    assert runs["0"][0] <= cls.LEAN_SPAN < runs["1"][0] <= 4 * cls.LEAN_SPAN
+    assert runs["1"][2] < 0.7 * runs["0"][2]  # fewer steps on the full path (explorations bound both)
+    assert runs["1"][1] > 0 and abs(runs["1"][1] - runs["0"][1]) <= 3, runs  # the explorations still run
 
 
 @pytest.mark.parametrize("to_explore", [1 << 62, 3])
