@@ -64,7 +64,7 @@ VARIABLES: dict[str, str] = {
     HOOK_LEAN: f"0 keeps only the scheduler hook on its full per-step path at K = 0, Model Runner V2's draft bookkeeping at K = 0 still skipped: a static K = 0 engine then runs its steps on the path an adaptive engine host's steps at K = 0 take, less the policy's decisions (side-by-side benchmarks; {K0_LEAN}=0 turns off both), default 1",
     PROBE_PRIOR: "0 restarts the adaptive engine's all-request probe wait (async scheduling) at every new request and at any accepted draft token, as before the wait read the new request's class (side-by-side benchmarks), default 1",
     HOOK_ASIDE: "0 keeps the scheduler hook in every engine step at a static K = 0 (its lean path) instead of stepping aside between state publishes, so that vLLM's engine core calls vLLM's own schedule() and update_from_output() (side-by-side benchmarks), default 1",
-    REST_SPAN_SCALING: "0 keeps the rest spans of a batch of B >= 32 requests that the per-request gate holds at K = 0 under async scheduling at 8 steps, where they otherwise grow to 8 * (B // 16) steps (fewer steps on the hook's full path at high load; side-by-side benchmarks), default 1",
+    REST_SPAN_SCALING: "0 keeps the scheduler hook's rests at K = 0 on its lean path as long at B >= 32 running requests as below (8 steps under the per-request gate's batch rule, 16 in the adaptive policy's own rests), where they otherwise last B // 16 times as long (fewer steps on the hook's full path at high load; side-by-side benchmarks), default 1",
     LEAN_STEP_TIMES: "0 keeps the lean path's step times out of the step-time model, which then learns a step at K = 0 only from steps on the hook's full path (side-by-side benchmarks), default 1",
     CORE_CPU: "the engine core's step loop's CPU: auto, off or a CPU index, as --core-cpu (which wins); the launcher sets it to the CPU taken, the engine core pins its step loop there at its first step; default auto on the GPU build, off on the CPU build",
     DRAFT_DECODE_GRAPHS: "0 keeps the draft model's single-token decode passes out of full CUDA graphs (GPU, draft_model; for side-by-side benchmarks), default 1",
@@ -159,7 +159,7 @@ def hook_aside_on(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def rest_span_scaling_on(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether the async gate's rest spans at K = 0 grow with the batch from 32 requests
+    """Whether the scheduler hook's rests at K = 0 grow with the batch from 32 requests
     (``_SpecPilotHook._rest_span``): False when ``$SPECPILOT_REST_SPAN_SCALING`` is ``0``, else True."""
     return _env(environ).get(REST_SPAN_SCALING, "1").strip() != "0"
 
