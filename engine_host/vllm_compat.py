@@ -105,8 +105,9 @@ def default_speculative_method(version: str | None, *, cpu_build: bool) -> str:
     """``--speculative-method``'s default for the installed vLLM: ``"ngram_gpu"`` on a GPU
     build of vLLM >= 0.32 (Model Runner V2: the per-step K, async scheduling and full CUDA
     graphs at every K, the engine that docs/gpu.md measures beside plain vLLM), ``"ngram"``
-    elsewhere (the CPU build, which has no GPU kernels, and older GPU builds, whose V1 runner
-    runs n-gram drafts only as ``ngram``). ``version`` None: no vLLM installed (``"ngram"``)."""
+    elsewhere (the CPU build, which has no GPU kernels, and older GPU builds, whose
+    ``ngram_gpu`` proposer asserts a constant K and so cannot run with a live K).
+    ``version`` None: no vLLM installed (``"ngram"``)."""
     if version is None or cpu_build:
         return "ngram"
     return "ngram_gpu" if has_v2_per_step_k(version, cpu_build=False) else "ngram"
