@@ -727,8 +727,20 @@ def test_a_large_batchs_rest_runs_on_when_a_request_joins(tmp_path, monkeypatch)
         assert decided and decided[0] == 2 * cls.BATCH_PAYS_REQUESTS + 1  # the joined request is in the batch
 
 
+def _rests(hook, monkeypatch, steps: int) -> tuple[int, int, int]:
+    """Run ``steps`` async steps of the stand-in ``hook``: ``(its longest rest span, steps at
+    K > 0, steps on the full path)``, every step counted by the controller."""
+    spans: list[int] = []
+    enter = hook._enter_lean
+    monkeypatch.setattr(hook, "_enter_lean", lambda span, e=enter, seen=spans: seen.append(span) or e(span))
+    ks = _run(hook, steps, async_order=True)
+    hook._publish(time.monotonic())
+    assert sum(hook.controller.steps_at_k) == hook._step_index  # every step counted
+    return max(spans), sum(k > 0 for k in ks), hook._step_index - hook._lean_steps
+
+
 def test_rest_spans_grow_with_a_large_batch_under_span_scaling(tmp_path, monkeypatch):
-    """With ``SPECPILOT_REST_SPAN_SCALING=1``, 64 requests whose drafts are all rejected and the
+    """With span scaling (the default; ``SPECPILOT_REST_SPAN_SCALING=0`` turns it off), 64 requests whose drafts are all rejected and the
     policy's own K held at 4 rest for up to GATE_COST_EVERY * 4 steps between full-path steps
     (GATE_COST_EVERY without it), with as many probes at K > 0 give or take three; 8 requests
     rest as before."""
@@ -739,13 +751,7 @@ def test_rest_spans_grow_with_a_large_batch_under_span_scaling(tmp_path, monkeyp
         for b in (8, 4 * cls.BATCH_PAYS_REQUESTS):
             with _standin("adaptive", b, tmp_path / f"{scaling}-{b}", async_scheduling=True) as hook:
                 _hold_policy_at_k4(hook, monkeypatch)
-                spans: list[int] = []
-                enter = hook._enter_lean
-                monkeypatch.setattr(hook, "_enter_lean", lambda span, e=enter, seen=spans: seen.append(span) or e(span))
-                ks = _run(hook, 800, async_order=True)
-                hook._publish(time.monotonic())
-                assert sum(hook.controller.steps_at_k) == hook._step_index  # every step counted
-                runs[scaling, b] = (max(spans), sum(k > 0 for k in ks), hook._step_index - hook._lean_steps)
+                runs[scaling, b] = _rests(hook, monkeypatch, 800)
     assert runs["0", 8][0] == runs["1", 8][0] == cls.GATE_COST_EVERY
     assert runs["0", 64][0] == cls.GATE_COST_EVERY
     assert cls.GATE_COST_EVERY < runs["1", 64][0] <= 4 * cls.GATE_COST_EVERY
@@ -762,13 +768,7 @@ def test_the_policys_own_rests_grow_with_a_large_batch_under_span_scaling(tmp_pa
     for scaling in ("0", "1"):
         monkeypatch.setenv("SPECPILOT_REST_SPAN_SCALING", scaling)
         with _standin("adaptive", 4 * cls.BATCH_PAYS_REQUESTS, tmp_path / scaling, async_scheduling=True) as hook:
-            spans: list[int] = []
-            enter = hook._enter_lean
-            monkeypatch.setattr(hook, "_enter_lean", lambda span, e=enter, seen=spans: seen.append(span) or e(span))
-            ks = _run(hook, 1200, async_order=True)
-            hook._publish(time.monotonic())
-            assert sum(hook.controller.steps_at_k) == hook._step_index  # every step counted
-            runs[scaling] = (max(spans), sum(k > 0 for k in ks), hook._step_index - hook._lean_steps)
+            runs[scaling] = _rests(hook, monkeypatch, 1200)
     assert runs["0"][0] <= cls.LEAN_SPAN < runs["1"][0] <= 4 * cls.LEAN_SPAN
     assert runs["1"][2] < 0.7 * runs["0"][2]  # fewer steps on the full path (explorations bound both)
     assert runs["1"][1] > 0 and abs(runs["1"][1] - runs["0"][1]) <= 3, runs  # the explorations still run

@@ -29,8 +29,9 @@
 # stepping aside gives. K0_IN=1 adds `k0_in`, the same with SPECPILOT_HOOK_ASIDE=0: the hook on its lean path every step.
 # A_IN=1 adds `adaptive_in`, the adaptive engine host with SPECPILOT_HOOK_ASIDE=0 (host 49's tree stood aside in the
 # adaptive policy's rests too; since then the adaptive engine host's rests stay on the lean path and the two run alike).
-# SPAN8=1 adds `adaptive_span8`, the adaptive engine host with SPECPILOT_REST_SPAN_SCALING=0: its rests at K = 0 under the
-# gate's batch rule stay at 8 steps at every batch size (host 50's tree), where they now grow with the batch from 32 requests.
+# SPAN8=1 adds `adaptive_span8`, the adaptive engine host with SPECPILOT_REST_SPAN_SCALING=0: its rests at K = 0 on the lean
+# path (8 steps under the gate's batch rule, 16 in the policy's own rests) keep their length at every batch size, as on
+# host 50's tree, where they now last B // 16 times as long from 32 requests.
 # TRACE=0 writes no step trace (a traced hook never steps aside).
 # SERVE_K0=1 adds `vllm_k0`: plain `vllm serve` with the engine hosts' ngram_gpu speculative config at K_max and a
 # batch-size table giving K = 0 at every batch size, and no SpecPilot part: what vLLM's own speculative path costs at
