@@ -31,7 +31,9 @@
 # adaptive policy's rests too; since then the adaptive engine host's rests stay on the lean path and the two run alike).
 # SPAN8=1 adds `adaptive_span8`, the adaptive engine host with SPECPILOT_REST_SPAN_SCALING=0: its rests at K = 0 on the lean
 # path (8 steps under the gate's batch rule, 16 in the policy's own rests) keep their length at every batch size, as on
-# host 50's tree, where they now last B // 16 times as long from 32 requests.
+# host 50's tree, where they now last B // 16 times as long from 32 requests. A_TWIN=1 adds `adaptive_b`, a second
+# adaptive engine host like `adaptive`: the adaptive engine host's A/A control (host 51's two alike adaptive engine hosts
+# differed by 3-4 % at 8 clients), with its A/A table under each run's table.
 # TRACE=0 writes no step trace (a traced hook never steps aside).
 # SERVE_K0=1 adds `vllm_k0`: plain `vllm serve` with the engine hosts' ngram_gpu speculative config at K_max and a
 # batch-size table giving K = 0 at every batch size, and no SpecPilot part: what vLLM's own speculative path costs at
@@ -73,6 +75,7 @@ mkdir -p "$R"
 [ "${K0_IN:-}" = 0 ] && K0_IN=
 [ "${A_IN:-}" = 0 ] && A_IN=
 [ "${SPAN8:-}" = 0 ] && SPAN8=
+[ "${A_TWIN:-}" = 0 ] && A_TWIN=
 [ "${SERVE_K0:-}" = 0 ] && SERVE_K0=
 [ "${PLAIN_TWIN:-}" = 0 ] && PLAIN_TWIN=
 POOLED_ENGINE=1
@@ -138,7 +141,7 @@ SPECPILOT_STEP_TRACE=$TRACE_FILE python3 -m bench host-overhead --model "$M" --p
   ${K0_FULL:+--engine "host:f0x:SPECPILOT_HOOK_LEAN=0 $E"} ${K0_TWIN:+--engine "host:f0b:$E"} \
   ${MIX_OLD:+--engine "host:ao:SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0 $E"} \
   ${A_IN:+--engine "host:ain:SPECPILOT_HOOK_ASIDE=0 $E"} \
-  ${SPAN8:+--engine "host:as8:SPECPILOT_REST_SPAN_SCALING=0 $E"} \
+  ${SPAN8:+--engine "host:as8:SPECPILOT_REST_SPAN_SCALING=0 $E"} ${A_TWIN:+--engine "host:ab:$E"} \
   ${K0_NOTRACE:+--engine "host:f0nt:SPECPILOT_STEP_TRACE= $E"} \
   ${K0_IN:+--engine "host:f0in:SPECPILOT_STEP_TRACE= SPECPILOT_HOOK_ASIDE=0 $E"} \
   ${PIN_ENGINES[@]+"${PIN_ENGINES[@]}"} > "$R/start.log" 2>&1
@@ -154,7 +157,7 @@ if [ -n "$HELD" ] && [ -z "${PIN_CPUS:-}" ] && [ "${CPU_PAIRS:-1}" != 0 ]; then 
 fi
 eval "$(engine_vars "$R/state.json")"
 [ "${OFF_ARMS:-0}" = 1 ] && export AOFF_TOKEN F0OFF_TOKEN
-export A_TOKEN F0_TOKEN ${K0_NOTRACE:+F0NT_TOKEN} ${K0_IN:+F0IN_TOKEN} ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN} ${A_IN:+AIN_TOKEN} ${SPAN8:+AS8_TOKEN}
+export A_TOKEN F0_TOKEN ${K0_NOTRACE:+F0NT_TOKEN} ${K0_IN:+F0IN_TOKEN} ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN} ${A_IN:+AIN_TOKEN} ${SPAN8:+AS8_TOKEN} ${A_TWIN:+AB_TOKEN}
 ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN")
 [ -n "${SERVE_K0:-}" ] && ARMS+=(--arm "vllm_k0=$VK0_URL")
 [ -n "${PLAIN_TWIN:-}" ] && ARMS+=(--arm "plain_b=$PLAINB_URL")
@@ -182,6 +185,10 @@ if [ -n "${K0_TWIN:-}" ]; then
   ARMS+=(--arm "k0b=$F0B_URL,mode=fixed:0,token-env=F0B_TOKEN")
   TWIN=(--twin k0=k0b)  # the A/A table under each run's table
 fi
+if [ -n "${A_TWIN:-}" ]; then
+  ARMS+=(--arm "adaptive_b=$AB_URL,mode=adaptive,token-env=AB_TOKEN")
+  TWIN+=(--twin adaptive=adaptive_b)  # the adaptive engine host's A/A table
+fi
 [ -n "${PLAIN_TWIN:-}" ] && TWIN+=(--twin plain=plain_b)  # plain vLLM's A/A table too
 PY_SPY=${PY_SPY:-}
 SPY=${SPECPILOT_SCRATCH:-/tmp/specpilot-gpu}/site/bin/py-spy
@@ -191,6 +198,7 @@ states() {
   [ -z "${MIX_OLD:-}" ] || curl -s -H "Authorization: Bearer $AO_TOKEN" "$AO_URL/control/state" > "$R/mixture-old-state-$1.json"
   [ -z "${A_IN:-}" ] || curl -s -H "Authorization: Bearer $AIN_TOKEN" "$AIN_URL/control/state" > "$R/mixture-in-state-$1.json"
   [ -z "${SPAN8:-}" ] || curl -s -H "Authorization: Bearer $AS8_TOKEN" "$AS8_URL/control/state" > "$R/mixture-span8-state-$1.json"
+  [ -z "${A_TWIN:-}" ] || curl -s -H "Authorization: Bearer $AB_TOKEN" "$AB_URL/control/state" > "$R/mixture-b-state-$1.json"
   [ -z "${K0_IN:-}" ] || curl -s -H "Authorization: Bearer $F0IN_TOKEN" "$F0IN_URL/control/state" > "$R/k0-in-state-$1.json"
   [ -z "${PIN_CPUS:-}" ] || curl -s -H "Authorization: Bearer $APIN_TOKEN" "$APIN_URL/control/state" > "$R/mixture-pin-state-$1.json"
   [ -z "$POOLED_ENGINE" ] || curl -s -H "Authorization: Bearer $P_TOKEN" "$P_URL/control/state" > "$R/pooled-state-$1.json"
