@@ -51,9 +51,10 @@ def wait_for(what: str, check, timeout_s: float = 60.0, every_s: float = 0.25):
 
 
 def _load(url: str, stop: threading.Event) -> None:
+    # short requests: the first one ends (a sample with an end-to-end latency) within seconds
     with httpx.Client(base_url=url, timeout=120) as c:
         while not stop.is_set():
-            c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 48, "temperature": 0})
+            c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0})
 
 
 def test_apply_and_rollback_change_the_live_engine(store, engine_host, control, restore_config, monkeypatch):
@@ -122,8 +123,7 @@ def test_collector_stores_real_samples_and_records_a_gap_while_unreachable(
                 if r["output_tokens"] > 0 and r["ttft_p50_ms"] and r["e2e_p99_ms"]
             ],
         )  # a request started and one ended
-        stop.set()
-        load.join()
+        stop.set()  # the request in flight ends during the outage below (it goes to the engine, not the relay)
         r = busy[-1]
         assert r["output_tokens_per_s"] > 0 and r["itl_p50_ms"] > 0 and r["e2e_p99_ms"] >= r["ttft_p50_ms"]
         assert 0.0 <= r["kv_cache_usage"] <= 1.0 and r["running_max"] >= 0
@@ -142,6 +142,7 @@ def test_collector_stores_real_samples_and_records_a_gap_while_unreachable(
         relay.restore()
         wait_for("the gap to close", lambda: all(g.ended_at for g in gaps(store, "local")), 20)
         wait_for("the host_down alert to close", lambda: not events(store, host="local", open_only=True), 20)
+        load.join()
         retry = apply_change(store, "local", {"speculation": {"k": 2}}, reason="retry")
         assert retry.ok
         # a starved machine may also record a stall gap while the load runs; the outage is the one
@@ -268,8 +269,8 @@ def test_up_supervises_the_engine_host_restarts_it_with_the_last_version_and_sto
     store = Store.open(db)
     add_host(store, "local", f"http://127.0.0.1:{port}", usd_per_hour=2.5, gpu_kind="H100")
     proc = _start_up(
-        default_model, tmp_path, port, "--warmup=quick", "--max-model-len=512", "--k-max=4", dashboard_port=dport
-    )
+        default_model, tmp_path, port, "--warmup=off", "--max-model-len=512", "--k-max=4", dashboard_port=dport
+    )  # no start-up warm-up: ready as soon as vLLM serves, at the first start and at the restart
     try:
         out = _read_until(proc, "Ctrl-C stops everything")
         assert "engine host: " in out and "SpecPilot is up" in out, out

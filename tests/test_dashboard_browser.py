@@ -151,7 +151,13 @@ def visible(locator):
 
 
 def shot(pg, artifacts_dir, name: str) -> None:
-    time.sleep(2.5)  # let charts and tables (canvas) finish drawing
+    # the app's script run is over (a page that reruns on a timer may be running again after
+    # the bounded wait: the screenshot is taken anyway), then charts and tables (canvas) draw
+    try:
+        pg.locator('[data-testid="stApp"][data-test-script-state="notRunning"]').wait_for(timeout=15_000)
+    except sync_api.TimeoutError:
+        pass
+    time.sleep(1.0)
     pg.screenshot(path=str(artifacts_dir / f"dashboard-{name}.png"), full_page=True)
 
 

@@ -52,13 +52,17 @@ def router(default_model, tmp_path_factory, artifacts_dir):
     assert not rp.alive()
 
 
-def _complete(url: str, n: int) -> list[str]:
+def _complete(url: str, n: int, max_tokens: int = 16) -> list[str]:
+    """``n`` completions of ``max_tokens`` tokens each, one after another; the engine that
+    answered each. Tests that only look at where requests go send short ones (4 tokens:
+    still several per request, so each engine's TPOT is measured)."""
     engines = []
     with httpx.Client(base_url=url, timeout=120) as c:
         for _ in range(n):
-            r = c.post("/v1/completions", json={"model": MODEL, "prompt": COPY, "max_tokens": 16, "temperature": 0})
+            body = {"model": MODEL, "prompt": COPY, "max_tokens": max_tokens, "temperature": 0}
+            r = c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
-            assert r.json()["usage"]["completion_tokens"] == 16
+            assert r.json()["usage"]["completion_tokens"] == max_tokens
             engines.append(r.headers["x-specpilot-engine"])
     return engines
 
@@ -133,7 +137,7 @@ def test_auto_routing_measures_both_engines_and_metrics_name_them(router):
         json={"routing": "auto", "speculation": {"mode": "adaptive", "k_min": 0, "k_max": 8}},
     )
     assert r.status_code == 200, r.text
-    assert set(_complete(router.url, 24)) == {"plain", "speculative"}
+    assert set(_complete(router.url, 24, max_tokens=4)) == {"plain", "speculative"}
     st = httpx.get(router.url + "/control/state", headers=h, timeout=30).json()["router"]
     assert st["mode"] == "auto"
     # every worker polls both engines: whichever answers has measured both TPOTs
@@ -172,7 +176,7 @@ def test_split_settings_change_live_and_a_resting_speculative_engine_gets_only_p
         assert r.status_code == 200, r.text
         st = r.json()["router"]
         assert st["resting"] and st["settings"]["probe_every_s"] == 3600.0
-        assert set(_complete(router.url, 8)) == {"plain"}
+        assert set(_complete(router.url, 8, max_tokens=4)) == {"plain"}
         # a probe that never ends, at share 1 (each 2 s probe starts as the last one ends, no
         # backoff), from 2 s after the change on: every request goes to the speculative engine
         r = put({"router": {"probe_every_s": 2.0, "probe_s": 2.0, "p_probe": 1.0, "probe_backoff": 1.0}})
@@ -183,7 +187,7 @@ def test_split_settings_change_live_and_a_resting_speculative_engine_gets_only_p
         ) != 0.0:
             assert time.monotonic() < deadline, "the probe did not start within 30 s"
             time.sleep(0.2)
-        assert set(_complete(router.url, 4)) == {"speculative"}
+        assert set(_complete(router.url, 4, max_tokens=4)) == {"speculative"}
         # invalid settings are refused with the reason, and nothing changes
         r = put({"routing": "plain", "router": {"probe_s": 5.0}})
         assert r.status_code == 422 and "probe_s" in r.json()["message"]
