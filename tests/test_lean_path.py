@@ -740,10 +740,10 @@ def _rests(hook, monkeypatch, steps: int) -> tuple[int, int, int]:
 
 
 def test_rest_spans_grow_with_a_large_batch_under_span_scaling(tmp_path, monkeypatch):
-    """With span scaling (the default; ``SPECPILOT_REST_SPAN_SCALING=0`` turns it off), 64 requests whose drafts are all rejected and the
-    policy's own K held at 4 rest for up to GATE_COST_EVERY * 4 steps between full-path steps
-    (GATE_COST_EVERY without it), with as many probes at K > 0 give or take three; 8 requests
-    rest as before."""
+    """With span scaling (the default; ``SPECPILOT_REST_SPAN_SCALING=0`` turns it off), 64
+    requests whose drafts are all rejected and the policy's own K held at 4 rest for up to
+    GATE_COST_EVERY * 4 steps between full-path steps (GATE_COST_EVERY without it), with as many
+    probes at K > 0 give or take three; 8 requests rest as before."""
     cls = scheduler_module._SpecPilotHook
     runs = {}
     for scaling in ("0", "1"):
