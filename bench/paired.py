@@ -46,6 +46,8 @@ Example (plain vLLM on :8100, the engine host on :8000)::
     python -m bench paired --report FILE --baseline k4                       # the same rounds against arm k4
     python -m bench paired --report FILE --twin k0=k0b      # A/A: two engine hosts started alike, k0b against k0
     python -m bench paired --report c1.json.xz c64.json.xz   # both tables, then each arm over all their cells
+    python -m bench paired --report start1/paired.json start2/paired.json \\
+        --pool plain=plain+plain_b --pool adaptive=adaptive+adaptive_b   # every process and start of an arm as one
 
 Results: ``--out/paired.json`` (rewritten after every round) and a Markdown table on stdout.
 """
@@ -461,6 +463,97 @@ def render_twin(res: dict[str, Any], arm: str, twin: str) -> str:
     return "\n".join(lines)
 
 
+def pool_arms(res: dict[str, Any], name: str, members: list[str]) -> dict[str, Any]:
+    """``res`` with the arms ``members`` (servers started alike, e.g. an arm and its A/A twin)
+    read as one arm ``name``: per cell and round that every member completed, one burst whose
+    tokens, wall time (s), draft and accepted tokens, steps by K and hook times are the
+    members' sums, so its pooled ratio is the members' tokens over their time together.
+
+    What two processes started alike differ by (the A/A tables) is a property of the process,
+    not of the round, so the interval over rounds does not hold it; an arm run as several
+    processes, and the table run over several starts (one result each, read together), spreads
+    it over them. The result's other arms are kept; a baseline among ``members`` becomes ``name``.
+
+    Returns:
+        a new result dict (``res`` is not changed).
+
+    Raises:
+        ValueError: fewer than two members, a member that names no arm of ``res``, or ``name``
+            already the name of an arm that is not a member.
+    """
+    if len(set(members)) < 2:
+        raise ValueError(f"--pool {name}: give two or more different arms to pool, got {'+'.join(members)!r}")
+    for m in members:
+        if m not in res["arms"]:
+            raise ValueError(f"--pool {name}: {m!r} names no arm of this result ({', '.join(res['arms'])})")
+    if name in res["arms"] and name not in members:
+        raise ValueError(f"--pool {name}: that is already another arm's name")
+    by: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for b in res["bursts"]:
+        if b["arm"] in members:
+            by.setdefault((b["cell"], b["round"]), {})[b["arm"]] = b
+    pooled = []
+    for (cell, rnd), got in by.items():
+        if len(got) < len(set(members)):
+            continue
+        parts = list(got.values())
+        wall = sum(p["wall_s"] for p in parts)
+        tokens = sum(p["tokens"] for p in parts)
+        ttfts = [p["ttft_ms"] for p in parts if p.get("ttft_ms") is not None]
+        burst: dict[str, Any] = {
+            "arm": name,
+            "cell": cell,
+            "round": rnd,
+            "tokens": tokens,
+            "wall_s": round(wall, 5),
+            "tok_s": round(tokens / wall, 3) if wall > 0 else None,
+            "ttft_ms": statistics.median(ttfts) if ttfts else None,
+            "errors": sum(p.get("errors", 0) for p in parts),
+            "draft_tokens": sum(p.get("draft_tokens", 0) for p in parts),
+            "accepted_tokens": sum(p.get("accepted_tokens", 0) for p in parts),
+        }
+        ks = [p.get("steps_at_k") for p in parts]
+        if all(k is not None for k in ks):
+            width = max(len(k) for k in ks)
+            burst["steps_at_k"] = [sum(k[i] for k in ks if i < len(k)) for i in range(width)]
+        hooks = [p.get("overhead") for p in parts]
+        if all(hooks):
+            keys = set.intersection(*(set(h) for h in hooks))
+            burst["overhead"] = {
+                k: sum(h[k] for h in hooks) for k in keys if all(isinstance(h[k], (int, float)) for h in hooks)
+            }
+        pooled.append(burst)
+    arms = []
+    for a in res["arms"]:
+        if a in members:
+            if name not in arms:
+                arms.append(name)
+        else:
+            arms.append(a)
+    out = dict(res)
+    out["arms"] = arms
+    out["bursts"] = [b for b in res["bursts"] if b["arm"] not in members] + pooled
+    if res["baseline"] in members:
+        out["baseline"] = name
+    return out
+
+
+def _pools(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """``--pool NAME=ARM+ARM[+...]`` values as ``(name, members)``.
+
+    Raises:
+        ValueError: a value is not of that form.
+    """
+    out = []
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        members = [m.strip() for m in rest.split("+") if m.strip()]
+        if not sep or not name.strip() or len(members) < 2:
+            raise ValueError(f"--pool takes NAME=ARM+ARM[+...] (two or more arm names), got {spec!r}")
+        out.append((name.strip(), members))
+    return out
+
+
 def load_result(path: Path) -> dict[str, Any]:
     """A ``paired.json`` written by this benchmark, plain or ``xz``-compressed (``.xz``).
 
@@ -669,6 +762,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="two arms started with the same arguments (an A/A control): also print TWIN against ARM per cell, "
         "how far a ratio moved with no difference behind it, and how many intervals left 1 out",
     )
+    p.add_argument(
+        "--pool",
+        action="append",
+        default=[],
+        metavar="NAME=ARM+ARM",
+        help="read arms started alike (an arm and its A/A twins) as one arm NAME: their tokens over their time "
+        "together, round by round; with several --report results (e.g. one per start of the engines) each "
+        "result's members are pooled, so a ratio is read over every process and start",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -694,8 +796,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.report:
             results = []
+            pools = _pools(args.pool)
             for path in args.report:
                 res = load_result(path)
+                for name, members in pools:
+                    res = pool_arms(res, name, members)
                 if args.baseline:  # the same rounds read against another arm (e.g. the best static K)
                     if args.baseline not in res["arms"]:
                         raise ValueError(
@@ -718,6 +823,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline and args.baseline not in {a.name for a in arms}:
             raise ValueError(f"--baseline {args.baseline!r} names no arm")
         twins = _twins(args.twin)
+        pools = _pools(args.pool)
+        for name, members in pools:
+            if any(m not in {x.name for x in arms} for m in members):
+                raise ValueError(f"--pool {name}: every member must name an --arm")
         for a, t in twins:
             if a not in {x.name for x in arms} or t not in {x.name for x in arms} or a == t:
                 raise ValueError(f"--twin {a}={t} must name two different arms")
@@ -754,6 +863,14 @@ def main(argv: list[str] | None = None) -> int:
         print(render_twin(res, a, t))
     print()
     print(render_over_cells([res]))
+    if pools:  # the same rounds with the pooled arms read as one (the results file keeps every arm)
+        shown = res
+        for name, members in pools:
+            shown = pool_arms(shown, name, members)
+        print()
+        print(render(shown))
+        print()
+        print(render_over_cells([shown]))
     print(f"results: {args.out / 'paired.json'}")
     return 0
 

@@ -321,3 +321,53 @@ def test_the_report_reads_several_results_and_gives_each_arm_over_all_their_cell
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     assert main(["--report", str(tmp_path / "r0.json"), str(tmp_path / "bad.json")]) == 2
     assert "baselines differ" in capsys.readouterr().err
+
+
+def test_arms_started_alike_are_pooled_into_one_arm_round_by_round(tmp_path, capsys):
+    """``--pool plain=plain+plain_b``: per round that both completed, one burst whose tokens and
+    time are the two processes' sums, so one slow process of the two moves the pooled ratio by
+    half as much; a baseline among the members becomes the pooled arm, the engine hosts' step
+    counts and hook times add up, and results of two starts are pooled one by one and read
+    together over their cells."""
+    from bench.paired import main, pool_arms
+
+    def start(plain_b_wall: float) -> dict:
+        bursts = []
+        for r in range(6):
+            bursts.append({"cell": "chat@c8", "round": r, "arm": "plain", **_b(100, 1.0)})
+            bursts.append({"cell": "chat@c8", "round": r, "arm": "plain_b", **_b(100, plain_b_wall)})
+            eng = {"steps_at_k": [90, 10], "overhead": {"hook_seconds": 0.01, "busy_seconds": 1.0, "lean_steps": 5}}
+            bursts.append({"cell": "chat@c8", "round": r, "arm": "adaptive", **_b(100, 0.9), **eng})
+            bursts.append({"cell": "chat@c8", "round": r, "arm": "adaptive_b", **_b(100, 1.1), **eng})
+        bursts.append({"cell": "chat@c8", "round": 6, "arm": "plain", **_b(100, 1.0)})  # plain_b never ran round 6
+        arms = ["plain", "plain_b", "adaptive", "adaptive_b"]
+        return {"baseline": "plain", "arms": arms, "cells": ["chat@c8"], "bursts": bursts}
+
+    res = start(1.5)  # plain_b's process a third slower
+    pooled = pool_arms(pool_arms(res, "plain", ["plain", "plain_b"]), "adaptive", ["adaptive", "adaptive_b"])
+    assert pooled["arms"] == ["plain", "adaptive"] and pooled["baseline"] == "plain"
+    assert "plain_b" in res["arms"] and len(res["bursts"]) == 25  # the input is not changed
+    plain = [b for b in pooled["bursts"] if b["arm"] == "plain"]
+    assert len(plain) == 6 and plain[0]["tokens"] == 200 and plain[0]["wall_s"] == pytest.approx(2.5)
+    rows = {r["arm"]: r for r in summarize(pooled)}
+    assert rows["adaptive"]["x_base"] == pytest.approx(2.5 / 2.0)  # 200 tokens in 2.0 s against in 2.5 s
+    assert rows["adaptive"]["steps"] == 6 * 200 and rows["adaptive"]["steps_k_gt0"] == 6 * 20
+    assert rows["adaptive"]["hook_share"] == pytest.approx(0.01)
+
+    for i, wall in enumerate((1.5, 1.0)):
+        (tmp_path / f"s{i}.json").write_text(json.dumps(start(wall)))
+    args = ["--report", str(tmp_path / "s0.json"), str(tmp_path / "s1.json")]
+    assert main([*args, "--pool", "plain=plain+plain_b", "--pool", "adaptive=adaptive+adaptive_b"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "| chat@c8 | `adaptive` | 6 | 100.0 | 1.250 |" in out and "| chat@c8 | `adaptive` | 6 | 100.0 | 1.000 |" in out
+    )
+    assert "| `adaptive` | 2 | 1.118 |" in out and "plain_b" not in out  # sqrt(1.25 * 1.0) over the two starts
+    for bad, why in (
+        ("plain=plain", "NAME=ARM+ARM"),
+        ("p=plain+plain", "two or more different arms"),
+        ("p=plain+k9", "'k9' names no arm"),
+        ("adaptive=plain+plain_b", "already another arm's name"),
+    ):
+        assert main([*args, "--pool", bad]) == 2
+        assert why in capsys.readouterr().err
