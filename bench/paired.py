@@ -824,9 +824,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--baseline {args.baseline!r} names no arm")
         twins = _twins(args.twin)
         pools = _pools(args.pool)
-        for name, members in pools:
-            if any(m not in {x.name for x in arms} for m in members):
-                raise ValueError(f"--pool {name}: every member must name an --arm")
+        probe = {"baseline": arms[0].name, "arms": [a.name for a in arms], "cells": [], "bursts": []}
+        for name, members in pools:  # refused here, before the run, as --report would refuse it
+            probe = pool_arms(probe, name, members)
         for a, t in twins:
             if a not in {x.name for x in arms} or t not in {x.name for x in arms} or a == t:
                 raise ValueError(f"--twin {a}={t} must name two different arms")

@@ -371,3 +371,6 @@ def test_arms_started_alike_are_pooled_into_one_arm_round_by_round(tmp_path, cap
     ):
         assert main([*args, "--pool", bad]) == 2
         assert why in capsys.readouterr().err
+    live = ["--arm", "a=http://127.0.0.1:9", "--arm", "b=http://127.0.0.1:9", "--out", str(tmp_path / "live")]
+    assert main([*live, "--pool", "a=a+c"]) == 2  # refused before any request is sent
+    assert "'c' names no arm" in capsys.readouterr().err and not (tmp_path / "live").exists()
