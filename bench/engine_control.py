@@ -14,6 +14,10 @@ Mode strings (``--mode``), mapped to ``PUT /control/config`` bodies by :func:`mo
                             at the acceptance pooled over its class's recent draft tokens
                             (``speculation.adaptive.prior``; ``adaptive`` and
                             ``adaptive_mixture`` use the mixture prior)
+``adaptive_geometric[:LO-HI]``  ``adaptive`` with the gate's geometric gain: a draft's
+                            expected tokens ``sum_j a^j``, not read against what the class's
+                            drafts yielded (``speculation.adaptive.gain``; the others use the
+                            calibrated gain)
 ``batch_table[:TABLE]``     vLLM's per-batch-size table; TABLE like ``1-2=6,3-8=4,9-1024=2``
                             (default :data:`DEFAULT_BATCH_TABLE`, each K clamped to the
                             engine's K_max)
@@ -105,10 +109,11 @@ def mode_patch(mode: str, k_max_engine: int | None = None) -> dict[str, Any]:
             spec = {"mode": "fixed", "k": int(arg)}
         except ValueError:
             raise BenchError(f"mode {mode!r}: use fixed:K with K a number of tokens, e.g. fixed:4") from None
-    elif name in ("adaptive", "adaptive_step", "adaptive_mixture", "adaptive_pooled"):
+    elif name in ("adaptive", "adaptive_step", "adaptive_mixture", "adaptive_pooled", "adaptive_geometric"):
         lo, hi = _bounds(arg, mode) if arg else (0, None)
         params: dict[str, Any] = {"per_request": name != "adaptive_step"}
         params["prior"] = "pooled" if name == "adaptive_pooled" else "mixture"
+        params["gain"] = "geometric" if name == "adaptive_geometric" else "calibrated"
         spec = {"mode": "adaptive", "k_min": lo, "k_max": hi, "adaptive": params}
     elif name == "heuristic":
         lo, hi = _bounds(arg, mode) if arg else (1, None)

@@ -77,6 +77,14 @@ class AdaptiveParams(_Strict):
         "prior at the acceptance pooled over its class's recent draft tokens "
         "(engine_host.request_gate)",
     )
+    gain: Literal["calibrated", "geometric"] = Field(
+        "calibrated",
+        description="how the per-request gate reads a draft's expected accepted tokens: "
+        "'calibrated', the geometric law moved toward what the class's drafts at a like "
+        "acceptance estimate yielded, so drafts of copied text that are accepted a long way "
+        "or not at all are priced as they pay; 'geometric', sum of a^j over the draft's "
+        "positions (engine_host.request_gate)",
+    )
 
 
 class ThresholdParams(_Strict):

@@ -63,6 +63,22 @@ of 3.3) and drops drafts that pay. A request whose drafts were dropped is drafte
 every ``probe_every`` of its steps, so one that starts accepting (e.g. it begins to
 quote its prompt) is picked up again.
 
+With ``gain="calibrated"`` (the engine host's default, ``speculation.adaptive.gain``; this
+class's own default stays ``"geometric"``) a request's ``x_i(K)`` is read against what its
+class's drafts yielded. Each verification is counted by the bin of ``ACCEPTANCE_BUCKETS`` its
+request's estimate stood in when the draft was priced, with the tokens drafted and accepted;
+per bin, a j-token draft's measured gain is how far drafts were accepted, position by position
+(the Kaplan-Meier estimate, shorter drafts counted up to their length), and the gain used is
+that and the geometric one weighted by the bin's verifications (``_cal_read``). The geometric
+law takes every position to be accepted with the same ``a`` given the one before; text copied
+from the prompt (code, docs) is accepted a long way or not at all, so a request whose last
+draft was rejected at its first token reads as a low ``a`` while its next draft, when the
+n-gram proposer finds one, may well be copied to its end, and the class's verifications at
+that estimate say how often (docs/benchmarks.md). Where drafts are rejected whatever the
+estimate (sampled chat), the measured gain is as low as the geometric one or lower. The same
+gain prices the request's own depth (:meth:`RequestDraftGate.depth`) and a batch's K
+(:meth:`RequestDraftGate.batch_gains`).
+
 The gate also sets the step's K: when the hook decides K for the next step and no running
 request's drafts would pay (:meth:`RequestDraftGate.plan`, counting toward each request's
 probe), that step runs at K = 0. A step at K > 0 costs something even when every draft is
@@ -79,6 +95,7 @@ No vLLM import (NumPy fits the mixture prior); the scheduler hook (``engine_host
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -111,6 +128,21 @@ MIXTURE_FLOOR = 0.02
 # get requests whose drafts are all rejected (``_refit``)
 MIXTURE_REJECTING = 0.1
 PRIORS = ("pooled", "mixture")  # a new request's prior (module doc)
+GAINS = ("calibrated", "geometric")  # how a draft's expected accepted tokens are read (module doc)
+# gain="calibrated": the longest draft whose positions are kept apart (tokens; longer ones are
+# counted as this long), the fading of a class's table per verification folded in, the
+# verifications folded in between two readings of the table, the verifications of one bin at
+# which its measured gain weighs as much as the geometric one, and the pseudo-verifications per
+# position at the bin's centre that a position's measured acceptance starts from
+CALIBRATION_MAX_DRAFT = 16
+CALIBRATION_DECAY = 0.995
+CALIBRATION_REFRESH = 16
+CALIBRATION_STRENGTH = 8.0
+CALIBRATION_POSITION_PRIOR = 2.0
+_CAL_BINS = len(ACCEPTANCE_BUCKETS)
+_CAL_CENTRES = tuple(
+    (lo + (ACCEPTANCE_BUCKETS[i + 1] if i + 1 < _CAL_BINS else 1.0)) / 2.0 for i, lo in enumerate(ACCEPTANCE_BUCKETS)
+)
 
 
 @dataclass(slots=True)
@@ -126,6 +158,7 @@ class _RequestStats:
     est_ver: int = -1  # the distributions' version est was computed at (-1: none)
     est_accepted: float = -1.0  # accepted and rejections when est was computed
     est_rejections: float = -1.0
+    seen: float = -1.0  # the acceptance estimate last handed out for it (-1: none; gain="calibrated")
 
 
 class RequestDraftGate:
@@ -152,6 +185,9 @@ class RequestDraftGate:
             distribution over the class's finished requests; module doc).
         mixture_requests: the last finished requests of a class its distribution is fitted
             to under ``prior="mixture"`` (>= 1).
+        gain: ``"geometric"`` (a k-token draft at acceptance ``a`` yields ``sum_j a^j``
+            tokens) or ``"calibrated"`` (that, moved toward what the class's drafts verified
+            at a like estimate yielded; module doc).
     Raises:
         ValueError: a parameter out of range.
     """
@@ -166,6 +202,7 @@ class RequestDraftGate:
         pool_decay: float = 0.98,
         prior: str = "pooled",
         mixture_requests: int = 128,
+        gain: str = "geometric",
     ):
         if prior_accepted < 0 or prior_rejected < 0 or prior_accepted + prior_rejected <= 0:
             raise ValueError("the prior's pseudo-counts must be >= 0 and not both 0")
@@ -181,6 +218,8 @@ class RequestDraftGate:
             raise ValueError(f"prior must be one of {', '.join(PRIORS)}, got {prior!r}")
         if mixture_requests < 1:
             raise ValueError("mixture_requests must be >= 1")
+        if gain not in GAINS:
+            raise ValueError(f"gain must be one of {', '.join(GAINS)}, got {gain!r}")
         self.prior_accepted = prior_accepted
         self.prior_rejected = prior_rejected
         self.decay = decay
@@ -189,6 +228,16 @@ class RequestDraftGate:
         self.pool_decay = pool_decay
         self.prior = prior
         self.mixture_requests = mixture_requests
+        self.gain_model = gain
+        # gain="calibrated", per class (None: requests with no class): decayed counts of the
+        # class's verifications by the bin of ACCEPTANCE_BUCKETS their request's estimate stood
+        # in, tokens drafted and tokens accepted, (bins, D + 1, D + 1) with D =
+        # CALIBRATION_MAX_DRAFT; the verifications folded in since the table was last read; and
+        # per bin what was read: (weight of the measured gain, measured gain of a j-token draft
+        # for j = 0..D, tokens)
+        self._cal: dict[str | None, np.ndarray] = {}
+        self._cal_new: dict[str | None, int] = {}
+        self._cal_curve: dict[str | None, list[tuple[float, list[float]]]] = {}
         # prior="mixture": per class (None: every request's), the distribution over MIXTURE_GRID
         # (starting at the configured Beta prior's shape), its mean and the finished requests
         # folded in; each class's version, which its running requests' cached estimates are
@@ -228,6 +277,7 @@ class RequestDraftGate:
         pools = self._pools
         classes = self._class
         every = pools[None]
+        calibrated = self.gain_model == "calibrated"
         for req_id, drafted, accepted in verifications:
             if drafted <= 0 or req_id is None:
                 continue
@@ -241,6 +291,9 @@ class RequestDraftGate:
             s.drafted = s.drafted * decay + drafted
             s.accepted = s.accepted * decay + n
             s.rejections = s.rejections * decay + rejected
+            if calibrated:  # by the estimate the draft was priced at, before this verification
+                cls = classes.get(req_id)
+                self._cal_fold(cls, s.seen if s.seen >= 0.0 else self.prior_mean(cls), drafted, n)
             if pool_decay > 0.0:
                 # one factor per token judged (each accepted token and the rejection, if any): a
                 # verification of 8 accepted tokens weighs as the 8 judgments it is, and it fades
@@ -256,6 +309,48 @@ class RequestDraftGate:
                         pool = pools[cls] = [0.0, 0.0]
                     pool[0] = pool[0] * f + n
                     pool[1] = pool[1] * f + rejected
+
+    def _cal_fold(self, cls: str | None, estimate: float, drafted: int, accepted: int) -> None:
+        """Count one verification of a request of class ``cls`` whose acceptance estimate
+        stood at ``estimate`` (fraction 0..1) when its ``drafted``-token draft was priced, of
+        which ``accepted`` tokens were accepted; the class's table is read again every
+        ``CALIBRATION_REFRESH`` of them (``gain="calibrated"``, module doc)."""
+        t = self._cal.get(cls)
+        if t is None:
+            d = CALIBRATION_MAX_DRAFT + 1
+            t = self._cal[cls] = np.zeros((_CAL_BINS, d, d))
+            self._cal_new[cls] = 0
+        b = max(bisect.bisect_right(ACCEPTANCE_BUCKETS, estimate) - 1, 0)
+        t[b, min(drafted, CALIBRATION_MAX_DRAFT), min(accepted, CALIBRATION_MAX_DRAFT)] += 1.0
+        folded = self._cal_new[cls] + 1
+        if folded >= CALIBRATION_REFRESH:
+            self._cal_read(cls, folded)
+            folded = 0
+        self._cal_new[cls] = folded
+
+    def _cal_read(self, cls: str | None, folded: int) -> None:
+        """Fade class ``cls``'s table by ``CALIBRATION_DECAY`` per verification ``folded`` since
+        the last reading, and read from it, per bin, what a j-token draft yielded: position j's
+        acceptance is the share of the verifications that reached it (drafted at least j
+        tokens, accepted at least j - 1) and accepted it, started at the bin's centre with
+        ``CALIBRATION_POSITION_PRIOR`` pseudo-verifications; the gain of a j-token draft is the
+        sum over positions up to j of the product of those shares (the Kaplan-Meier estimate of
+        how far a draft is accepted, shorter drafts counted up to their length; E. L. Kaplan and
+        P. Meier, JASA 53, 1958). The measured gain's weight is ``n / (n + CALIBRATION_STRENGTH)``
+        with ``n`` the bin's (faded) verifications."""
+        t = self._cal[cls]
+        t *= CALIBRATION_DECAY**folded
+        # reach[b, d0, a0]: the bin's verifications that drafted at least d0 tokens and accepted at least a0
+        reach = t[:, ::-1, ::-1].cumsum(axis=1).cumsum(axis=2)[:, ::-1, ::-1]
+        j = np.arange(1, CALIBRATION_MAX_DRAFT + 1)
+        at_risk = reach[:, j, j - 1]  # (bins, D): reached position j
+        passed = reach[:, j, j]  # of those, accepted it
+        centre = np.asarray(_CAL_CENTRES)[:, None]
+        q = (passed + CALIBRATION_POSITION_PRIOR * centre) / (at_risk + CALIBRATION_POSITION_PRIOR)
+        x = np.concatenate([np.zeros((_CAL_BINS, 1)), np.cumsum(np.cumprod(q, axis=1), axis=1)], axis=1)
+        n = reach[:, 1, 0]
+        w = n / (n + CALIBRATION_STRENGTH)
+        self._cal_curve[cls] = [(float(w[b]), x[b].tolist()) for b in range(_CAL_BINS)]
 
     def set_class(self, req_id: str, cls: str) -> None:
         """Name the class of request ``req_id`` (e.g. ``"sampled"``): its prior's mean is
@@ -303,14 +398,18 @@ class RequestDraftGate:
         were (``accepted / (accepted + rejections)`` with the Beta prior; under
         ``prior="mixture"`` the posterior mean over the class's distribution; module doc)."""
         cls = self._class.get(req_id)
-        if self.prior == "mixture" and self._mixture_ready(cls):
-            return self._mixture_acceptance(req_id, cls)
         s = self._reqs.get(req_id)
-        m = self.prior_mean(cls)
-        if s is None:
-            return m
-        strength = self.prior_accepted + self.prior_rejected
-        return (s.accepted + strength * m) / (s.accepted + s.rejections + strength)
+        if self.prior == "mixture" and self._mixture_ready(cls):
+            a = self._mixture_acceptance(req_id, cls)
+        else:
+            m = self.prior_mean(cls)
+            if s is None:
+                return m
+            strength = self.prior_accepted + self.prior_rejected
+            a = (s.accepted + strength * m) / (s.accepted + s.rejections + strength)
+        if s is not None:
+            s.seen = a
+        return a
 
     def acceptance_many(self, req_ids: Iterable[str]) -> list[float]:
         """:meth:`acceptance` of each request of ``req_ids``, in order (fractions 0..1); the
@@ -336,9 +435,11 @@ class RequestDraftGate:
         vers, means = self._mix_vers, self._mix_mean
         # acceptance, draft_rate and _mixture_kept written out: this loop runs over every running
         # request (tests/test_request_gate.py checks that the results are theirs)
+        seen: list[_RequestStats | None] = []  # each request's stats, to keep its estimate as seen
         for rid in req_ids:
             cls = classes.get(rid)
             s = reqs.get(rid)
+            seen.append(s)
             rates.append(1.0 if s is None else (s.found + 1.0) / (s.offered + 1.0))
             on = ready.get(cls)
             if on is None:
@@ -363,6 +464,7 @@ class RequestDraftGate:
         if len(due) < MIXTURE_ARRAY_FROM:
             for i, s, cls in due:
                 out[i] = self._mixture_estimate(s, cls)
+            self._keep_seen(seen, out)
             return out, rates
         counts = np.array([(s.accepted, s.rejections) for _, s, _ in due])
         logs = counts @ _LOG_AR  # (m, len(MIXTURE_GRID)): log a^accepted (1 - a)^rejections
@@ -376,7 +478,17 @@ class RequestDraftGate:
             e = e if zi > 0.0 else means[cls]
             s.est, s.est_ver, s.est_accepted, s.est_rejections = e, vers[cls], s.accepted, s.rejections
             out[i] = e
+        self._keep_seen(seen, out)
         return out, rates
+
+    def _keep_seen(self, stats: list[_RequestStats | None], estimates: list[float]) -> None:
+        """Keep each request's estimate as the one its next verification is counted by
+        (``gain="calibrated"``; ``_cal_fold``)."""
+        if self.gain_model != "calibrated":
+            return
+        for s, a in zip(stats, estimates):
+            if s is not None:
+                s.seen = a
 
     def _mixture_ready(self, cls: str | None) -> bool:
         """Whether requests of class ``cls`` are estimated under its distribution: it needs
@@ -512,18 +624,69 @@ class RequestDraftGate:
             return float(k)
         return a * (1.0 - a**k) / (1.0 - a)
 
+    def gain(self, cls: str | None, a: float, k: int) -> float:
+        """Expected accepted tokens (tokens, 0..k) of a k-token draft of a request of class
+        ``cls`` whose acceptance estimate is ``a`` (fraction 0..1). ``gain="geometric"``:
+        :meth:`expected_gain`. ``gain="calibrated"``: ``w * m + (1 - w) * sum_j a^j``, with ``m``
+        what the class's verified drafts at an estimate in the same bin of
+        ``ACCEPTANCE_BUCKETS`` yielded at this length and ``w`` its weight (``_cal_read``;
+        the geometric gain alone before any). Raises nothing."""
+        geo = self.expected_gain(a, k)
+        if k <= 0 or self.gain_model != "calibrated":
+            return geo
+        curves = self._cal_curve.get(cls)
+        if curves is None:
+            return geo
+        w, x = curves[max(bisect.bisect_right(ACCEPTANCE_BUCKETS, a) - 1, 0)]
+        return w * x[min(k, CALIBRATION_MAX_DRAFT)] + (1.0 - w) * geo
+
+    def gain_curve(self, cls: str | None, a: float, k: int) -> list[float]:
+        """:meth:`gain` at draft lengths 0..k (tokens, ``k + 1`` values, non-decreasing)."""
+        return [self.gain(cls, a, j) for j in range(k + 1)]
+
+    def batch_gains(self, req_ids: Iterable[str], k: int) -> tuple[list[float], float]:
+        """``(gain, rate)`` of a batch: ``gain[j] = sum_i r_i * (x_i(j) - x_i(j - 1))`` for j =
+        1..k (``gain[0]`` = 0; tokens), what the j-th draft position adds to the batch's
+        expected accepted tokens, and ``rate = sum_i r_i``, the requests expected to have a
+        draft; ``x_i`` is :meth:`gain` at request i's class and estimate, ``r_i`` its draft
+        rate (:meth:`batch_terms`). Formula: the goodput law (Leviathan et al., arXiv
+        2211.17192) summed over the batch. Raises nothing."""
+        ids = req_ids if isinstance(req_ids, list) else list(req_ids)
+        total = [0.0] * (k + 1)
+        rate = 0.0
+        classes = self._class
+        plain = self.gain_model != "calibrated" or not self._cal_curve
+        for rid, a, r in zip(ids, *self.batch_terms(ids)):
+            rate += r
+            if plain:  # the geometric law: position j adds a^j
+                p = r
+                for j in range(1, k + 1):
+                    p *= a
+                    total[j] += p
+                continue
+            x = self.gain_curve(classes.get(rid), a, k)
+            for j in range(1, k + 1):
+                total[j] += r * (x[j] - x[j - 1])
+        return total, rate
+
     def depth(self, req_id: str, draft_token_cost: float, k_max: int) -> int:
         """The request's own draft length (tokens, 0..``k_max``) by the marginal rule: the
-        j-th draft token is accepted with probability ``a^j`` (Leviathan et al., arXiv
-        2211.17192) and costs ``c = draft_token_cost`` to verify, so positions are added
-        while ``a^j >= (1 + margin) * c``. A request with no verified drafts is judged at
-        the prior's mean."""
+        j-th draft token is accepted with probability ``p_j`` (``a^j`` under the geometric
+        gain, Leviathan et al., arXiv 2211.17192; the step of :meth:`gain` from j - 1 to j)
+        and costs ``c = draft_token_cost`` to verify, so positions are added while ``p_j >=
+        (1 + margin) * c``. A request with no verified drafts is judged at the prior's mean."""
         a = self.acceptance(req_id)
         if k_max <= 0 or a <= 0.0:
             return 0
         if a >= 1.0:
             return k_max
         bar = (1.0 + self.margin) * max(draft_token_cost, 1e-12)
+        if self.gain_model == "calibrated" and self._cal_curve:
+            x = self.gain_curve(self._class.get(req_id), a, k_max)
+            j = 0
+            while j < k_max and x[j + 1] - x[j] >= bar:
+                j += 1
+            return j
         j, p = 0, a
         while j < k_max and p >= bar:
             j += 1
@@ -541,7 +704,8 @@ class RequestDraftGate:
         """
         if k <= 0:
             return False
-        return self.expected_gain(self.acceptance(req_id), k) >= (1.0 + self.margin) * k * max(draft_token_cost, 0.0)
+        x = self.gain(self._class.get(req_id), self.acceptance(req_id), k)
+        return x >= (1.0 + self.margin) * k * max(draft_token_cost, 0.0)
 
     def allows(self, req_id: str, k: int, draft_token_cost: float) -> bool:
         """The decision for this step: verify the request's k-token draft or drop it.
@@ -603,7 +767,7 @@ class RequestDraftGate:
         one step at K > 0 for every request at once every ``probe_every`` steps).
         """
         if k > 0:
-            surplus = self.expected_gain(self.acceptance(req_id), k) - k * max(draft_token_cost, 0.0)
+            surplus = self.gain(self._class.get(req_id), self.acceptance(req_id), k) - k * max(draft_token_cost, 0.0)
             if self.draft_rate(req_id) * surplus >= (1.0 + self.margin) * max(step_cost, 0.0) and surplus >= 0.0:
                 s = self._reqs.get(req_id)
                 if s is not None:
@@ -636,9 +800,14 @@ class RequestDraftGate:
         net = 0.0
         ids = req_ids if isinstance(req_ids, list) else list(req_ids)
         n = len(ids)
-        gain = self.expected_gain
-        for a, r in zip(*self.batch_terms(ids)):
-            net += r * (gain(a, k) - kc)
+        if self.gain_model == "calibrated" and self._cal_curve:
+            gain, classes = self.gain, self._class
+            for rid, a, r in zip(ids, *self.batch_terms(ids)):
+                net += r * (gain(classes.get(rid), a, k) - kc)
+        else:
+            geo = self.expected_gain
+            for a, r in zip(*self.batch_terms(ids)):
+                net += r * (geo(a, k) - kc)
         return n > 0 and net > 0.0 and net >= (1.0 + self.margin) * n * max(step_cost, 0.0)
 
     def paying_share(self, cls: str | None, k: int, draft_token_cost: float, step_cost: float = 0.0) -> float:
@@ -660,7 +829,7 @@ class RequestDraftGate:
         bar = (1.0 + self.margin) * max(step_cost, 0.0)
         share = 0.0
         for w, a in zip(self._mix[cls], MIXTURE_GRID):
-            surplus = self.expected_gain(a, k) - kc
+            surplus = self.gain(cls, a, k) - kc
             if surplus > 0.0 and surplus >= bar:
                 share += w
         return min(share, 1.0)

@@ -410,6 +410,7 @@ class _SpecPilotHook:
             self._gate.begin_step()  # the per-step counts say nothing while the gate is off
         self._gate.probe_every = cfg.speculation.adaptive.probe_every
         self._gate.prior = cfg.speculation.adaptive.prior
+        self._gate.gain_model = cfg.speculation.adaptive.gain
         self._gate_fold_finished = self._gate_on and self._gate.prior == "mixture"
         self._probe_interval = self._gate.probe_every
         self._config_error = None
@@ -765,7 +766,8 @@ class _SpecPilotHook:
         """The step's K (tokens) that the running requests' own acceptance estimates make best
         for the whole batch, 0 when none beats plain decoding by the policy's margin. The
         goodput law (Leviathan et al., arXiv 2211.17192: a k-token draft at per-token
-        acceptance ``a`` yields ``x(k) = sum_{j<=k} a^j`` tokens) is applied to the batch,
+        acceptance ``a`` yields ``x(k) = sum_{j<=k} a^j`` tokens, or that as its class's
+        drafts measured it: ``RequestDraftGate.gain``) is applied to the batch,
         ``G(K) = (B + sum_i r_i x_i(K)) / T(B, K)``, with ``a_i`` and ``r_i`` each request's
         acceptance and draft rate (``RequestDraftGate``, a new request at its class's prior)
         and ``T`` the step-time model's prediction for the draft tokens verified: under async
@@ -782,16 +784,9 @@ class _SpecPilotHook:
         hi = int(getattr(self.controller.policy, "k_hi", self._k_engine))
         if hi <= 0:
             return 0
-        gate = self._gate
-        gain = [0.0] * (hi + 1)  # gain[j]: sum over requests of r_i * a_i^j
-        rate = 0.0  # expected requests with a draft
-        ids = [req.request_id for req in self.running]  # type: ignore[attr-defined]
-        for a, r in zip(*gate.batch_terms(ids)):
-            p = r
-            rate += r
-            for j in range(1, hi + 1):
-                p *= a
-                gain[j] += p
+        # gain[j]: sum over requests of r_i times what position j adds (a_i^j under the geometric
+        # law); rate: expected requests with a draft
+        gain, rate = self._gate.batch_gains([req.request_id for req in self.running], hi)  # type: ignore[attr-defined]
         b = float(batch_size)
         # (every K > 0 at least what a speculative step costs: StepTimeModel.predict_curve)
         times = self.controller.step_time.predict_curve(batch_size, [rate / b * j for j in range(hi + 1)])

@@ -254,23 +254,57 @@ def test_request_bodies_stream_with_usage():
         ("fixed:4", {"mode": "fixed", "k": 4}),
         (
             "adaptive",
-            {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": True, "prior": "mixture"}},
+            {
+                "mode": "adaptive",
+                "k_min": 0,
+                "k_max": None,
+                "adaptive": {"per_request": True, "prior": "mixture", "gain": "calibrated"},
+            },
         ),
         (
             "adaptive:1-6",
-            {"mode": "adaptive", "k_min": 1, "k_max": 6, "adaptive": {"per_request": True, "prior": "mixture"}},
+            {
+                "mode": "adaptive",
+                "k_min": 1,
+                "k_max": 6,
+                "adaptive": {"per_request": True, "prior": "mixture", "gain": "calibrated"},
+            },
         ),
         (
             "adaptive_step",
-            {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": False, "prior": "mixture"}},
+            {
+                "mode": "adaptive",
+                "k_min": 0,
+                "k_max": None,
+                "adaptive": {"per_request": False, "prior": "mixture", "gain": "calibrated"},
+            },
         ),
         (
             "adaptive_pooled:0-4",
-            {"mode": "adaptive", "k_min": 0, "k_max": 4, "adaptive": {"per_request": True, "prior": "pooled"}},
+            {
+                "mode": "adaptive",
+                "k_min": 0,
+                "k_max": 4,
+                "adaptive": {"per_request": True, "prior": "pooled", "gain": "calibrated"},
+            },
         ),
         (
             "adaptive_mixture",
-            {"mode": "adaptive", "k_min": 0, "k_max": None, "adaptive": {"per_request": True, "prior": "mixture"}},
+            {
+                "mode": "adaptive",
+                "k_min": 0,
+                "k_max": None,
+                "adaptive": {"per_request": True, "prior": "mixture", "gain": "calibrated"},
+            },
+        ),
+        (
+            "adaptive_geometric",
+            {
+                "mode": "adaptive",
+                "k_min": 0,
+                "k_max": None,
+                "adaptive": {"per_request": True, "prior": "mixture", "gain": "geometric"},
+            },
         ),
         ("heuristic", {"mode": "heuristic", "k_min": 1, "k_max": None}),
         ("threshold", {"mode": "threshold", "k_min": 0, "k_max": None}),
@@ -293,8 +327,12 @@ def test_mode_patches_are_valid_live_configs():
     from engine_host.config import EngineLimits, LiveConfig, apply_patch
 
     limits = EngineLimits(model="m", k_max=8, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=2048)
-    for m in ("off", "fixed:0", "fixed:8", "adaptive", "adaptive_step", "adaptive_pooled", "heuristic", "threshold"):
+    modes = ("off", "fixed:0", "fixed:8", "adaptive", "adaptive_step", "adaptive_pooled", "adaptive_geometric")
+    for m in (*modes, "heuristic", "threshold"):
         apply_patch(LiveConfig(), ec.mode_patch(m), limits)
+    assert (
+        apply_patch(LiveConfig(), ec.mode_patch("adaptive_geometric"), limits).speculation.adaptive.gain == "geometric"
+    )
     apply_patch(LiveConfig(), ec.mode_patch("batch_table"), limits)
     # adaptive after adaptive_pooled goes back to the mixture prior, the default
     assert LiveConfig().speculation.adaptive.prior == "mixture"

@@ -934,3 +934,88 @@ def test_a_new_request_restarts_the_async_probes_wait_only_where_its_class_may_p
         assert not g.batch_pays(["code-new"], 8, *h._gate_costs(1, 8))  # its prior alone does not draft
         ks = [h._decide_k(1) for _ in range(8)]
         assert [i for i, k in enumerate(ks) if k][0] < 4  # probed within probe_every steps
+
+
+def _bursty_class(gate: RequestDraftGate, requests: int, pattern: tuple[int, ...], k: int = 8, cls: str = "greedy"):
+    """Requests of class ``cls`` whose drafts of ``k`` tokens are accepted by ``pattern``, one
+    verification each, every draft priced first as the scheduler hook prices it (its estimate
+    read, then the verification folded in): copied text, accepted a long way or not at all."""
+    for i in range(requests):
+        rid = f"{cls}-{i}"
+        gate.set_class(rid, cls)
+        for accepted in pattern:
+            gate.acceptance(rid)
+            gate.observe(rid, k, accepted)
+        gate.forget(req_id=rid)
+
+
+def test_the_calibrated_gain_reads_what_drafts_at_a_like_estimate_yielded():
+    """Drafts of copied text are accepted to their end or not at all: here each request's
+    first draft is rejected at its first token (priced at the prior's 0.5) and its second one
+    is accepted whole (priced at 0.33 after that rejection). The geometric law reads 0.33 as
+    0.5 tokens from a draft of 8; the calibrated gain reads what drafts at that estimate
+    yielded, nearly 8, and at 0.5 what those yielded, nearly nothing."""
+    geo = RequestDraftGate(pool_decay=0.0)
+    cal = RequestDraftGate(pool_decay=0.0, gain="calibrated")
+    for g in (geo, cal):
+        _bursty_class(g, 40, (0, 8))
+        g.set_class("new", "greedy")
+        g.observe("new", 8, 0)
+    a = cal.acceptance("new")
+    assert a == pytest.approx(1 / 3) and geo.acceptance("new") == pytest.approx(a)
+    assert geo.gain("greedy", a, 8) == pytest.approx(RequestDraftGate.expected_gain(a, 8))
+    assert RequestDraftGate.expected_gain(a, 8) < 0.6
+    assert cal.gain("greedy", a, 8) > 5.0  # ten times that: what the class's drafts at 0.2..0.4 yielded
+    assert cal.gain("greedy", 0.5, 8) < 0.5 * RequestDraftGate.expected_gain(0.5, 8)  # rejected there
+    assert cal.gain("other", a, 8) == pytest.approx(RequestDraftGate.expected_gain(a, 8))  # a class not seen
+    curve = cal.gain_curve("greedy", a, 8)
+    assert curve[0] == 0.0 and all(x1 >= x0 for x0, x1 in zip(curve, curve[1:]))
+    # at 0.1 of a plain step per verified draft token a draft of 8 costs 0.8 tokens' time
+    assert geo.pays("new", 8, 0.1) is False and cal.pays("new", 8, 0.1) is True
+    assert geo.depth("new", 0.1, 8) == 2 and cal.depth("new", 0.1, 8) == 8  # (1/3)^3 < 0.1
+    gains, rate = cal.batch_gains(["new"], 8)
+    assert rate == pytest.approx(1.0) and sum(gains) == pytest.approx(cal.gain("greedy", a, 8))
+    gains, _ = geo.batch_gains(["new"], 8)
+    assert sum(gains) == pytest.approx(RequestDraftGate.expected_gain(a, 8))
+
+
+def test_the_calibrated_gain_counts_short_drafts_only_as_far_as_they_reach():
+    """A draft of 3 tokens accepted whole says nothing about a 4th position: past what the
+    class's drafts reached, the gain grows at the bin's centre, not at 1."""
+    cal = RequestDraftGate(pool_decay=0.0, gain="calibrated")
+    _bursty_class(cal, 60, (0, 3), k=3)
+    x = cal.gain_curve("greedy", 1 / 3, 8)
+    assert x[3] > 2.0
+    assert x[8] - x[3] < 1.0  # positions 4..8 at about 0.3 each after the one before
+    with pytest.raises(ValueError):
+        RequestDraftGate(gain="measured")
+
+
+def test_drafts_rejected_at_every_estimate_keep_the_calibrated_gain_low():
+    """Sampled chat: drafts rejected whatever the estimate; the calibrated gain stays at or
+    below the geometric one, and such a request's drafts do not pay."""
+    cal = RequestDraftGate(pool_decay=0.0, gain="calibrated")
+    _bursty_class(cal, 40, (0, 0, 0, 0), cls="sampled")
+    cal.set_class("chat", "sampled")
+    cal.observe("chat", 8, 0)
+    a = cal.acceptance("chat")
+    assert cal.gain("sampled", a, 8) <= RequestDraftGate.expected_gain(a, 8)
+    assert cal.pays("chat", 8, 0.1) is False
+
+
+def test_at_batch_1_the_calibrated_gain_drafts_a_request_whose_drafts_pay_after_rejections():
+    """The scheduler hook at one request: after four rejected drafts a request of a class
+    whose drafts at that estimate were then copied whole is drafted at K = 8 under the
+    calibrated gain, and planned out at K = 0 under the geometric one; the config's
+    ``speculation.adaptive.gain`` picks the gate's."""
+    ks = {}
+    for gain in ("geometric", "calibrated"):
+        hook = _hook(_step_time(), 8, 16, ["r"])
+        hook._gate.gain_model = gain
+        _bursty_class(hook._gate, 30, (0, 0, 0, 0, 8))
+        hook._gate.set_class("r", "greedy")
+        for _ in range(4):
+            hook._gate.observe("r", 8, 0)
+        ks[gain] = [hook._decide_k(1) for _ in range(3)]
+    assert ks == {"geometric": [0, 0, 0], "calibrated": [8, 8, 8]}
+    assert LiveConfig().speculation.adaptive.gain == "calibrated"
