@@ -95,7 +95,6 @@ No vLLM import (NumPy fits the mixture prior); the scheduler hook (``engine_host
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -130,19 +129,21 @@ MIXTURE_REJECTING = 0.1
 PRIORS = ("pooled", "mixture")  # a new request's prior (module doc)
 GAINS = ("calibrated", "geometric")  # how a draft's expected accepted tokens are read (module doc)
 # gain="calibrated": the longest draft whose positions are kept apart (tokens; longer ones are
-# counted as this long), the fading of a class's table per verification folded in, the
-# verifications folded in between two readings of the table, the verifications of one bin at
-# which its measured gain weighs as much as the geometric one, and the pseudo-verifications per
-# position at the bin's centre that a position's measured acceptance starts from
+# counted as this long), the fading of a class's counts per verification counted, the most
+# verifications of one step counted (a larger step's are sampled evenly), the verifications of
+# one bin at which its measured gain weighs as much as the geometric one, and the
+# pseudo-verifications per position at the bin's centre that a position's measured acceptance
+# starts from
 CALIBRATION_MAX_DRAFT = 16
 CALIBRATION_DECAY = 0.995
-CALIBRATION_REFRESH = 16
+CALIBRATION_PER_STEP = 8
 CALIBRATION_STRENGTH = 8.0
 CALIBRATION_POSITION_PRIOR = 2.0
 _CAL_BINS = len(ACCEPTANCE_BUCKETS)
-_CAL_CENTRES = tuple(
-    (lo + (ACCEPTANCE_BUCKETS[i + 1] if i + 1 < _CAL_BINS else 1.0)) / 2.0 for i, lo in enumerate(ACCEPTANCE_BUCKETS)
-)
+# (ACCEPTANCE_BUCKETS are equal bins of 0..1: an estimate's bin is int(a * _CAL_BINS))
+assert ACCEPTANCE_BUCKETS == tuple(i / _CAL_BINS for i in range(_CAL_BINS))
+_CAL_CENTRES = tuple((i + 0.5) / _CAL_BINS for i in range(_CAL_BINS))
+_CAL_RENORM = 1e100  # a class's counts are scaled back once the next verification's weight passes this
 
 
 @dataclass(slots=True)
@@ -229,15 +230,19 @@ class RequestDraftGate:
         self.prior = prior
         self.mixture_requests = mixture_requests
         self.gain_model = gain
-        # gain="calibrated", per class (None: requests with no class): decayed counts of the
-        # class's verifications by the bin of ACCEPTANCE_BUCKETS their request's estimate stood
-        # in, tokens drafted and tokens accepted, (bins, D + 1, D + 1) with D =
-        # CALIBRATION_MAX_DRAFT; the verifications folded in since the table was last read; and
-        # per bin what was read: (weight of the measured gain, measured gain of a j-token draft
-        # for j = 0..D, tokens)
-        self._cal: dict[str | None, np.ndarray] = {}
-        self._cal_new: dict[str | None, int] = {}
+        # gain="calibrated", per class (None: requests with no class) and bin of ACCEPTANCE_BUCKETS
+        # its verifications' estimates stood in: the decayed counts of those that reached draft
+        # position j = 1..D (D = CALIBRATION_MAX_DRAFT) and of those that accepted it; the weight
+        # the class's next verification is counted with (each weighs 1 / CALIBRATION_DECAY times
+        # the one before it, so that fading the counts costs nothing per verification); the bins
+        # counted into since they were last read; and per bin what was read: (weight of the
+        # measured gain, measured gain of a j-token draft for j = 0..D, tokens)
+        self._cal_reached: dict[str | None, list[list[float]]] = {}
+        self._cal_passed: dict[str | None, list[list[float]]] = {}
+        self._cal_w: dict[str | None, float] = {}
+        self._cal_dirty: set[tuple[str | None, int]] = set()
         self._cal_curve: dict[str | None, list[tuple[float, list[float]]]] = {}
+        self._cal_stride = 1  # every how many verifications of a step one is counted
         # prior="mixture": per class (None: every request's), the distribution over MIXTURE_GRID
         # (starting at the configured Beta prior's shape), its mean and the finished requests
         # folded in; each class's version, which its running requests' cached estimates are
@@ -278,6 +283,7 @@ class RequestDraftGate:
         classes = self._class
         every = pools[None]
         calibrated = self.gain_model == "calibrated"
+        i, stride = -1, self._cal_stride
         for req_id, drafted, accepted in verifications:
             if drafted <= 0 or req_id is None:
                 continue
@@ -291,9 +297,11 @@ class RequestDraftGate:
             s.drafted = s.drafted * decay + drafted
             s.accepted = s.accepted * decay + n
             s.rejections = s.rejections * decay + rejected
-            if calibrated:  # by the estimate the draft was priced at, before this verification
-                cls = classes.get(req_id)
-                self._cal_fold(cls, s.seen if s.seen >= 0.0 else self.prior_mean(cls), drafted, n)
+            if calibrated:
+                i += 1
+                if i % stride == 0:  # by the estimate its draft was priced at, before this verification
+                    cls = classes.get(req_id)
+                    self._cal_count(cls, s.seen if s.seen >= 0.0 else self.prior_mean(cls), drafted, n)
             if pool_decay > 0.0:
                 # one factor per token judged (each accepted token and the rejection, if any): a
                 # verification of 8 accepted tokens weighs as the 8 judgments it is, and it fades
@@ -309,48 +317,74 @@ class RequestDraftGate:
                         pool = pools[cls] = [0.0, 0.0]
                     pool[0] = pool[0] * f + n
                     pool[1] = pool[1] * f + rejected
+        if calibrated:  # the next step's verifications sampled by this one's number
+            self._cal_stride = max(1, (i + 1) // CALIBRATION_PER_STEP)
 
-    def _cal_fold(self, cls: str | None, estimate: float, drafted: int, accepted: int) -> None:
-        """Count one verification of a request of class ``cls`` whose acceptance estimate
-        stood at ``estimate`` (fraction 0..1) when its ``drafted``-token draft was priced, of
-        which ``accepted`` tokens were accepted; the class's table is read again every
-        ``CALIBRATION_REFRESH`` of them (``gain="calibrated"``, module doc)."""
-        t = self._cal.get(cls)
-        if t is None:
-            d = CALIBRATION_MAX_DRAFT + 1
-            t = self._cal[cls] = np.zeros((_CAL_BINS, d, d))
-            self._cal_new[cls] = 0
-        b = max(bisect.bisect_right(ACCEPTANCE_BUCKETS, estimate) - 1, 0)
-        t[b, min(drafted, CALIBRATION_MAX_DRAFT), min(accepted, CALIBRATION_MAX_DRAFT)] += 1.0
-        folded = self._cal_new[cls] + 1
-        if folded >= CALIBRATION_REFRESH:
-            self._cal_read(cls, folded)
-            folded = 0
-        self._cal_new[cls] = folded
+    def _cal_count(self, cls: str | None, estimate: float, drafted: int, accepted: int) -> None:
+        """Count one verification of a request of class ``cls`` whose acceptance estimate stood
+        at ``estimate`` (fraction 0..1) when its ``drafted``-token draft was priced, of which
+        ``accepted`` tokens were accepted (``gain="calibrated"``, module doc)."""
+        reached = self._cal_reached.get(cls)
+        if reached is None:
+            reached = self._cal_reached[cls] = [[0.0] * CALIBRATION_MAX_DRAFT for _ in range(_CAL_BINS)]
+            self._cal_passed[cls] = [[0.0] * CALIBRATION_MAX_DRAFT for _ in range(_CAL_BINS)]
+            self._cal_w[cls] = 1.0
+        b = int(estimate * _CAL_BINS)
+        if b >= _CAL_BINS:
+            b = _CAL_BINS - 1
+        d = drafted if drafted < CALIBRATION_MAX_DRAFT else CALIBRATION_MAX_DRAFT
+        n = accepted if accepted < d else d
+        w = self._cal_w[cls]
+        r, p = reached[b], self._cal_passed[cls][b]
+        for j in range(n + 1 if n < d else d):  # positions 1..n + 1 reached (up to d)
+            r[j] += w
+        for j in range(n):  # positions 1..n accepted
+            p[j] += w
+        self._cal_dirty.add((cls, b))
+        w /= CALIBRATION_DECAY
+        if w > _CAL_RENORM:
+            for rows in (reached, self._cal_passed[cls]):
+                for row in rows:
+                    row[:] = [x / w for x in row]
+            self._cal_dirty.update((cls, i) for i in range(_CAL_BINS))
+            w = 1.0
+        self._cal_w[cls] = w
 
-    def _cal_read(self, cls: str | None, folded: int) -> None:
-        """Fade class ``cls``'s table by ``CALIBRATION_DECAY`` per verification ``folded`` since
-        the last reading, and read from it, per bin, what a j-token draft yielded: position j's
-        acceptance is the share of the verifications that reached it (drafted at least j
-        tokens, accepted at least j - 1) and accepted it, started at the bin's centre with
-        ``CALIBRATION_POSITION_PRIOR`` pseudo-verifications; the gain of a j-token draft is the
-        sum over positions up to j of the product of those shares (the Kaplan-Meier estimate of
-        how far a draft is accepted, shorter drafts counted up to their length; E. L. Kaplan and
-        P. Meier, JASA 53, 1958). The measured gain's weight is ``n / (n + CALIBRATION_STRENGTH)``
-        with ``n`` the bin's (faded) verifications."""
-        t = self._cal[cls]
-        t *= CALIBRATION_DECAY**folded
-        # reach[b, d0, a0]: the bin's verifications that drafted at least d0 tokens and accepted at least a0
-        reach = t[:, ::-1, ::-1].cumsum(axis=1).cumsum(axis=2)[:, ::-1, ::-1]
-        j = np.arange(1, CALIBRATION_MAX_DRAFT + 1)
-        at_risk = reach[:, j, j - 1]  # (bins, D): reached position j
-        passed = reach[:, j, j]  # of those, accepted it
-        centre = np.asarray(_CAL_CENTRES)[:, None]
-        q = (passed + CALIBRATION_POSITION_PRIOR * centre) / (at_risk + CALIBRATION_POSITION_PRIOR)
-        x = np.concatenate([np.zeros((_CAL_BINS, 1)), np.cumsum(np.cumprod(q, axis=1), axis=1)], axis=1)
-        n = reach[:, 1, 0]
-        w = n / (n + CALIBRATION_STRENGTH)
-        self._cal_curve[cls] = [(float(w[b]), x[b].tolist()) for b in range(_CAL_BINS)]
+    def _curves(self, cls: str | None) -> list[tuple[float, list[float]]] | None:
+        """Class ``cls``'s measured gains per bin (``_cal_read``), its bins counted into since
+        read again first; None before any verification of the class was counted."""
+        if self._cal_dirty:
+            self._cal_read()
+        return self._cal_curve.get(cls)
+
+    def _cal_read(self) -> None:
+        """Read, for each bin counted into since the last reading, what a j-token draft yielded:
+        position j's acceptance is the share of the verifications that reached it (drafted at
+        least j tokens, accepted at least j - 1) and accepted it, started at the bin's centre
+        with ``CALIBRATION_POSITION_PRIOR`` pseudo-verifications; the gain of a j-token draft is
+        the sum over positions up to j of the product of those shares (the Kaplan-Meier estimate
+        of how far a draft is accepted, shorter drafts counted up to their length; E. L. Kaplan
+        and P. Meier, JASA 53, 1958). The measured gain's weight is ``n / (n +
+        CALIBRATION_STRENGTH)`` with ``n`` the bin's verifications, each faded by
+        ``CALIBRATION_DECAY`` per verification of its class counted after it."""
+        dirty, self._cal_dirty = self._cal_dirty, set()
+        prior = CALIBRATION_POSITION_PRIOR
+        for cls, b in dirty:
+            scale = 1.0 / (self._cal_w[cls] * CALIBRATION_DECAY)  # the newest verification's weight: 1
+            reached, passed = self._cal_reached[cls][b], self._cal_passed[cls][b]
+            centre = prior * _CAL_CENTRES[b]
+            x = [0.0]
+            surv, total = 1.0, 0.0
+            for r, p in zip(reached, passed):
+                surv *= (p * scale + centre) / (r * scale + prior)
+                total += surv
+                x.append(total)
+            n = reached[0] * scale
+            curves = self._cal_curve.get(cls)
+            if curves is None:
+                geometric_only = (0.0, [0.0] * (CALIBRATION_MAX_DRAFT + 1))
+                curves = self._cal_curve[cls] = [geometric_only] * _CAL_BINS
+            curves[b] = (n / (n + CALIBRATION_STRENGTH), x)
 
     def set_class(self, req_id: str, cls: str) -> None:
         """Name the class of request ``req_id`` (e.g. ``"sampled"``): its prior's mean is
@@ -483,7 +517,7 @@ class RequestDraftGate:
 
     def _keep_seen(self, stats: list[_RequestStats | None], estimates: list[float]) -> None:
         """Keep each request's estimate as the one its next verification is counted by
-        (``gain="calibrated"``; ``_cal_fold``)."""
+        (``gain="calibrated"``; ``observe_many``)."""
         if self.gain_model != "calibrated":
             return
         for s, a in zip(stats, estimates):
@@ -634,10 +668,10 @@ class RequestDraftGate:
         geo = self.expected_gain(a, k)
         if k <= 0 or self.gain_model != "calibrated":
             return geo
-        curves = self._cal_curve.get(cls)
+        curves = self._curves(cls)
         if curves is None:
             return geo
-        w, x = curves[max(bisect.bisect_right(ACCEPTANCE_BUCKETS, a) - 1, 0)]
+        w, x = curves[min(max(int(a * _CAL_BINS), 0), _CAL_BINS - 1)]
         return w * x[min(k, CALIBRATION_MAX_DRAFT)] + (1.0 - w) * geo
 
     def gain_curve(self, cls: str | None, a: float, k: int) -> list[float]:
@@ -655,7 +689,7 @@ class RequestDraftGate:
         total = [0.0] * (k + 1)
         rate = 0.0
         classes = self._class
-        plain = self.gain_model != "calibrated" or not self._cal_curve
+        plain = self.gain_model != "calibrated" or not self._cal_w
         for rid, a, r in zip(ids, *self.batch_terms(ids)):
             rate += r
             if plain:  # the geometric law: position j adds a^j
@@ -681,7 +715,7 @@ class RequestDraftGate:
         if a >= 1.0:
             return k_max
         bar = (1.0 + self.margin) * max(draft_token_cost, 1e-12)
-        if self.gain_model == "calibrated" and self._cal_curve:
+        if self.gain_model == "calibrated" and self._cal_w:
             x = self.gain_curve(self._class.get(req_id), a, k_max)
             j = 0
             while j < k_max and x[j + 1] - x[j] >= bar:
@@ -800,14 +834,22 @@ class RequestDraftGate:
         net = 0.0
         ids = req_ids if isinstance(req_ids, list) else list(req_ids)
         n = len(ids)
-        if self.gain_model == "calibrated" and self._cal_curve:
-            gain, classes = self.gain, self._class
+        if self.gain_model == "calibrated" and self._cal_w:  # gain() written out: it runs per request
+            classes = self._class
+            kk = min(k, CALIBRATION_MAX_DRAFT)
+            curves: dict[str | None, list[tuple[float, list[float]]] | None] = {}
             for rid, a, r in zip(ids, *self.batch_terms(ids)):
-                net += r * (gain(classes.get(rid), a, k) - kc)
+                x_geo = float(k) if a >= 1.0 else (a * (1.0 - a**k) / (1.0 - a) if a > 0.0 else 0.0)
+                cls = classes.get(rid)
+                cc = curves[cls] if cls in curves else curves.setdefault(cls, self._curves(cls))
+                if cc is not None:
+                    w, x = cc[min(int(a * _CAL_BINS), _CAL_BINS - 1)]
+                    x_geo = w * x[kk] + (1.0 - w) * x_geo
+                net += r * (x_geo - kc)
         else:
-            geo = self.expected_gain
+            gain = self.expected_gain
             for a, r in zip(*self.batch_terms(ids)):
-                net += r * (geo(a, k) - kc)
+                net += r * (gain(a, k) - kc)
         return n > 0 and net > 0.0 and net >= (1.0 + self.margin) * n * max(step_cost, 0.0)
 
     def paying_share(self, cls: str | None, k: int, draft_token_cost: float, step_cost: float = 0.0) -> float:
