@@ -886,8 +886,9 @@ class RequestDraftGate:
         of per-request acceptance over the requests with verified drafts (counts per bin
         of ``ACCEPTANCE_BUCKETS``), ``prior_acceptance``: where a new request's
         estimate starts (:meth:`prior_mean`, fraction 0..1), and
-        ``prior_acceptance_by_class``: the same per request class seen so far, and ``prior``:
-        which prior a new request starts from (``pooled`` or ``mixture``)."""
+        ``prior_acceptance_by_class``: the same per request class seen so far, ``prior``:
+        which prior a new request starts from (``pooled`` or ``mixture``), and ``gain``: how a
+        draft's expected tokens are read (``calibrated`` or ``geometric``)."""
         hist = [0] * len(ACCEPTANCE_BUCKETS)
         for rid, s in self._reqs.items():
             if s.drafted <= 0:
@@ -906,6 +907,7 @@ class RequestDraftGate:
                 for cls in sorted(k for k in {*self._pools, *self._mix} if k is not None)
             },
             "prior": self.prior,
+            "gain": self.gain_model,
         }
 
 

@@ -101,6 +101,8 @@ def test_live_page_line_says_how_many_requests_drafted():
     st.per_request = dict(st.per_request, probe_interval_steps=16)
     line = live_views.per_request_line(st)
     assert "probes every 16 steps" in line and "backed off" not in line
+    st.per_request = dict(st.per_request, gain="calibrated")
+    assert "drafts priced by what drafts at a like acceptance yielded · probes" in live_views.per_request_line(st)
     st.per_request = {"enabled": False}
     assert "off" in live_views.per_request_line(st)
     st.k_max_engine = 0

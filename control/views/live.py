@@ -26,7 +26,7 @@ def per_request_line(status: HostStatus) -> str | None:
     verified in the last step, how per-request acceptance is spread (requests per
     acceptance bin), and where a new request's estimate starts (per request class where the
     engine reports classes; over the class's finished requests under the mixture prior, over
-    its recent draft tokens under the pooled one) and, under async
+    its recent draft tokens under the pooled one), how drafts are priced (``gain``) and, under async
     scheduling, how many steps pass between probes of every request now (more than configured
     while probes find nothing that pays). None when the engine does not report it (no
     speculation, older engine)."""
@@ -53,6 +53,10 @@ def per_request_line(status: HostStatus) -> str | None:
     }
     if start and pr.get("prior") in source:
         start += f", from {source[pr['prior']]}"
+    priced = {
+        "calibrated": " · drafts priced by what drafts at a like acceptance yielded",
+        "geometric": " · drafts priced by the geometric law",
+    }.get(str(pr.get("gain")), "")
     probes = ""
     every, now = pr.get("probe_every_steps"), pr.get("probe_interval_steps")
     if isinstance(now, int) and isinstance(every, int):
@@ -62,7 +66,7 @@ def per_request_line(status: HostStatus) -> str | None:
     return (
         f"Draft length per request: {pr.get('requests_verified', 0)} of {pr.get('requests_with_drafts', 0)} "
         f"requests with drafts verified them in the last step · per-request acceptance: {spread or 'no data yet'}"
-        f"{start}{probes}"
+        f"{start}{priced}{probes}"
     )
 
 
