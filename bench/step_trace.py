@@ -172,6 +172,56 @@ def lone_requests(steps: Sequence[Step]) -> list[list[Step]]:
     return out
 
 
+def gain_table(traces: Sequence[Sequence[Step]]) -> list[str]:
+    """Markdown rows: the per-request gate (``engine_host.request_gate``, the engine host's
+    mixture prior, every request of one class) replayed over the verifications of the requests
+    that ran alone in the traces (:func:`lone_requests`; a static-K engine's, whose drafts were
+    all verified), each draft priced first as the scheduler hook prices it. Per bin of the
+    estimate a draft would have been priced at: the drafts, their mean estimate (fraction 0..1),
+    the geometric law's expected accepted tokens at each draft's length (``sum_j a^j``; tokens),
+    the tokens they had accepted (tokens), and what the calibrated gain read for the bin's mean
+    estimate at the longest draft seen, once every draft was counted (tokens). Empty when no
+    lone request verified a draft."""
+    from engine_host.request_gate import ACCEPTANCE_BUCKETS, RequestDraftGate
+
+    gate = RequestDraftGate(prior="mixture", gain="calibrated")
+    rows: list[tuple[float, float, int]] = []  # (estimate, geometric tokens, accepted tokens)
+    k_max = 0
+    n = 0
+    for steps in traces:
+        for req in lone_requests(steps):
+            n += 1
+            rid = f"r{n}"
+            gate.set_class(rid, "lone")
+            for st in req:
+                if not st.draft_tokens:
+                    continue
+                a = gate.acceptance(rid)
+                rows.append((a, RequestDraftGate.expected_gain(a, st.draft_tokens), st.accepted_tokens or 0))
+                k_max = max(k_max, st.draft_tokens)
+                gate.observe(rid, st.draft_tokens, st.accepted_tokens or 0)
+            gate.forget(req_id=rid)
+    if not rows:
+        return []
+    out = [
+        f"| estimate | drafts | mean estimate | geometric tokens | tokens accepted | calibrated gain at K = {k_max} |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    edges = [*ACCEPTANCE_BUCKETS, 1.0]
+    for lo, hi in zip(edges, edges[1:]):
+        sel = [r for r in rows if lo <= r[0] < hi or (hi == 1.0 and r[0] >= 1.0)]
+        if not sel:
+            continue
+        mean_a = sum(r[0] for r in sel) / len(sel)
+        geo = sum(r[1] for r in sel) / len(sel)
+        acc = sum(r[2] for r in sel) / len(sel)
+        out.append(
+            f"| {lo:.0%}-{hi:.0%} | {len(sel)} | {mean_a:.3f} | {geo:.2f} | {acc:.2f} | "
+            f"{gate.gain('lone', mean_a, k_max):.2f} |"
+        )
+    return out
+
+
 def lone_table(traces: Sequence[Sequence[Step]], limit: int = 40) -> list[str]:
     """Markdown: each lone request that drafted (``lone_requests``), up to ``limit`` of them:
     its steps, those at K > 0 (``k_proposed``: the K chosen for the next drafts), the draft and
@@ -988,6 +1038,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also each of the first N requests that ran alone and drafted: its steps at K > 0, tokens accepted, "
         "the per-request gate's estimate and what it priced drafting at",
     )
+    ap.add_argument(
+        "--gain",
+        action="store_true",
+        help="also the per-request gate replayed over the lone requests' verifications (a static-K engine's "
+        "trace): per bin of the estimate, the geometric law's expected tokens against the tokens accepted",
+    )
     args = ap.parse_args(argv)
     if args.paired and (not args.arm or len(args.files) != 1):
         ap.error("--paired needs --arm and exactly one trace file (the arm's engine)")
@@ -1007,6 +1063,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("\n".join(range_table(traces, args.max_gap_ms / 1e3, args.since)))
     print()
+    if args.gain:
+        gain_rows = gain_table(traces)
+        print("The per-request gate replayed over the lone requests' drafts, by the estimate each was priced at:")
+        print()
+        print("\n".join(gain_rows) if gain_rows else "no lone request verified a draft")
+        print()
     vllm_rows = vllm_table(traces, args.since)
     if vllm_rows:
         print("\n".join(vllm_rows))

@@ -132,8 +132,7 @@ GAINS = ("calibrated", "geometric")  # how a draft's expected accepted tokens ar
 # counted as this long), the fading of a class's counts per verification counted, the most
 # verifications of one step counted (a larger step's are sampled evenly), the verifications of
 # one bin at which its measured gain weighs as much as the geometric one, and the
-# pseudo-verifications per position at the bin's centre that a position's measured acceptance
-# starts from
+# pseudo-verifications a position's measured acceptance starts from (``_cal_read``)
 CALIBRATION_MAX_DRAFT = 16
 CALIBRATION_DECAY = 0.995
 CALIBRATION_PER_STEP = 8
@@ -358,33 +357,39 @@ class RequestDraftGate:
         return self._cal_curve.get(cls)
 
     def _cal_read(self) -> None:
-        """Read, for each bin counted into since the last reading, what a j-token draft yielded:
-        position j's acceptance is the share of the verifications that reached it (drafted at
-        least j tokens, accepted at least j - 1) and accepted it, started at the bin's centre
-        with ``CALIBRATION_POSITION_PRIOR`` pseudo-verifications; the gain of a j-token draft is
-        the sum over positions up to j of the product of those shares (the Kaplan-Meier estimate
-        of how far a draft is accepted, shorter drafts counted up to their length; E. L. Kaplan
-        and P. Meier, JASA 53, 1958). The measured gain's weight is ``n / (n +
-        CALIBRATION_STRENGTH)`` with ``n`` the bin's verifications, each faded by
+        """Read, for each class counted into since the last reading, per bin what a j-token
+        draft yielded: position j's acceptance is the share of the verifications that reached
+        it (drafted at least j tokens, accepted at least j - 1) and accepted it, started with
+        ``CALIBRATION_POSITION_PRIOR`` pseudo-verifications at the bin's centre for position 1
+        and, past it, at the class's share over all its bins (itself started at 0.5 with one):
+        how far a draft runs once its first token is accepted is the text's, more than the
+        estimate's, and a bin of few drafts borrows it from the others. The gain of a j-token
+        draft is the sum over positions up to j of the product of those shares (the
+        Kaplan-Meier estimate of how far a draft is accepted, shorter drafts counted up to their
+        length; E. L. Kaplan and P. Meier, JASA 53, 1958). The measured gain's weight is ``n /
+        (n + CALIBRATION_STRENGTH)`` with ``n`` the bin's verifications, each faded by
         ``CALIBRATION_DECAY`` per verification of its class counted after it."""
         dirty, self._cal_dirty = self._cal_dirty, set()
         prior = CALIBRATION_POSITION_PRIOR
-        for cls, b in dirty:
+        for cls in {c for c, _ in dirty}:
             scale = 1.0 / (self._cal_w[cls] * CALIBRATION_DECAY)  # the newest verification's weight: 1
-            reached, passed = self._cal_reached[cls][b], self._cal_passed[cls][b]
-            centre = prior * _CAL_CENTRES[b]
-            x = [0.0]
-            surv, total = 1.0, 0.0
-            for r, p in zip(reached, passed):
-                surv *= (p * scale + centre) / (r * scale + prior)
-                total += surv
-                x.append(total)
-            n = reached[0] * scale
-            curves = self._cal_curve.get(cls)
-            if curves is None:
-                geometric_only = (0.0, [0.0] * (CALIBRATION_MAX_DRAFT + 1))
-                curves = self._cal_curve[cls] = [geometric_only] * _CAL_BINS
-            curves[b] = (n / (n + CALIBRATION_STRENGTH), x)
+            reached_by_bin, passed_by_bin = self._cal_reached[cls], self._cal_passed[cls]
+            pooled = [  # the class's share of each position's reaching drafts that accepted it
+                (sum(p) * scale + 0.5) / (sum(r) * scale + 1.0)
+                for r, p in zip(zip(*reached_by_bin), zip(*passed_by_bin))
+            ]
+            curves: list[tuple[float, list[float]]] = []
+            for b, (reached, passed) in enumerate(zip(reached_by_bin, passed_by_bin)):
+                x = [0.0]
+                surv, total = 1.0, 0.0
+                starts = [_CAL_CENTRES[b], *pooled[1:]]  # position 1 at the bin's centre, the others the class's
+                for r, p, start in zip(reached, passed, starts):
+                    surv *= (p * scale + prior * start) / (r * scale + prior)
+                    total += surv
+                    x.append(total)
+                n = reached[0] * scale
+                curves.append((n / (n + CALIBRATION_STRENGTH), x))
+            self._cal_curve[cls] = curves
 
     def set_class(self, req_id: str, cls: str) -> None:
         """Name the class of request ``req_id`` (e.g. ``"sampled"``): its prior's mean is

@@ -570,3 +570,29 @@ def test_probes_are_counted_burst_by_burst_with_where_they_start_and_what_their_
     plain = burst(30.0, [(0, 0, 0.001)] + [lean] * 5)
     # a static K = 0 engine's burst: no probe, no table
     assert bst.probe_table(plain, [bst.CellWindow("chat@c1", plain[0].t_output, plain[-1].t_output)]) == []
+
+
+def test_the_gate_replayed_over_a_static_k_trace_reads_the_drafts_against_the_geometric_law(tmp_path: Path) -> None:
+    # 30 requests alone, each: a prefill, then a draft of 8 rejected at its first token and one
+    # accepted whole (copied text). Replayed under the mixture prior, the first drafts are priced
+    # at 0.6-0.8 and the second ones, after a rejection, at 0.4-0.6, where the geometric law
+    # expects about 1 token: the table puts those at nearly 8 accepted and the first at none,
+    # and the calibrated gain reads each bin the way its drafts went
+    rows: list[tuple] = []
+    t = 0.0
+    for _ in range(30):
+        rows.append((t, t + 0.001, 0, 8, 0, 1, 30, 30, "", 0, 0))
+        for accepted in (0, 8, None):
+            t += 0.001
+            drafted = 0 if accepted is None else 8
+            rows.append((t, t + 0.001, 8, 8, 1, 1, 1 + drafted, 31, "", drafted, accepted or 0))
+        t += 0.001
+    _write(tmp_path / "s.csv", rows)
+    table = bst.gain_table([bst.read_trace(tmp_path / "s.csv")])
+    assert table[0].endswith("| calibrated gain at K = 8 |")
+    by_bin = {r.strip("| ").split(" | ")[0]: [float(v) for v in r.strip("| ").split(" | ")[1:]] for r in table[2:]}
+    drafts, _, geometric, accepted, calibrated = by_bin["40%-60%"]
+    assert drafts >= 20 and geometric < 1.2 and accepted > 7.0 and calibrated > 4.0
+    drafts, _, geometric, accepted, calibrated = by_bin["60%-80%"]
+    assert drafts >= 20 and accepted == 0.0 and calibrated < 0.5 * geometric
+    assert bst.gain_table([bst.read_trace(tmp_path / "s.csv")[:1]]) == []
