@@ -136,6 +136,7 @@ GAINS = ("calibrated", "geometric")  # how a draft's expected accepted tokens ar
 CALIBRATION_MAX_DRAFT = 16
 CALIBRATION_DECAY = 0.995
 CALIBRATION_PER_STEP = 8
+CALIBRATION_READ_EVERY = 8  # verifications counted between two readings of the counts (``_curves``)
 CALIBRATION_STRENGTH = 8.0
 CALIBRATION_POSITION_PRIOR = 2.0
 _CAL_BINS = len(ACCEPTANCE_BUCKETS)
@@ -240,6 +241,7 @@ class RequestDraftGate:
         self._cal_passed: dict[str | None, list[list[float]]] = {}
         self._cal_w: dict[str | None, float] = {}
         self._cal_dirty: set[tuple[str | None, int]] = set()
+        self._cal_unread = 0  # verifications counted since the last reading
         self._cal_curve: dict[str | None, list[tuple[float, list[float]]]] = {}
         self._cal_stride = 1  # every how many verifications of a step one is counted
         # prior="mixture": per class (None: every request's), the distribution over MIXTURE_GRID
@@ -340,6 +342,7 @@ class RequestDraftGate:
         for j in range(n):  # positions 1..n accepted
             p[j] += w
         self._cal_dirty.add((cls, b))
+        self._cal_unread += 1
         w /= CALIBRATION_DECAY
         if w > _CAL_RENORM:
             for rows in (reached, self._cal_passed[cls]):
@@ -350,9 +353,10 @@ class RequestDraftGate:
         self._cal_w[cls] = w
 
     def _curves(self, cls: str | None) -> list[tuple[float, list[float]]] | None:
-        """Class ``cls``'s measured gains per bin (``_cal_read``), its bins counted into since
-        read again first; None before any verification of the class was counted."""
-        if self._cal_dirty:
+        """Class ``cls``'s measured gains per bin (``_cal_read``), read again first once
+        ``CALIBRATION_READ_EVERY`` verifications were counted since the last reading (at once for
+        a class not read yet); None before any verification of the class was counted."""
+        if self._cal_unread >= CALIBRATION_READ_EVERY or (self._cal_unread and cls not in self._cal_curve):
             self._cal_read()
         return self._cal_curve.get(cls)
 
@@ -370,6 +374,7 @@ class RequestDraftGate:
         (n + CALIBRATION_STRENGTH)`` with ``n`` the bin's verifications, each faded by
         ``CALIBRATION_DECAY`` per verification of its class counted after it."""
         dirty, self._cal_dirty = self._cal_dirty, set()
+        self._cal_unread = 0
         prior = CALIBRATION_POSITION_PRIOR
         for cls in {c for c, _ in dirty}:
             scale = 1.0 / (self._cal_w[cls] * CALIBRATION_DECAY)  # the newest verification's weight: 1
@@ -695,6 +700,8 @@ class RequestDraftGate:
         rate = 0.0
         classes = self._class
         plain = self.gain_model != "calibrated" or not self._cal_w
+        marginals: dict[tuple[str | None, int], tuple[float, list[float]]] = {}
+        zeros = [0.0] * (CALIBRATION_MAX_DRAFT + 1)
         for rid, a, r in zip(ids, *self.batch_terms(ids)):
             rate += r
             if plain:  # the geometric law: position j adds a^j
@@ -703,9 +710,19 @@ class RequestDraftGate:
                     p *= a
                     total[j] += p
                 continue
-            x = self.gain_curve(classes.get(rid), a, k)
-            for j in range(1, k + 1):
-                total[j] += r * (x[j] - x[j - 1])
+            cls = classes.get(rid)
+            b = min(max(int(a * _CAL_BINS), 0), _CAL_BINS - 1)
+            steps = marginals.get((cls, b))
+            if steps is None:  # what each position adds under the bin's measured gain, and its weight
+                cc = self._curves(cls)
+                w, x = (0.0, zeros) if cc is None else cc[b]
+                x = x + [x[-1]] * max(k - CALIBRATION_MAX_DRAFT, 0)
+                steps = marginals[(cls, b)] = (w, [w * (x[j] - x[j - 1]) for j in range(1, k + 1)])
+            # position j adds w * (x[j] - x[j - 1]) + (1 - w) * a^j (gain() written out: it runs per request)
+            p, rg = 1.0, r * (1.0 - steps[0])
+            for j, m in enumerate(steps[1], 1):
+                p *= a
+                total[j] += r * m + rg * p
         return total, rate
 
     def depth(self, req_id: str, draft_token_cost: float, k_max: int) -> int:
@@ -720,11 +737,13 @@ class RequestDraftGate:
         if a >= 1.0:
             return k_max
         bar = (1.0 + self.margin) * max(draft_token_cost, 1e-12)
-        if self.gain_model == "calibrated" and self._cal_w:
-            x = self.gain_curve(self._class.get(req_id), a, k_max)
-            j = 0
-            while j < k_max and x[j + 1] - x[j] >= bar:
+        curves = self._curves(self._class.get(req_id)) if self.gain_model == "calibrated" else None
+        if curves is not None:  # p_j = w * (x[j] - x[j - 1]) + (1 - w) * a^j, gain() written out
+            w, x = curves[min(int(a * _CAL_BINS), _CAL_BINS - 1)]
+            j, p, top = 0, a, CALIBRATION_MAX_DRAFT
+            while j < k_max and w * (x[min(j + 1, top)] - x[min(j, top)]) + (1.0 - w) * p >= bar:
                 j += 1
+                p *= a
             return j
         j, p = 0, a
         while j < k_max and p >= bar:
