@@ -69,13 +69,17 @@ class's drafts yielded. Each verification is counted by the bin of ``ACCEPTANCE_
 request's estimate stood in when the draft was priced, with the tokens drafted and accepted;
 per bin, a j-token draft's measured gain is how far drafts were accepted, position by position
 (the Kaplan-Meier estimate, shorter drafts counted up to their length), and the gain used is
-that and the geometric one weighted by the bin's verifications (``_cal_read``). The geometric
+that and the geometric one weighted by the bin's verifications (``_cal_read``), or the
+geometric one where that is more. The geometric
 law takes every position to be accepted with the same ``a`` given the one before; text copied
 from the prompt (code, docs) is accepted a long way or not at all, so a request whose last
 draft was rejected at its first token reads as a low ``a`` while its next draft, when the
 n-gram proposer finds one, may well be copied to its end, and the class's verifications at
 that estimate say how often (docs/benchmarks.md). Where drafts are rejected whatever the
-estimate (sampled chat), the measured gain is as low as the geometric one or lower. The same
+estimate (sampled chat), the geometric gain stands. The measured gain only raises a price:
+lowered below a draft's cost, a bin would be drafted no more and its counts would not learn
+again, e.g. that the requests of a quoting burst, at the estimate that the rejecting burst
+before them left its counts at, copy (``python -m bench policy-bursts``). The same
 gain prices the request's own depth (:meth:`RequestDraftGate.depth`) and a batch's K
 (:meth:`RequestDraftGate.batch_gains`).
 
@@ -671,10 +675,13 @@ class RequestDraftGate:
     def gain(self, cls: str | None, a: float, k: int) -> float:
         """Expected accepted tokens (tokens, 0..k) of a k-token draft of a request of class
         ``cls`` whose acceptance estimate is ``a`` (fraction 0..1). ``gain="geometric"``:
-        :meth:`expected_gain`. ``gain="calibrated"``: ``w * m + (1 - w) * sum_j a^j``, with ``m``
-        what the class's verified drafts at an estimate in the same bin of
+        :meth:`expected_gain`. ``gain="calibrated"``: ``max(G, w * m + (1 - w) * G)``, with ``G =
+        sum_j a^j``, ``m`` what the class's verified drafts at an estimate in the same bin of
         ``ACCEPTANCE_BUCKETS`` yielded at this length and ``w`` its weight (``_cal_read``;
-        the geometric gain alone before any). Raises nothing."""
+        the geometric gain alone before any). Never below the geometric gain: a bin whose
+        drafts were rejected and which is then priced under its cost is drafted no more, so
+        its counts would not learn that a new request at that estimate copies (module doc).
+        Raises nothing."""
         geo = self.expected_gain(a, k)
         if k <= 0 or self.gain_model != "calibrated":
             return geo
@@ -682,7 +689,7 @@ class RequestDraftGate:
         if curves is None:
             return geo
         w, x = curves[min(max(int(a * _CAL_BINS), 0), _CAL_BINS - 1)]
-        return w * x[min(k, CALIBRATION_MAX_DRAFT)] + (1.0 - w) * geo
+        return max(geo, w * x[min(k, CALIBRATION_MAX_DRAFT)] + (1.0 - w) * geo)
 
     def gain_curve(self, cls: str | None, a: float, k: int) -> list[float]:
         """:meth:`gain` at draft lengths 0..k (tokens, ``k + 1`` values, non-decreasing)."""
@@ -713,16 +720,22 @@ class RequestDraftGate:
             cls = classes.get(rid)
             b = min(max(int(a * _CAL_BINS), 0), _CAL_BINS - 1)
             steps = marginals.get((cls, b))
-            if steps is None:  # what each position adds under the bin's measured gain, and its weight
+            if steps is None:  # the bin's measured gain at each length, weighted, and the geometric's weight
                 cc = self._curves(cls)
                 w, x = (0.0, zeros) if cc is None else cc[b]
                 x = x + [x[-1]] * max(k - CALIBRATION_MAX_DRAFT, 0)
-                steps = marginals[(cls, b)] = (w, [w * (x[j] - x[j - 1]) for j in range(1, k + 1)])
-            # position j adds w * (x[j] - x[j - 1]) + (1 - w) * a^j (gain() written out: it runs per request)
-            p, rg = 1.0, r * (1.0 - steps[0])
-            for j, m in enumerate(steps[1], 1):
+                steps = marginals[(cls, b)] = (1.0 - w, [w * x[j] for j in range(1, k + 1)])
+            # gain() written out (it runs per request): x(j) = max(G(j), w * m(j) + (1 - w) * G(j)),
+            # G(j) = sum_{i<=j} a^i; position j adds x(j) - x(j - 1)
+            p, geo, before, wg = 1.0, 0.0, 0.0, steps[0]
+            for j, wm in enumerate(steps[1], 1):
                 p *= a
-                total[j] += r * m + rg * p
+                geo += p
+                x_j = wm + wg * geo
+                if x_j < geo:
+                    x_j = geo
+                total[j] += r * (x_j - before)
+                before = x_j
         return total, rate
 
     def depth(self, req_id: str, draft_token_cost: float, k_max: int) -> int:
@@ -738,12 +751,16 @@ class RequestDraftGate:
             return k_max
         bar = (1.0 + self.margin) * max(draft_token_cost, 1e-12)
         curves = self._curves(self._class.get(req_id)) if self.gain_model == "calibrated" else None
-        if curves is not None:  # p_j = w * (x[j] - x[j - 1]) + (1 - w) * a^j, gain() written out
+        if curves is not None:  # p_j = x(j) - x(j - 1) under gain(), written out
             w, x = curves[min(int(a * _CAL_BINS), _CAL_BINS - 1)]
-            j, p, top = 0, a, CALIBRATION_MAX_DRAFT
-            while j < k_max and w * (x[min(j + 1, top)] - x[min(j, top)]) + (1.0 - w) * p >= bar:
-                j += 1
+            j, p, geo, before, top = 0, a, a, 0.0, CALIBRATION_MAX_DRAFT
+            while j < k_max:
+                x_next = max(geo, w * x[min(j + 1, top)] + (1.0 - w) * geo)
+                if x_next - before < bar:
+                    break
+                j, before = j + 1, x_next
                 p *= a
+                geo += p
             return j
         j, p = 0, a
         while j < k_max and p >= bar:
@@ -868,7 +885,7 @@ class RequestDraftGate:
                 cc = curves[cls] if cls in curves else curves.setdefault(cls, self._curves(cls))
                 if cc is not None:
                     w, x = cc[min(int(a * _CAL_BINS), _CAL_BINS - 1)]
-                    x_geo = w * x[kk] + (1.0 - w) * x_geo
+                    x_geo = max(x_geo, w * x[kk] + (1.0 - w) * x_geo)
                 net += r * (x_geo - kc)
         else:
             gain = self.expected_gain

@@ -576,8 +576,8 @@ def test_the_gate_replayed_over_a_static_k_trace_reads_the_drafts_against_the_ge
     # 30 requests alone, each: a prefill, then a draft of 8 rejected at its first token and one
     # accepted whole (copied text). Replayed under the mixture prior, the first drafts are priced
     # at 0.6-0.8 and the second ones, after a rejection, at 0.4-0.6, where the geometric law
-    # expects about 1 token: the table puts those at nearly 8 accepted and the first at none,
-    # and the calibrated gain reads each bin the way its drafts went
+    # expects about 1 token: the table puts those at nearly 8 accepted and the first at none;
+    # the calibrated gain raises the first bin's price and leaves the other at the law's
     rows: list[tuple] = []
     t = 0.0
     for _ in range(30):
@@ -594,5 +594,5 @@ def test_the_gate_replayed_over_a_static_k_trace_reads_the_drafts_against_the_ge
     drafts, _, geometric, accepted, calibrated = by_bin["40%-60%"]
     assert drafts >= 20 and geometric < 1.2 and accepted > 7.0 and calibrated > 4.0
     drafts, _, geometric, accepted, calibrated = by_bin["60%-80%"]
-    assert drafts >= 20 and accepted == 0.0 and calibrated < 0.5 * geometric
+    assert drafts >= 20 and accepted == 0.0 and calibrated >= 0.95 * geometric
     assert bst.gain_table([bst.read_trace(tmp_path / "s.csv")[:1]]) == []
