@@ -691,10 +691,6 @@ class RequestDraftGate:
         w, x = curves[min(max(int(a * _CAL_BINS), 0), _CAL_BINS - 1)]
         return max(geo, w * x[min(k, CALIBRATION_MAX_DRAFT)] + (1.0 - w) * geo)
 
-    def gain_curve(self, cls: str | None, a: float, k: int) -> list[float]:
-        """:meth:`gain` at draft lengths 0..k (tokens, ``k + 1`` values, non-decreasing)."""
-        return [self.gain(cls, a, j) for j in range(k + 1)]
-
     def batch_gains(self, req_ids: Iterable[str], k: int) -> tuple[list[float], float]:
         """``(gain, rate)`` of a batch: ``gain[j] = sum_i r_i * (x_i(j) - x_i(j - 1))`` for j =
         1..k (``gain[0]`` = 0; tokens), what the j-th draft position adds to the batch's

@@ -247,65 +247,24 @@ def test_request_bodies_stream_with_usage():
 # --- mode strings -------------------------------------------------------------------------
 
 
+def _adaptive_spec(lo: int = 0, hi: int | None = None, **params) -> dict:
+    """The speculation patch of an adaptive mode: K bounds, then the gate's parameters over
+    the defaults (per-request gate on, mixture prior, calibrated gain)."""
+    adaptive = {"per_request": True, "prior": "mixture", "gain": "calibrated", **params}
+    return {"mode": "adaptive", "k_min": lo, "k_max": hi, "adaptive": adaptive}
+
+
 @pytest.mark.parametrize(
     "mode,spec",
     [
         ("off", {"mode": "off"}),
         ("fixed:4", {"mode": "fixed", "k": 4}),
-        (
-            "adaptive",
-            {
-                "mode": "adaptive",
-                "k_min": 0,
-                "k_max": None,
-                "adaptive": {"per_request": True, "prior": "mixture", "gain": "calibrated"},
-            },
-        ),
-        (
-            "adaptive:1-6",
-            {
-                "mode": "adaptive",
-                "k_min": 1,
-                "k_max": 6,
-                "adaptive": {"per_request": True, "prior": "mixture", "gain": "calibrated"},
-            },
-        ),
-        (
-            "adaptive_step",
-            {
-                "mode": "adaptive",
-                "k_min": 0,
-                "k_max": None,
-                "adaptive": {"per_request": False, "prior": "mixture", "gain": "calibrated"},
-            },
-        ),
-        (
-            "adaptive_pooled:0-4",
-            {
-                "mode": "adaptive",
-                "k_min": 0,
-                "k_max": 4,
-                "adaptive": {"per_request": True, "prior": "pooled", "gain": "calibrated"},
-            },
-        ),
-        (
-            "adaptive_mixture",
-            {
-                "mode": "adaptive",
-                "k_min": 0,
-                "k_max": None,
-                "adaptive": {"per_request": True, "prior": "mixture", "gain": "calibrated"},
-            },
-        ),
-        (
-            "adaptive_geometric",
-            {
-                "mode": "adaptive",
-                "k_min": 0,
-                "k_max": None,
-                "adaptive": {"per_request": True, "prior": "mixture", "gain": "geometric"},
-            },
-        ),
+        ("adaptive", _adaptive_spec()),
+        ("adaptive:1-6", _adaptive_spec(1, 6)),
+        ("adaptive_step", _adaptive_spec(per_request=False)),
+        ("adaptive_pooled:0-4", _adaptive_spec(0, 4, prior="pooled")),
+        ("adaptive_mixture", _adaptive_spec()),
+        ("adaptive_geometric", _adaptive_spec(gain="geometric")),
         ("heuristic", {"mode": "heuristic", "k_min": 1, "k_max": None}),
         ("threshold", {"mode": "threshold", "k_min": 0, "k_max": None}),
         ("batch_table", {"mode": "batch_table", "table": ec.DEFAULT_BATCH_TABLE}),

@@ -972,7 +972,7 @@ def test_the_calibrated_gain_reads_what_drafts_at_a_like_estimate_yielded():
     # be drafted again to learn otherwise)
     assert cal.gain("greedy", 0.5, 8) == pytest.approx(RequestDraftGate.expected_gain(0.5, 8))
     assert cal.gain("other", a, 8) == pytest.approx(RequestDraftGate.expected_gain(a, 8))  # a class not seen
-    curve = cal.gain_curve("greedy", a, 8)
+    curve = [cal.gain("greedy", a, j) for j in range(9)]
     assert curve[0] == 0.0 and all(x1 >= x0 for x0, x1 in zip(curve, curve[1:]))
     # at 0.1 of a plain step per verified draft token a draft of 8 costs 0.8 tokens' time
     assert geo.pays("new", 8, 0.1) is False and cal.pays("new", 8, 0.1) is True
@@ -989,7 +989,7 @@ def test_the_calibrated_gain_counts_short_drafts_only_as_far_as_they_reach():
     every time."""
     cal = RequestDraftGate(pool_decay=0.0, gain="calibrated")
     _bursty_class(cal, 60, (0, 3), k=3)
-    x = cal.gain_curve("greedy", 1 / 3, 8)
+    x = [cal.gain("greedy", 1 / 3, j) for j in range(9)]
     assert x[3] > 2.0
     assert x[8] - x[3] < 1.0  # positions 4..8 at 0.5 each after the one before: under 1 token together
     with pytest.raises(ValueError):
