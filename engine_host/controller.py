@@ -693,6 +693,19 @@ class StepTimeModel:
     #: step refits.
     FIT_EVERY = 4
     FIT_EVERY_AFTER = 256
+    #: The slope's prior, ``t1 / t0 = r``: the time of one more token in a step as a share
+    #: of the step's fixed time. A line through steps whose tokens hardly varied (a lone
+    #: request decoding at K = 0 before any draft was accepted, then one or two verified
+    #: drafts) cannot tell the slope from the noise; each verified draft token would then be
+    #: priced at ``r / (1 + r * x)`` of a step of ``x`` tokens (0.048 at batch 1). Until
+    #: 2026-12-02 one point was split 0.8 / 0.2 of the mean step over the mean tokens, and one
+    #: slow step with a draft set the slope alone: a draft token at a lone request's steps was
+    #: priced at 0.14-0.21 of a step, three to four times what the same traces measured once
+    #: drafts had been verified (docs/benchmarks.md, "The per-request gate's calibrated gain").
+    SLOPE_PRIOR_RATIO = 0.05
+    #: Weight of that prior in the fit (x² * steps: as many steps one token from the mean
+    #: tokens); a trace's drafts outweigh it within a few verified drafts.
+    SLOPE_PRIOR_WEIGHT = 16.0
 
     def coefficients3(self) -> tuple[float, float, float]:
         """``(t0 [s], t1 [s per token], td [s per unit of P])``: td per extra draft pass with
@@ -711,10 +724,10 @@ class StepTimeModel:
         prior = self._prior_ratio() * (t0l + t1l)
         if n < 1e-9:
             return t0l, t1l, prior
-        lam = self.prior_steps
-        # weighted least squares on (1, x, P) with a ridge on td toward its prior
-        a = [[n, sx, spp_], [sx, sxx, sxp], [spp_, sxp, spp + lam]]
-        b = [st, sxt, spt + lam * prior]
+        lam, lam1 = self.prior_steps, self.SLOPE_PRIOR_WEIGHT
+        # weighted least squares on (1, x, P) with ridges on td and t1 toward their priors
+        a = [[n, sx, spp_], [sx, sxx + lam1, sxp], [spp_, sxp, spp + lam]]
+        b = [st, sxt + lam1 * self._slope_prior(), spt + lam * prior]
         var = sxx - sx * sx / n
         sol = _solve3(a, b) if var > 1e-6 * max(1.0, sxx) else None
         if sol is None:
@@ -741,14 +754,23 @@ class StepTimeModel:
         """``(t0 [s], t1 [s per token])`` of the fitted line."""
         n, sx, st, sxx, sxt = self._s
         if n < 1e-9:
-            return 0.02, 0.002
+            return 0.02, 0.02 * self.SLOPE_PRIOR_RATIO
         var = sxx - sx * sx / n
         mean_t, mean_x = st / n, sx / n
-        if var <= 1e-6 * max(1.0, sxx):
-            return mean_t * 0.8, max(mean_t * 0.2 / max(mean_x, 1.0), 1e-7)
-        t1 = max((sxt - sx * st / n) / var, 1e-7)
+        lam, t1p = self.SLOPE_PRIOR_WEIGHT, self._slope_prior()
+        # least squares with a ridge on the slope toward its prior (SLOPE_PRIOR_RATIO)
+        t1 = max((sxt - sx * st / n + lam * t1p) / (max(var, 0.0) + lam), 1e-7)
         t0 = max(mean_t - t1 * mean_x, 0.0)
         return t0, t1
+
+    def _slope_prior(self) -> float:
+        """The slope of the prior line through the mean step (s per token):
+        ``t0 + t1 * x = t`` at ``t1 = SLOPE_PRIOR_RATIO * t0``."""
+        n, sx, st = self._s[0], self._s[1], self._s[2]
+        if n < 1e-9:
+            return 0.02 * self.SLOPE_PRIOR_RATIO
+        r = self.SLOPE_PRIOR_RATIO
+        return max(r * (st / n) / (1.0 + r * max(sx / n, 1.0)), 1e-7)
 
     def correction(
         self, batch_size: int, k: int | None = None, coef: tuple[float, float, float] | None = None

@@ -216,6 +216,27 @@ def test_step_time_model_learns_cost_per_verified_token():
     assert batch_bucket(1) == 0 and batch_bucket(3) == 1 and batch_bucket(8) == 3
 
 
+def test_a_line_through_one_point_prices_a_token_at_its_prior_and_one_slow_draft_step_moves_it_little():
+    """A lone request decoding at K = 0 (every step one token): the slope is the prior's,
+    a draft token at batch 1 priced at SLOPE_PRIOR_RATIO / (1 + SLOPE_PRIOR_RATIO) of a step,
+    not a fifth of it as the 0.8 / 0.2 split of before did. One slow step with a 4-token
+    verification then moves the slope part of the way, and steps of every length take over."""
+    m = StepTimeModel()
+    r = StepTimeModel.SLOPE_PRIOR_RATIO
+    for _ in range(60):
+        m.observe(1, 1, 0.100)
+    t0, t1 = m.coefficients()
+    assert t0 + t1 == pytest.approx(0.100, rel=1e-6) and t1 / t0 == pytest.approx(r, rel=1e-6)
+    assert m.coefficients3()[1] == pytest.approx(t1, rel=1e-3)
+    m.observe(1, 4, 0.160)  # 20 ms a token by itself
+    slope = m.coefficients3()[1]
+    assert t1 < slope < 0.6 * 0.020  # (the least-squares slope alone: 0.020)
+    for i in range(400):  # then 5 ms a token, at 1 to 9 tokens a step
+        x = 1 + i % 9
+        m.observe(1, x, 0.095 + 0.005 * x)
+    assert m.coefficients3()[1] == pytest.approx(0.005, rel=0.05)
+
+
 def test_fixed_off_and_batch_table_policies():
     ctl = SpeculationController(8, SpeculationConfig(mode="fixed", k=5))
     assert ctl.k_for_batch(3) == 5
