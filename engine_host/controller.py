@@ -380,7 +380,8 @@ class StepTimeModel:
     the expected draft length (:meth:`AcceptanceEstimator.expected_draft`):
     ``T = (t0 + t1 * x) * c``, with ``t0, t1`` fitted by exponentially weighted least
     squares on the measured (tokens, time) of every step (the fallback model of
-    SmartSpec, arXiv 2406.14066), and ``c`` a correction, measured / fitted: per
+    SmartSpec, arXiv 2406.14066), with a ridge holding ``t1`` near ``SLOPE_PRIOR_RATIO * t0``
+    while the tokens per step have hardly varied, and ``c`` a correction, measured / fitted: per
     (batch-size bucket, K) where that depth ran recently at that batch size (its mean step
     time over the current fit at its mean tokens, :meth:`correction`), else per batch-size
     bucket (a weighted mean of each step's ratio). The corrections absorb what a line cannot
@@ -697,11 +698,10 @@ class StepTimeModel:
     #: of the step's fixed time. A line through steps whose tokens hardly varied (a lone
     #: request decoding at K = 0 before any draft was accepted, then one or two verified
     #: drafts) cannot tell the slope from the noise; each verified draft token would then be
-    #: priced at ``r / (1 + r * x)`` of a step of ``x`` tokens (0.048 at batch 1). Until
-    #: 2026-12-02 one point was split 0.8 / 0.2 of the mean step over the mean tokens, and one
-    #: slow step with a draft set the slope alone: a draft token at a lone request's steps was
-    #: priced at 0.14-0.21 of a step, three to four times what the same traces measured once
-    #: drafts had been verified (docs/benchmarks.md, "The per-request gate's calibrated gain").
+    #: priced at ``r / (1 + r * x)`` of a step of ``x`` tokens (0.048 at batch 1). Before it,
+    #: one point was split 0.8 / 0.2 of the mean step over the mean tokens and one slow step
+    #: with a draft set the slope alone, which overpriced a lone request's first drafts
+    #: (docs/engine_host.md, "The line's slope before the tokens per step vary").
     SLOPE_PRIOR_RATIO = 0.05
     #: Weight of that prior in the fit (x² * steps: as many steps one token from the mean
     #: tokens); a trace's drafts outweigh it within a few verified drafts.
