@@ -746,7 +746,7 @@ class StepTimeModel:
             td = max(td, 0.0)
             rest_t = st - td * spp_
             rest_xt = sxt - td * sxp
-            t1 = max((rest_xt - sx * rest_t / n) / var, 1e-7) if var > 1e-6 * max(1.0, sxx) else t1l
+            t1 = max((rest_xt - sx * rest_t / n + lam1 * self._slope_prior()) / (max(var, 0.0) + lam1), 1e-7)
             t0 = max(rest_t / n - t1 * sx / n, 0.0)
         return t0, t1, td
 

@@ -216,7 +216,7 @@ def test_step_time_model_learns_cost_per_verified_token():
     assert batch_bucket(1) == 0 and batch_bucket(3) == 1 and batch_bucket(8) == 3
 
 
-def test_a_line_through_one_point_prices_a_token_at_its_prior_and_one_slow_draft_step_moves_it_little():
+def test_a_line_through_one_point_prices_a_token_at_its_prior_and_one_slow_draft_step_moves_it_part_way():
     """A lone request decoding at K = 0 (every step one token): the slope is the prior's,
     a draft token at batch 1 priced at SLOPE_PRIOR_RATIO / (1 + SLOPE_PRIOR_RATIO) of a step,
     not a fifth of it as the 0.8 / 0.2 split of before did. One slow step with a 4-token

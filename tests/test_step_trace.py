@@ -594,5 +594,5 @@ def test_the_gate_replayed_over_a_static_k_trace_reads_the_drafts_against_the_ge
     drafts, _, geometric, accepted, calibrated = by_bin["40%-60%"]
     assert drafts >= 20 and geometric < 1.2 and accepted > 7.0 and calibrated > 4.0
     drafts, _, geometric, accepted, calibrated = by_bin["60%-80%"]
-    assert drafts >= 20 and accepted == 0.0 and calibrated >= 0.95 * geometric
+    assert drafts >= 20 and accepted == 0.0 and calibrated >= geometric - 1e-9  # never below the law
     assert bst.gain_table([bst.read_trace(tmp_path / "s.csv")[:1]]) == []
