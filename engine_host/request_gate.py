@@ -130,6 +130,9 @@ MIXTURE_FLOOR = 0.02
 # share of every fitted distribution kept at the lowest grid point: any class may at any time
 # get requests whose drafts are all rejected (``_refit``)
 MIXTURE_REJECTING = 0.1
+# probe_backoff > 1: a request whose class has fewer than this share of requests whose drafts
+# pay (``RequestDraftGate.paying_share``) waits the longest between probes from its start
+PROBE_NEW_SHARE = 0.1
 PRIORS = ("pooled", "mixture")  # a new request's prior (module doc)
 GAINS = ("calibrated", "geometric")  # how a draft's expected accepted tokens are read (module doc)
 # gain="calibrated": the longest draft whose positions are kept apart (tokens; longer ones are
@@ -164,6 +167,9 @@ class _RequestStats:
     est_accepted: float = -1.0  # accepted and rejections when est was computed
     est_rejections: float = -1.0
     seen: float = -1.0  # the acceptance estimate last handed out for it (-1: none; gain="calibrated")
+    probe_wait: int = 0  # steps kept from drafting before its next probe (0: probe_every; probe_backoff)
+    probing: bool = False  # its draft was let through as a probe: the verification sets probe_wait
+    planned: bool = False  # plan() has seen it (its first wait is set then)
 
 
 class RequestDraftGate:
@@ -193,6 +199,13 @@ class RequestDraftGate:
         gain: ``"geometric"`` (a k-token draft at acceptance ``a`` yields ``sum_j a^j``
             tokens) or ``"calibrated"`` (that, moved toward what the class's drafts verified
             at a like estimate yielded; module doc).
+        probe_backoff: the most a request's wait between probes grows to, in multiples of
+            ``probe_every`` (>= 1; 1: every request is probed every ``probe_every`` steps).
+            Above 1, a probe that finds no draft or whose draft is mostly rejected doubles
+            the request's wait, a verification that accepts at least half its draft brings it
+            back to ``probe_every``, a request whose class's drafts seldom pay starts at the
+            longest wait, and the probes of a step at K > 0 that no request's drafts pay for
+            take along every request past half its wait (:meth:`plan_batch`; module doc).
     Raises:
         ValueError: a parameter out of range.
     """
@@ -208,6 +221,7 @@ class RequestDraftGate:
         prior: str = "pooled",
         mixture_requests: int = 128,
         gain: str = "geometric",
+        probe_backoff: int = 1,
     ):
         if prior_accepted < 0 or prior_rejected < 0 or prior_accepted + prior_rejected <= 0:
             raise ValueError("the prior's pseudo-counts must be >= 0 and not both 0")
@@ -225,6 +239,8 @@ class RequestDraftGate:
             raise ValueError("mixture_requests must be >= 1")
         if gain not in GAINS:
             raise ValueError(f"gain must be one of {', '.join(GAINS)}, got {gain!r}")
+        if probe_backoff < 1:
+            raise ValueError("probe_backoff must be >= 1")
         self.prior_accepted = prior_accepted
         self.prior_rejected = prior_rejected
         self.decay = decay
@@ -234,6 +250,7 @@ class RequestDraftGate:
         self.prior = prior
         self.mixture_requests = mixture_requests
         self.gain_model = gain
+        self.probe_backoff = probe_backoff
         # gain="calibrated", per class (None: requests with no class) and bin of ACCEPTANCE_BUCKETS
         # its verifications' estimates stood in: the decayed counts of those that reached draft
         # position j = 1..D (D = CALIBRATION_MAX_DRAFT) and of those that accepted it; the weight
@@ -302,6 +319,11 @@ class RequestDraftGate:
             s.drafted = s.drafted * decay + drafted
             s.accepted = s.accepted * decay + n
             s.rejections = s.rejections * decay + rejected
+            if n > 0 and 2 * n >= drafted:  # half its draft or more accepted: probed at probe_every again
+                s.probe_wait = 0
+            elif s.probing:  # a probe mostly rejected: the wait before the next one doubles
+                s.probe_wait = self._longer_wait(s.probe_wait)
+            s.probing = False
             if calibrated:
                 i += 1
                 if i % stride == 0:  # by the estimate its draft was priced at, before this verification
@@ -419,6 +441,16 @@ class RequestDraftGate:
             s = self._reqs[req_id] = _RequestStats()
         s.offered = s.offered * self.decay + 1.0
         s.found = s.found * self.decay + (1.0 if drafted else 0.0)
+        if s.probe_pending and not drafted and self.probe_backoff > 1:
+            # its probe found no draft: spent, and the wait before the next one doubles
+            s.probe_pending = False
+            s.probe_wait = self._longer_wait(s.probe_wait)
+
+    def _longer_wait(self, wait: int) -> int:
+        """A request's wait between probes after a probe that found nothing: double its
+        ``wait`` (0: ``probe_every``), at most ``probe_backoff`` times ``probe_every`` (steps)."""
+        every = self.probe_every
+        return min(2 * (wait or every), self.probe_backoff * every) if self.probe_backoff > 1 else 0
 
     def draft_rate(self, req_id: str) -> float:
         """Estimated share (fraction 0..1) of steps at K > 0 after which the request has a
@@ -788,6 +820,7 @@ class RequestDraftGate:
         self.last_total += 1
         if s is not None and s.probe_pending:  # drafted for a probe (plan): verify them
             s.probe_pending = False
+            s.probing = True
             s.steps_gated = 0
             self.last_verified += 1
             return True
@@ -799,8 +832,9 @@ class RequestDraftGate:
         if s is None:
             s = self._reqs[req_id] = _RequestStats()
         s.steps_gated += 1
-        if s.steps_gated >= self.probe_every:
+        if s.steps_gated >= (s.probe_wait or self.probe_every):
             s.steps_gated = 0
+            s.probing = True
             self.last_verified += 1
             return True
         return False
@@ -837,24 +871,60 @@ class RequestDraftGate:
         (under async scheduling, where drafts cannot be dropped per request, the hook runs
         one step at K > 0 for every request at once every ``probe_every`` steps).
         """
+        return self._plan(req_id, k, draft_token_cost, step_cost, probe) > 0
+
+    def _plan(self, req_id: str, k: int, draft_token_cost: float, step_cost: float, probe: bool) -> int:
+        """:meth:`plan`'s answer as 0 (no draft), 1 (its drafts pay) or 2 (a probe)."""
+        s = self._reqs.get(req_id)
+        if probe and self.probe_backoff > 1 and (s is None or not s.planned):
+            # its first wait: the longest where few of its class's requests' drafts pay
+            if s is None:
+                s = self._reqs[req_id] = _RequestStats()
+            s.planned = True
+            share = self.paying_share(self._class.get(req_id), k, draft_token_cost, step_cost)
+            if s.probe_wait == 0 and share < PROBE_NEW_SHARE:
+                s.probe_wait = self.probe_backoff * self.probe_every
         if k > 0:
             surplus = self.gain(self._class.get(req_id), self.acceptance(req_id), k) - k * max(draft_token_cost, 0.0)
             if self.draft_rate(req_id) * surplus >= (1.0 + self.margin) * max(step_cost, 0.0) and surplus >= 0.0:
-                s = self._reqs.get(req_id)
                 if s is not None:
                     s.steps_gated = 0
-                return True
+                return 1
         if not probe:
-            return False
-        s = self._reqs.get(req_id)
+            return 0
         if s is None:
             s = self._reqs[req_id] = _RequestStats()
         s.steps_gated += 1
-        if s.steps_gated >= self.probe_every:
+        if s.steps_gated >= (s.probe_wait or self.probe_every):
             s.steps_gated = 0
             s.probe_pending = True
-            return True
-        return False
+            return 2
+        return 0
+
+    def plan_batch(self, req_ids: Iterable[str], k: int, draft_token_cost: float, step_cost: float = 0.0) -> bool:
+        """Whether the next step should run at depth ``k`` for requests ``req_ids`` whose drafts
+        are verified or dropped one by one (synchronous scheduling): :meth:`plan` for each
+        (each one's probe count advances), True when any of them wants a draft. With
+        ``probe_backoff`` above 1, when only probes want one the step's K > 0 is paid anyway,
+        so every other request at least half way through its wait is probed with them: the
+        probes of a batch share their steps at K > 0 rather than each paying one (``c`` and
+        ``step_cost`` as in :meth:`plan`). Raises nothing."""
+        ids = req_ids if isinstance(req_ids, list) else list(req_ids)
+        pays = probes = False
+        for rid in ids:
+            why = self._plan(rid, k, draft_token_cost, step_cost, True)
+            if why == 1:
+                pays = True
+            elif why == 2:
+                probes = True
+        if probes and not pays and self.probe_backoff > 1 and len(ids) > 1:
+            every, reqs = self.probe_every, self._reqs
+            for rid in ids:
+                s = reqs.get(rid)
+                if s is not None and not s.probe_pending and 2 * s.steps_gated >= (s.probe_wait or every):
+                    s.steps_gated = 0
+                    s.probe_pending = True
+        return pays or probes
 
     def batch_pays(self, req_ids: Iterable[str], k: int, draft_token_cost: float, step_cost: float = 0.0) -> bool:
         """Whether a step at depth ``k`` pays for a batch whose requests all verify their

@@ -34,7 +34,7 @@ from . import cpu_affinity, envs, vllm_compat
 from .channel import ACK_APPLIED, ACK_REFUSED, Channel, channel_from_env
 from .config import LiveConfig
 from .controller import SpeculationController, StepObservation
-from .request_gate import RequestDraftGate, draft_token_cost
+from .request_gate import PROBE_NEW_SHARE, RequestDraftGate, draft_token_cost
 from .step_clock import DecodeStretch, StepClock
 from .step_trace import graph_mode, step_trace_from_env
 
@@ -131,7 +131,7 @@ class _SpecPilotHook:
     # and any accepted draft token reset it, so the probes' backoff seldom took hold
     # (docs/gpu.md, host 37); a request of a class whose drafts pay (docs after chat) is
     # still probed at ``probe_every``, or drafted at once where its class's prior pays
-    PROBE_NEW_SHARE = 0.1
+    PROBE_NEW_SHARE = PROBE_NEW_SHARE
     # the adaptive policy's exploration at a batch of at least this many requests runs whatever
     # the per-request gate says (``_decide_k``), and on the synchronous path its drafts are
     # verified for every request (``_gate_drafts``): an exploration is then a probe of the
@@ -257,7 +257,9 @@ class _SpecPilotHook:
         self.controller = SpeculationController(
             self._k_engine, self._config.speculation, draft_passes=passes, draft_cost_ratio=ratio
         )
-        self._gate = RequestDraftGate()
+        # per-request probes backed off and taken together (synchronous scheduling; the async
+        # path backs off its all-request probes itself, PROBE_BACKOFF)
+        self._gate = RequestDraftGate(probe_backoff=self.PROBE_BACKOFF if envs.probe_backoff_on() else 1)
         self._gate_on = False
         self._gate_fold_finished = False  # fold finished requests into the gate's mixture prior
         self._gate_cost_last = (0.0, 0.0)  # the gate's last (draft_token_cost, step_cost)
@@ -829,10 +831,8 @@ class _SpecPilotHook:
         b = len(running)
         if self.GATE_DRAFTS:
             cost, step_cost = self._gate_costs(b, k)
-            wants = False
-            for req in running:  # every request is planned, so each one's probe count advances
-                wants = self._gate.plan(req.request_id, k, cost, step_cost) or wants
-            return wants
+            # every request is planned, so each one's probe count advances; probes share their steps
+            return self._gate.plan_batch([req.request_id for req in running], k, cost, step_cost)
         # async: every request verifies the step's drafts, so the batch decides: drafting pays
         # when the requests' expected gains together beat what all their verifications cost
         # (RequestDraftGate.batch_pays; one request whose drafts pay, a new one at a high

@@ -1024,3 +1024,87 @@ def test_at_batch_1_the_calibrated_gain_drafts_a_request_whose_drafts_pay_after_
         ks[gain] = [hook._decide_k(1) for _ in range(3)]
     assert ks == {"geometric": [0, 0, 0], "calibrated": [8, 8, 8]}
     assert LiveConfig().speculation.adaptive.gain == "calibrated"
+
+
+def _probe_steps(gate: RequestDraftGate, rid: str, steps: int, found: bool = True, accepted: int = 0) -> list[int]:
+    """Run ``steps`` synchronous steps of one request whose drafts do not pay: the plan, and
+    after a planned probe the next step's offer, the gate's verify-or-drop and the
+    verification (4 drafted, ``accepted`` accepted; no draft at all unless ``found``).
+    Returns the steps (0-based) at which a probe was planned."""
+    probes = []
+    for i in range(steps):
+        if gate.plan(rid, 4, COST, 0.1):
+            probes.append(i)
+            gate.observe_offer(rid, found)
+            if found and gate.allows(rid, 4, COST):
+                gate.observe(rid, 4, accepted)
+    return probes
+
+
+def test_a_requests_probes_back_off_while_they_find_nothing_and_come_back_when_it_accepts():
+    """``probe_backoff``: each probe whose draft is rejected, or that finds no draft, doubles
+    the request's wait before the next one, up to probe_backoff x probe_every steps; a
+    verification that accepts half its draft or more brings the wait back to probe_every.
+    At probe_backoff 1 every request is probed every probe_every steps, as before."""
+    g = RequestDraftGate(probe_every=4, probe_backoff=4, pool_decay=0.0)
+    _feed(g, "chat", 0.0)
+    assert _probe_steps(g, "chat", 60) == [3, 11, 27, 43, 59]  # waits of 4, 8, 16, 16, 16 steps
+    _feed(g, "empty", 0.0)
+    assert _probe_steps(g, "empty", 60, found=False) == [3, 11, 27, 43, 59]  # a probe that finds nothing too
+    assert _probe_steps(g, "chat", 16, accepted=3) == [15]  # its next probe accepts 3 of 4
+    assert _probe_steps(g, "chat", 12) == [3, 11]  # probed at probe_every again, then backing off
+    flat = RequestDraftGate(probe_every=4, pool_decay=0.0)
+    _feed(flat, "chat", 0.0)
+    assert _probe_steps(flat, "chat", 20) == [3, 7, 11, 15, 19]
+    with pytest.raises(ValueError, match="probe_backoff"):
+        RequestDraftGate(probe_backoff=0)
+
+
+def test_a_new_request_of_a_class_whose_drafts_seldom_pay_starts_at_the_longest_wait():
+    """Under the mixture prior a sampled chat request, whose class's finished requests' drafts
+    were all rejected, is first probed after probe_backoff x probe_every steps; a greedy request
+    of a class where one request in five quotes is probed after probe_every."""
+    g = RequestDraftGate(prior="mixture", probe_every=4, probe_backoff=4)
+    for i in range(20):
+        _finish(g, f"chat-{i}", "sampled", 0, steps=3)
+        _finish(g, f"code-{i}", "greedy", 4 if i % 5 == 0 else 0, steps=6)
+    g.set_class("chat-new", "sampled")
+    g.set_class("code-new", "greedy")
+    assert not g.plan("code-new", 4, COST, 0.1)  # neither is drafted on its class's prior
+    assert not g.plan("chat-new", 4, COST, 0.1)
+    assert _probe_steps(g, "chat-new", 20) == [14]  # 16 steps in all
+    assert _probe_steps(g, "code-new", 3) == [2]  # 4 steps in all
+
+
+def test_the_probes_of_a_batch_share_their_steps_at_k_above_0():
+    """``plan_batch``: when only probes want drafts, every request at least half way through
+    its wait is probed at the same step, so four requests that started at different steps and
+    whose drafts never pay run far fewer steps at K > 0 than when each is probed on its own."""
+
+    def steps_at_k(backoff: int) -> int:
+        g = RequestDraftGate(probe_every=8, probe_backoff=backoff, pool_decay=0.0)
+        at_k, ids = 0, []
+        for i in range(200):
+            if i < 4 * 3:  # a request joins every third step
+                if i % 3 == 0:
+                    ids.append(f"r{i}")
+                    _feed(g, f"r{i}", 0.0)
+            if g.plan_batch(ids, 4, COST, 0.1):
+                at_k += 1
+                for rid in ids:
+                    g.observe_offer(rid, True)
+                    if g.allows(rid, 4, COST):
+                        g.observe(rid, 4, 0)
+        return at_k
+
+    alone, shared = steps_at_k(1), steps_at_k(4)
+    assert alone >= 80  # four requests, each probed every 8 steps at its own step
+    assert shared <= alone // 4
+    g = RequestDraftGate(probe_every=8, probe_backoff=4, pool_decay=0.0)
+    _feed(g, "a", 0.0)
+    _feed(g, "b", 0.0)
+    _feed(g, "copy", 0.9)
+    for _ in range(3):
+        g.plan_batch(["b"], 4, COST, 0.1)
+    assert g.plan_batch(["a", "b", "copy"], 4, COST, 0.1)  # the copying request's drafts pay
+    assert not g._reqs["a"].probe_pending and not g._reqs["b"].probe_pending  # no probe taken along
