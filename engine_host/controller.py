@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,10 @@ class StepObservation:
     k_proposed: int | None = None
     warmup: bool = False
     draft_fetch_s: float = 0.0
+
+
+def _always() -> bool:
+    return True
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -1195,7 +1199,8 @@ class AdaptivePolicy(Policy):
             self.next_explore = min(self.next_explore, soon)
         if self._after_drain and batch_size >= self.DRAIN_EXPLORE_MIN_BATCH:
             self._after_drain = False
-            self.next_explore = min(self.next_explore, self.steps + self.p.explore_every)
+            if self.ctl.burst_may_pay():  # (the scheduler hook's answer: its requests' classes)
+                self.next_explore = min(self.next_explore, self.steps + self.p.explore_every)
         if self.p.explore_every and self.k_hi > self.k_lo and self.steps >= self.next_explore:
             self.explore_k = self._pick_exploration()
             # long enough to measure about BURST_REQUEST_STEPS request-steps; the first
@@ -1236,7 +1241,11 @@ class AdaptivePolicy(Policy):
     def drained(self) -> None:
         """The engine drained: at the first later step with ``DRAIN_EXPLORE_MIN_BATCH``
         requests or more, the next exploration comes within ``explore_every`` steps,
-        whatever its backed-off interval. Requests that arrive together after an idle
+        whatever its backed-off interval, unless the controller's ``burst_may_pay()`` says
+        that none of those requests is of a class whose drafts may pay (the scheduler
+        hook's per-request gate: fewer than ``PROBE_NEW_SHARE`` of each class's finished
+        requests had drafts that pay at the policy's deepest K; its explorations then keep
+        their backed-off interval). Requests that arrive together after an idle
         spell are often of one new kind (a batch job, a client's burst), and while K holds
         at 0 nothing tells the policy that their drafts would be accepted: a backed-off
         interval (``MAX_BACKOFF`` times ``explore_every``) can be longer than the whole
@@ -1313,6 +1322,10 @@ class SpeculationController:
         self.drafted_total = 0
         self.accepted_total = 0
         self.policy: Policy = OffPolicy(spec, k_engine, self)
+        # whether the requests of a burst after a drain may be ones whose drafts pay, asked by
+        # the adaptive policy before it brings its next exploration near (AdaptivePolicy.drained);
+        # the scheduler hook answers from its per-request gate's classes, else always True
+        self.burst_may_pay: Callable[[], bool] = _always
         self._table_cache: tuple[float, dict[str, list[float]]] | None = None
         self.configure(spec)
 

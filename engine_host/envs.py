@@ -64,7 +64,7 @@ VARIABLES: dict[str, str] = {
     K0_LEAN: "0 keeps the engine on its full per-step path at K = 0: the scheduler hook's lean path (speculation off, and the adaptive policy's rests at K = 0) and Model Runner V2's draft bookkeeping at K = 0 (GPU, ngram_gpu) stay as they were (for side-by-side benchmarks), default 1",
     HOOK_LEAN: f"0 keeps only the scheduler hook on its full per-step path at K = 0, Model Runner V2's draft bookkeeping at K = 0 still skipped: a static K = 0 engine then runs its steps on the path an adaptive engine host's steps at K = 0 take, less the policy's decisions (side-by-side benchmarks; {K0_LEAN}=0 turns off both), default 1",
     PROBE_PRIOR: "0 restarts the adaptive engine's all-request probe wait (async scheduling) at every new request and at any accepted draft token, as before the wait read the new request's class (side-by-side benchmarks), default 1",
-    PROBE_BACKOFF: "0 probes each request the adaptive engine's per-request gate keeps from drafting every probe_every steps, each probe at a step of its own (synchronous scheduling, as before its probes backed off and were taken together; side-by-side benchmarks), default 1",
+    PROBE_BACKOFF: "0 probes each request the adaptive engine's per-request gate keeps from drafting every probe_every steps, each probe at a step of its own (synchronous scheduling), and explores every burst of several requests after the engine drained soon, whatever their classes' drafts paid (as before the probes backed off and the drain's exploration read the classes; side-by-side benchmarks), default 1",
     HOOK_ASIDE: "0 keeps the scheduler hook in every engine step at a static K = 0 (its lean path) instead of stepping aside between state publishes, so that vLLM's engine core calls vLLM's own schedule() and update_from_output() (side-by-side benchmarks), default 1",
     REST_SPAN_SCALING: "0 keeps the scheduler hook's rests at K = 0 on its lean path as long at B >= 32 running requests as below (8 steps under the per-request gate's batch rule, 16 in the adaptive policy's own rests), where they otherwise last B // 16 times as long (fewer steps on the hook's full path at high load; side-by-side benchmarks), default 1",
     LEAN_STEP_TIMES: "0 keeps the lean path's step times out of the step-time model, which then learns a step at K = 0 only from steps on the hook's full path (side-by-side benchmarks), default 1",
@@ -174,8 +174,8 @@ def probe_prior_on(environ: Mapping[str, str] | None = None) -> bool:
 
 def probe_backoff_on(environ: Mapping[str, str] | None = None) -> bool:
     """False when ``$SPECPILOT_PROBE_BACKOFF`` is ``0`` (the per-request gate probes every
-    request every ``probe_every`` steps on its own: ``RequestDraftGate(probe_backoff=1)``),
-    else True."""
+    request every ``probe_every`` steps on its own, ``RequestDraftGate(probe_backoff=1)``, and
+    every burst after a drain is explored soon), else True."""
     return _env(environ).get(PROBE_BACKOFF, "1").strip() != "0"
 
 

@@ -61,7 +61,17 @@ Accepted / drafted would be the mean accepted *fraction*, ``x_i(k) / k``, not ``
 used as ``a`` it underestimates x_i(k) (at a = 0.8, k = 8 it gives 0.7 tokens instead
 of 3.3) and drops drafts that pay. A request whose drafts were dropped is drafted again
 every ``probe_every`` of its steps, so one that starts accepting (e.g. it begins to
-quote its prompt) is picked up again.
+quote its prompt) is picked up again. With ``probe_backoff`` above 1 (the engine host's
+default, 4; this class's own default stays 1) a probe that finds no draft or whose draft is
+mostly rejected doubles the request's wait before the next, up to ``probe_backoff`` times
+``probe_every``, and a verification that accepts at least half its draft brings it back; a
+request whose class's finished requests' drafts seldom pay (``paying_share`` under
+``PROBE_NEW_SHARE``) starts at the longest wait; and where drafts are dropped request by
+request (synchronous scheduling) the probes of a step at K > 0 that no request's drafts pay for
+take along every other request past half its wait (:meth:`RequestDraftGate.plan_batch`): a
+step at K > 0 costs the proposer's run and the draft fetch whatever it verifies, so probes
+taken one request at a time made sampled chat at 4 clients run one step in ten at K > 0
+(docs/benchmarks.md).
 
 With ``gain="calibrated"`` (the engine host's default, ``speculation.adaptive.gain``; this
 class's own default stays ``"geometric"``) a request's ``x_i(K)`` is read against what its

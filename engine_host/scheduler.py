@@ -260,6 +260,11 @@ class _SpecPilotHook:
         # per-request probes backed off and taken together (synchronous scheduling; the async
         # path backs off its all-request probes itself, PROBE_BACKOFF)
         self._gate = RequestDraftGate(probe_backoff=self.PROBE_BACKOFF if envs.probe_backoff_on() else 1)
+        # a burst after a drain is explored soon only where its requests' classes may pay
+        # (_burst_may_pay; $SPECPILOT_PROBE_BACKOFF=0: every burst, as before)
+        self._drain_explores_skipped = 0
+        if envs.probe_backoff_on():
+            self.controller.burst_may_pay = self._burst_may_pay
         self._gate_on = False
         self._gate_fold_finished = False  # fold finished requests into the gate's mixture prior
         self._gate_cost_last = (0.0, 0.0)  # the gate's last (draft_token_cost, step_cost)
@@ -806,7 +811,8 @@ class _SpecPilotHook:
     def _any_request_wants_drafts(self, k: int) -> bool:
         """False when the per-request gate is on and no running request's drafts would pay
         at depth ``k`` (nor is due for a probe), or under async scheduling the batch's would
-        not: the next step then runs at K = 0 (``RequestDraftGate.plan``,
+        not: the next step then runs at K = 0 (``RequestDraftGate.plan_batch``: each request's
+        probes backed off while they find nothing and taken together with the others';
         ``RequestDraftGate.batch_pays``). True whenever the gate is off.
 
         Where drafts cannot be dropped per request (``GATE_DRAFTS`` False: async
@@ -886,6 +892,34 @@ class _SpecPilotHook:
         share = gate.paying_share(cls, k, cost, step_cost)
         self._new_request_share = (cls, share)
         return share >= self.PROBE_NEW_SHARE
+
+    def _burst_may_pay(self) -> bool:
+        """Whether the running requests, the first several after the engine drained, may be
+        ones whose drafts pay (``SpeculationController.burst_may_pay``, asked by the adaptive
+        policy before it brings its next exploration near): True unless the per-request gate
+        is on under the mixture prior and, for every class among them, fewer than
+        ``PROBE_NEW_SHARE`` of the class's finished requests had drafts that pay at the
+        policy's deepest K (``RequestDraftGate.paying_share`` at the gate's current costs; a
+        class with fewer than ``MIXTURE_MIN_REQUESTS`` finished requests may pay). At shallow
+        K the share turns on a few hundredths of cost (a tenth of a token at 0.15 acceptance),
+        at the deepest K only requests that quote pay. Counts the bursts it answers False to."""
+        gate = self._gate
+        if not self._gate_on or gate.prior != "mixture":
+            return True
+        running = self.running  # type: ignore[attr-defined]
+        hi = int(getattr(self.controller.policy, "k_hi", self._k_engine))
+        if not running or hi <= 0:
+            return True
+        cost, step_cost = self._gate_costs(len(running), hi)
+        seen: set[str | None] = set()
+        for req in running:
+            cls = gate.request_class(req.request_id)
+            if cls not in seen:
+                seen.add(cls)
+                if gate.paying_share(cls, hi, cost, step_cost) >= self.PROBE_NEW_SHARE:
+                    return True
+        self._drain_explores_skipped += 1
+        return False
 
     def _gate_drafts(self) -> None:
         """Draft length per request (``engine_host.request_gate``): before vLLM schedules
@@ -1317,6 +1351,9 @@ class _SpecPilotHook:
                 new_request_paying_share=None
                 if self._new_request_share is None
                 else {"class": self._new_request_share[0], "share": round(self._new_request_share[1], 4)},
+                # bursts after a drain that the adaptive policy did not explore soon: none of their
+                # requests' classes may pay (_burst_may_pay)
+                drain_explorations_skipped=self._drain_explores_skipped,
             ),
             "overhead": {
                 "hook_seconds": round(self._overhead_s, 6),

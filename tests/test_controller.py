@@ -816,6 +816,23 @@ def test_after_a_drain_a_burst_of_several_requests_is_explored_within_explore_ev
     assert policy.interval == policy.p.explore_every * policy.MAX_BACKOFF  # the backed-off interval is kept
 
 
+def test_after_a_drain_a_burst_whose_requests_drafts_may_not_pay_keeps_the_backed_off_interval():
+    """``SpeculationController.burst_may_pay`` (the scheduler hook's answer from its requests'
+    classes): False leaves the next exploration where the backed-off interval put it; it is
+    asked once, at the burst's first step with several requests."""
+    asked = []
+
+    def never() -> bool:
+        asked.append(1)
+        return False
+
+    ctl = _held_at_k0_after_an_exploration()
+    ctl.burst_may_pay = never
+    ctl.drained()
+    assert _steps_to_next_exploration(ctl, 48) is None
+    assert asked == [1]
+
+
 def test_after_a_drain_a_lone_request_is_left_to_the_gate():
     # at one request an exploration takes 17 steps at K = 1: a drain between lone requests
     # does not bring one forward; the first step with several requests does

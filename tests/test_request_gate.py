@@ -228,6 +228,62 @@ def test_hook_runs_the_next_step_at_k0_when_no_running_request_would_draft():
     assert [hook._decide_k(1) for _ in range(3)] == [8, 8, 8]
 
 
+def test_on_the_synchronous_path_four_chat_requests_probes_share_their_steps_at_k():
+    """The scheduler hook's K on the synchronous path (``_decide_k`` through
+    ``RequestDraftGate.plan_batch``): four requests whose drafts never pay, joined at different
+    steps, run one step in ten or more at K > 0 when each is probed every probe_every steps on
+    its own (``probe_backoff`` 1, ``$SPECPILOT_PROBE_BACKOFF=0``), and under a quarter of that
+    when their probes back off and are taken together (the engine host's default). The
+    controller's K is 8 throughout: at K = 0 the gate does not probe a batch (it is explored)."""
+
+    def steps_at_k(backoff: int) -> int:
+        hook = _hook(_step_time(idle_step_cost=True), 8, 8, [])
+        hook._gate = RequestDraftGate(probe_every=8, pool_decay=0.0, probe_backoff=backoff)
+        at_k = 0
+        for i in range(240):
+            if i < 12 and i % 3 == 0:
+                hook.running.append(_req(f"chat-{i}"))
+                _feed(hook._gate, f"chat-{i}", 0.0)
+            k = hook._decide_k(len(hook.running))
+            if k > 0:  # the next step's offers and verifications (_gate_drafts): every draft rejected
+                at_k += 1
+                for req in hook.running:
+                    hook._gate.observe_offer(req.request_id, True)
+                    if hook._gate.allows(req.request_id, k, COST):
+                        hook._gate.observe(req.request_id, k, 0)
+        return at_k
+
+    alone, shared = steps_at_k(1), steps_at_k(4)
+    assert alone >= 24
+    assert shared * 4 <= alone
+
+
+def test_a_burst_after_a_drain_may_pay_unless_every_class_among_its_requests_seldom_pays():
+    """``_burst_may_pay``: under the mixture prior a burst of sampled chat requests, whose class's
+    finished requests' drafts were all rejected, is answered False (and counted); one greedy
+    request among them, of a class where one request in five quotes, makes it True; under the
+    pooled prior, or with the gate off, always True."""
+    hook = _hook(_step_time(idle_step_cost=True), 0, 16, [f"chat-{i}" for i in range(4)])
+    gate = hook._gate = RequestDraftGate(prior="mixture")
+    hook._drain_explores_skipped = 0
+    for i in range(20):
+        _finish(gate, f"old-chat-{i}", "sampled", 0, steps=3)
+        _finish(gate, f"old-code-{i}", "greedy", 4 if i % 5 == 0 else 0, steps=6)
+    for i in range(4):
+        gate.set_class(f"chat-{i}", "sampled")
+    assert hook._burst_may_pay() is False
+    assert hook._drain_explores_skipped == 1
+    hook.running.append(_req("code"))
+    gate.set_class("code", "greedy")
+    assert hook._burst_may_pay() is True
+    hook.running.pop()
+    gate.prior = "pooled"
+    assert hook._burst_may_pay() is True
+    gate.prior = "mixture"
+    hook._gate_on = False
+    assert hook._burst_may_pay() is True
+
+
 def test_under_async_scheduling_the_gate_sets_the_step_k_and_probes_every_request_at_once():
     """With async scheduling (``GATE_DRAFTS`` False) drafts cannot be dropped per request,
     so one request's probe would make the whole step draft. The hook then plans without
