@@ -33,7 +33,6 @@ HOOK_ASIDE = "SPECPILOT_HOOK_ASIDE"
 PROBE_PRIOR = "SPECPILOT_PROBE_PRIOR"
 PROBE_BACKOFF = "SPECPILOT_PROBE_BACKOFF"
 REST_SPAN_SCALING = "SPECPILOT_REST_SPAN_SCALING"
-REST_ASIDE = "SPECPILOT_REST_ASIDE"
 LEAN_STEP_TIMES = "SPECPILOT_LEAN_STEP_TIMES"
 CORE_CPU = "SPECPILOT_CORE_CPU"
 DB_URL = "SPECPILOT_DB_URL"
@@ -67,7 +66,6 @@ VARIABLES: dict[str, str] = {
     PROBE_PRIOR: "0 restarts the adaptive engine's all-request probe wait (async scheduling) at every new request and at any accepted draft token, as before the wait read the new request's class (side-by-side benchmarks), default 1",
     PROBE_BACKOFF: "0 probes each request the adaptive engine's per-request gate keeps from drafting every probe_every steps, each probe at a step of its own (synchronous scheduling), and explores every burst of several requests after the engine drained soon, whatever their classes' drafts paid (as before the probes backed off and the drain's exploration read the classes; side-by-side benchmarks), default 1",
     HOOK_ASIDE: "0 keeps the scheduler hook in every engine step at a static K = 0 (its lean path) instead of stepping aside between state publishes, so that vLLM's engine core calls vLLM's own schedule() and update_from_output() (side-by-side benchmarks), default 1",
-    REST_ASIDE: "0 keeps a lone request's rests at K = 0 under the adaptive engine's per-request gate (async scheduling) on the scheduler hook's lean path instead of stepping aside for them, as static K = 0 does between state publishes (side-by-side benchmarks), default 1",
     REST_SPAN_SCALING: "0 keeps the scheduler hook's rests at K = 0 on its lean path as long at B >= 32 running requests as below (8 steps under the per-request gate's batch rule, 16 in the adaptive policy's own rests), where they otherwise last B // 16 times as long (fewer steps on the hook's full path at high load; side-by-side benchmarks), default 1",
     LEAN_STEP_TIMES: "0 keeps the lean path's step times out of the step-time model, which then learns a step at K = 0 only from steps on the hook's full path (side-by-side benchmarks), default 1",
     CORE_CPU: "the engine core's step loop's CPU: auto, off or a CPU index, as --core-cpu (which wins); the launcher sets it to the CPU taken, the engine core pins its step loop there at its first step; default auto on the GPU build, off on the CPU build",
@@ -179,12 +177,6 @@ def probe_backoff_on(environ: Mapping[str, str] | None = None) -> bool:
     request every ``probe_every`` steps on its own, ``RequestDraftGate(probe_backoff=1)``, and
     every burst after a drain is explored soon), else True."""
     return _env(environ).get(PROBE_BACKOFF, "1").strip() != "0"
-
-
-def rest_aside_on(environ: Mapping[str, str] | None = None) -> bool:
-    """False when ``$SPECPILOT_REST_ASIDE`` is ``0`` (a lone request's rests stay on the
-    scheduler hook's lean path), else True."""
-    return _env(environ).get(REST_ASIDE, "1").strip() != "0"
 
 
 def lean_step_times_on(environ: Mapping[str, str] | None = None) -> bool:

@@ -218,13 +218,7 @@ class _SpecPilotHook:
     # Not in the adaptive policy's rests: there its decisions learn from the lean path's steps
     # (the step-time model's price of a plain step at each batch), and stood aside the policy
     # drafted in 34 of 60 steps of a quoting burst where the lean path drafted in 50
-    # (python -m bench policy-bursts, docs/engine_host.md). Except a lone request's rest under
-    # the per-request gate (async scheduling): a lone request's stood-aside steps teach the
-    # step-time model a plain step's price as its lean steps do (_step_in), so a span of at
-    # least REST_ASIDE_MIN_SPAN steps stands aside too, stepping back in at the span's end (the
-    # gate's probe, the policy's next decision), when a request joins or the lone one finishes;
-    # $SPECPILOT_REST_ASIDE=0 keeps those spans on the lean path
-    REST_ASIDE_MIN_SPAN = 4
+    # (python -m bench policy-bursts, docs/engine_host.md).
 
     # Attributes of vLLM's Scheduler (set in its __init__) that the hook reads and caps.
     max_num_running_reqs: int
@@ -306,11 +300,6 @@ class _SpecPilotHook:
             envs.hook_aside_on() and self._trace is None and isinstance(getattr(self, "current_step", None), int)
         )
         self._aside = False  # the hook stands aside: vLLM's schedule() and update_from_output() run directly
-        # a lone request's rest under the per-request gate stands aside too ($SPECPILOT_REST_ASIDE), until
-        # vLLM's current_step reaches _aside_until, a request joins or the lone one finishes
-        self._rest_aside_ok = envs.rest_aside_on()
-        self._aside_lone = False
-        self._aside_until = 1 << 62
         self._aside_from = (0, 0.0, 0)  # (vLLM's current_step, perf_counter(), running) when it stepped aside
         self._aside_s = 0.0  # wall time stood aside with requests running (s)
         self._aside_steps = 0  # steps vLLM scheduled meanwhile
@@ -629,15 +618,6 @@ class _SpecPilotHook:
                 busy
                 and self._config_seq_view[0] == self._config_seq  # type: ignore[index]
                 and time.perf_counter() < self._publish_due
-                and (
-                    not self._aside_lone  # a lone request's rest: until its span's end, while it runs alone
-                    or (
-                        self.current_step < self._aside_until  # type: ignore[attr-defined]
-                        and len(self.running) == 1  # type: ignore[attr-defined]
-                        and self.running[0] is self._lean_newest  # type: ignore[attr-defined]
-                        and not self.waiting  # type: ignore[attr-defined]
-                    )
-                )
             ):
                 return True
             self._step_in()
@@ -1155,32 +1135,28 @@ class _SpecPilotHook:
         self._overhead_s += time.perf_counter() - t
         self._overhead_cpu_s += time.thread_time() - c
         self._t_output_done = time.perf_counter()
-        if self._lean and self._aside_ok and self._caps_steady and running and self._config_seq_view is not None:
-            if not self._resting:
-                self._step_aside()
-            elif (
-                running == 1
-                and self._lean_join_ends  # a lone request's span (_rest_span)
-                and self._rest_aside_ok
-                and self._lean_left >= self.REST_ASIDE_MIN_SPAN
-            ):
-                self._step_aside(self._lean_left)
+        if (
+            self._lean
+            and self._aside_ok
+            and not self._resting
+            and self._caps_steady
+            and running
+            and self._config_seq_view is not None
+        ):
+            self._step_aside()
         return outputs
 
     # -- stepping aside at a static K = 0 -----------------------------------------
-    def _step_aside(self, span: int | None = None) -> None:
+    def _step_aside(self) -> None:
         """Take the hook out of vLLM's per-step calls (the class comment above ``__init__``):
         the engine core's ``schedule()`` and ``update_from_output()`` become vLLM's own until
-        :meth:`_step_in`; with ``span`` (steps, a lone request's rest) at most that many steps,
-        and only while that request runs alone."""
+        :meth:`_step_in`."""
         base = super()  # vLLM's class after the hook in the method resolution order
         d = self.__dict__
         d["schedule"] = base.schedule  # type: ignore[attr-defined]
         d["update_from_output"] = base.update_from_output  # type: ignore[attr-defined]
         step = self.current_step  # type: ignore[attr-defined]
         self._aside_from = (step, time.perf_counter(), len(self.running))  # type: ignore[attr-defined]
-        self._aside_lone = span is not None
-        self._aside_until = step + span if span is not None else 1 << 62
         self._aside = True
 
     def _step_in(self) -> None:
@@ -1196,9 +1172,6 @@ class _SpecPilotHook:
         running = len(self.running)  # type: ignore[attr-defined]
         self._step_index += steps
         self._lean_scheduled += steps
-        if self._aside_lone:  # the rest's span ran on vLLM's own steps
-            self._aside_lone = False
-            self._lean_left = max(self._lean_left - steps, 0)
         if steps and running == running0 == 1 and self._lean_times_on:
             # a lone request's decode steps (at one client the engine drains between requests): their mean
             # time is a plain step's

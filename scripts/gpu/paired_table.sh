@@ -28,8 +28,7 @@
 # and, since an untraced hook at a static K = 0 steps aside between state publishes (engine_host/scheduler.py), what
 # stepping aside gives. K0_IN=1 adds `k0_in`, the same with SPECPILOT_HOOK_ASIDE=0: the hook on its lean path every step.
 # A_IN=1 adds `adaptive_in`, the adaptive engine host with SPECPILOT_HOOK_ASIDE=0 (host 49's tree stood aside in the
-# adaptive policy's rests too; since then the adaptive engine host's rests stay on the lean path, except a lone request's,
-# which stand aside: `adaptive_in` keeps those on the lean path as before).
+# adaptive policy's rests too; since then the adaptive engine host's rests stay on the lean path and the two run alike).
 # SPAN8=1 adds `adaptive_span8`, the adaptive engine host with SPECPILOT_REST_SPAN_SCALING=0: its rests at K = 0 on the lean
 # path (8 steps under the gate's batch rule, 16 in the policy's own rests) keep their length at every batch size, as on
 # host 50's tree, where they now last B // 16 times as long from 32 requests. A_TWIN=1 adds `adaptive_b`, a second
