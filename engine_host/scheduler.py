@@ -901,8 +901,8 @@ class _SpecPilotHook:
         ``PROBE_NEW_SHARE`` of the class's finished requests had drafts that pay at the
         policy's deepest K (``RequestDraftGate.paying_share`` at the gate's current costs; a
         class with fewer than ``MIXTURE_MIN_REQUESTS`` finished requests may pay). At shallow
-        K the share turns on a few hundredths of cost (a tenth of a token at 0.15 acceptance),
-        at the deepest K only requests that quote pay. Counts the bursts it answers False to."""
+        K a class's share turns on a few hundredths of a step's cost; at the deepest K only
+        requests that quote pay. Counts the bursts it answers False to. Raises nothing."""
         gate = self._gate
         if not self._gate_on or gate.prior != "mixture":
             return True
