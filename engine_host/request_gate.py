@@ -823,8 +823,9 @@ class RequestDraftGate:
     def allows(self, req_id: str, k: int, draft_token_cost: float) -> bool:
         """The decision for this step: verify the request's k-token draft or drop it.
 
-        Counts the step: a request dropped ``probe_every`` steps in a row is let through
-        once (a probe), so a request that starts accepting is drafted again.
+        Counts the step: a request dropped for its wait in a row (``probe_every`` steps,
+        longer while its probes back off: ``probe_backoff``) is let through once (a probe),
+        so a request that starts accepting is drafted again.
         """
         s = self._reqs.get(req_id)
         self.last_total += 1
@@ -875,7 +876,8 @@ class RequestDraftGate:
         scheduler hook schedules the next step at K = 0, which also spares the proposer
         and the engine core's draft fetch that a step at K > 0 pays even with every
         draft dropped. Each call counts one step the request is kept from drafting;
-        after ``probe_every`` of them it plans a probe, and :meth:`allows` then lets that
+        after its wait (``probe_every`` of them, longer while its probes back off:
+        ``probe_backoff``) it plans a probe, and :meth:`allows` then lets that
         draft through once, so a request that starts accepting is found again. With
         ``probe`` False nothing is counted and no probe is planned: the caller probes
         (under async scheduling, where drafts cannot be dropped per request, the hook runs

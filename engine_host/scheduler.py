@@ -259,11 +259,12 @@ class _SpecPilotHook:
         )
         # per-request probes backed off and taken together (synchronous scheduling; the async
         # path backs off its all-request probes itself, PROBE_BACKOFF)
-        self._gate = RequestDraftGate(probe_backoff=self.PROBE_BACKOFF if envs.probe_backoff_on() else 1)
+        backoff = envs.probe_backoff_on()
+        self._gate = RequestDraftGate(probe_backoff=self.PROBE_BACKOFF if backoff else 1)
         # a burst after a drain is explored soon only where its requests' classes may pay
         # (_burst_may_pay; $SPECPILOT_PROBE_BACKOFF=0: every burst, as before)
         self._drain_explores_skipped = 0
-        if envs.probe_backoff_on():
+        if backoff:
             self.controller.burst_may_pay = self._burst_may_pay
         self._gate_on = False
         self._gate_fold_finished = False  # fold finished requests into the gate's mixture prior
