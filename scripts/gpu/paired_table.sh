@@ -34,6 +34,8 @@
 # host 50's tree, where they now last B // 16 times as long from 32 requests. A_TWIN=1 adds `adaptive_b`, a second
 # adaptive engine host like `adaptive`: the adaptive engine host's A/A control (host 51's two alike adaptive engine hosts
 # differed by 3-4 % at 8 clients), with its A/A table under each run's table.
+# B_OLD=1 adds `adaptive_prev`, the adaptive engine host with SPECPILOT_PROBE_BACKOFF=0: the per-request gate's probes
+# as before 2026-12-02 (no backoff, every burst after a drain explored soon), beside `adaptive` on the same prompts.
 # GEO=1 adds `adaptive_geometric`, an adaptive engine host whose per-request gate prices drafts by the geometric law
 # alone (`speculation.adaptive.gain` = geometric), beside `adaptive` and its calibrated gain on the same prompts.
 # TRACE=0 writes no step trace (a traced hook never steps aside).
@@ -81,6 +83,7 @@ mkdir -p "$R"
 [ "${SERVE_K0:-}" = 0 ] && SERVE_K0=
 [ "${PLAIN_TWIN:-}" = 0 ] && PLAIN_TWIN=
 [ "${GEO:-}" = 0 ] && GEO=
+[ "${B_OLD:-}" = 0 ] && B_OLD=
 POOLED_ENGINE=1
 [ "${POOLED:-1}" = 0 ] && POOLED_ENGINE=
 K4_ENGINE=1
@@ -145,7 +148,7 @@ SPECPILOT_STEP_TRACE=$TRACE_FILE python3 -m bench host-overhead --model "$M" --p
   ${MIX_OLD:+--engine "host:ao:SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0 $E"} \
   ${A_IN:+--engine "host:ain:SPECPILOT_HOOK_ASIDE=0 $E"} \
   ${SPAN8:+--engine "host:as8:SPECPILOT_REST_SPAN_SCALING=0 $E"} ${A_TWIN:+--engine "host:ab:$E"} \
-  ${GEO:+--engine "host:ag:$E"} \
+  ${GEO:+--engine "host:ag:$E"} ${B_OLD:+--engine "host:abo:SPECPILOT_PROBE_BACKOFF=0 $E"} \
   ${K0_NOTRACE:+--engine "host:f0nt:SPECPILOT_STEP_TRACE= $E"} \
   ${K0_IN:+--engine "host:f0in:SPECPILOT_STEP_TRACE= SPECPILOT_HOOK_ASIDE=0 $E"} \
   ${PIN_ENGINES[@]+"${PIN_ENGINES[@]}"} > "$R/start.log" 2>&1
@@ -161,7 +164,7 @@ if [ -n "$HELD" ] && [ -z "${PIN_CPUS:-}" ] && [ "${CPU_PAIRS:-1}" != 0 ]; then 
 fi
 eval "$(engine_vars "$R/state.json")"
 [ "${OFF_ARMS:-0}" = 1 ] && export AOFF_TOKEN F0OFF_TOKEN
-export A_TOKEN F0_TOKEN ${K0_NOTRACE:+F0NT_TOKEN} ${K0_IN:+F0IN_TOKEN} ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN} ${A_IN:+AIN_TOKEN} ${SPAN8:+AS8_TOKEN} ${A_TWIN:+AB_TOKEN} ${GEO:+AG_TOKEN}
+export A_TOKEN F0_TOKEN ${K0_NOTRACE:+F0NT_TOKEN} ${K0_IN:+F0IN_TOKEN} ${PIN_CPUS:+APIN_TOKEN F0PIN_TOKEN} ${K4_ENGINE:+F4_TOKEN} ${POOLED_ENGINE:+P_TOKEN} ${K0_FULL:+F0X_TOKEN} ${K0_TWIN:+F0B_TOKEN} ${MIX_OLD:+AO_TOKEN} ${A_IN:+AIN_TOKEN} ${SPAN8:+AS8_TOKEN} ${A_TWIN:+AB_TOKEN} ${GEO:+AG_TOKEN} ${B_OLD:+ABO_TOKEN}
 ARMS=(--arm "plain=$PLAIN_URL" --arm "adaptive=$A_URL,mode=adaptive,token-env=A_TOKEN")
 [ -n "${SERVE_K0:-}" ] && ARMS+=(--arm "vllm_k0=$VK0_URL")
 [ -n "${PLAIN_TWIN:-}" ] && ARMS+=(--arm "plain_b=$PLAINB_URL")
@@ -172,6 +175,7 @@ ARMS+=(--arm "k0=$F0_URL,mode=fixed:0,token-env=F0_TOKEN")
 [ -n "${K0_IN:-}" ] && ARMS+=(--arm "k0_in=$F0IN_URL,mode=fixed:0,token-env=F0IN_TOKEN")
 [ -n "${A_IN:-}" ] && ARMS+=(--arm "adaptive_in=$AIN_URL,mode=adaptive,token-env=AIN_TOKEN")
 [ -n "${SPAN8:-}" ] && ARMS+=(--arm "adaptive_span8=$AS8_URL,mode=adaptive,token-env=AS8_TOKEN")
+[ -n "${B_OLD:-}" ] && ARMS+=(--arm "adaptive_prev=$ABO_URL,mode=adaptive,token-env=ABO_TOKEN")
 [ -n "${GEO:-}" ] && ARMS+=(--arm "adaptive_geometric=$AG_URL,mode=adaptive_geometric,token-env=AG_TOKEN")
 if [ -n "${PIN_CPUS:-}" ]; then
   ARMS+=(--arm "adaptive_pin=$APIN_URL,mode=adaptive,token-env=APIN_TOKEN" --arm "k0_pin=$F0PIN_URL,mode=fixed:0,token-env=F0PIN_TOKEN")
@@ -205,6 +209,7 @@ states() {
   [ -z "${SPAN8:-}" ] || curl -s -H "Authorization: Bearer $AS8_TOKEN" "$AS8_URL/control/state" > "$R/mixture-span8-state-$1.json"
   [ -z "${A_TWIN:-}" ] || curl -s -H "Authorization: Bearer $AB_TOKEN" "$AB_URL/control/state" > "$R/mixture-b-state-$1.json"
   [ -z "${GEO:-}" ] || curl -s -H "Authorization: Bearer $AG_TOKEN" "$AG_URL/control/state" > "$R/geometric-state-$1.json"
+  [ -z "${B_OLD:-}" ] || curl -s -H "Authorization: Bearer $ABO_TOKEN" "$ABO_URL/control/state" > "$R/mixture-prev-state-$1.json"
   [ -z "${K0_IN:-}" ] || curl -s -H "Authorization: Bearer $F0IN_TOKEN" "$F0IN_URL/control/state" > "$R/k0-in-state-$1.json"
   [ -z "${PIN_CPUS:-}" ] || curl -s -H "Authorization: Bearer $APIN_TOKEN" "$APIN_URL/control/state" > "$R/mixture-pin-state-$1.json"
   [ -z "$POOLED_ENGINE" ] || curl -s -H "Authorization: Bearer $P_TOKEN" "$P_URL/control/state" > "$R/pooled-state-$1.json"
