@@ -15,7 +15,9 @@ With ``--cells`` (a ``bench matrix`` results folder, run on the engine's host: t
 their window on the same clock) it first prints one row per cell. With ``--paired RESULT --arm
 ARM`` (a ``bench paired`` result whose arm ARM was the traced engine) the same per cell of the
 result, at ``--requests`` batch sizes: the arm's bursts are matched in order to the run of the
-trace's bursts whose step counts agree with each burst's ``steps_at_k`` (the latest such run).
+trace's bursts whose step counts agree with each burst's ``steps_at_k`` (the latest such run),
+then where each burst's time went, the probes, and which of the scheduler hook's rules set K
+(``rule_table``, where the trace records the rule).
 
 Prints, per batch size (requests): steps, median, mean and 90th percentile ms per step by
 the K the step verified (``k_drafted``), by the K chosen in the step for the next drafts
@@ -89,6 +91,7 @@ class Step:
     cpu: int | None = None  # the CPU the engine core's thread ran on (None: not in the trace)
     gc_us: float | None = None  # Python's garbage collections since the row before (µs; None: none)
     gc_gen: int | None = None  # the oldest generation they collected
+    rule: str = ""  # the hook's rule that set k_proposed ("": lean path, not decided, or not in the trace)
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ def read_trace(path: str | Path) -> list[Step]:
                 _count(r.get("cpu")),
                 _fraction(r.get("gc_us")),
                 _count(r.get("gc_gen")),
+                r.get("rule") or "",
             )
             for r in reader
         ]
@@ -947,6 +951,43 @@ def probe_table(steps: Sequence[Step], windows: Sequence[CellWindow]) -> list[st
     return lines
 
 
+RULES = ("policy", "explore", "batch", "lone", "probe", "gate", "warmup")
+
+
+def rule_table(steps: Sequence[Step], windows: Sequence[CellWindow]) -> list[str]:
+    """Markdown rows, one per cell of ``windows`` (:func:`paired_windows`): which of the scheduler
+    hook's rules set the K of the steps that proposed drafts (``k_proposed`` > 0), per burst on
+    average, as ``steps (K proposed: steps ...)`` per rule (``engine_host.step_trace``'s ``rule``
+    column), and the steps the gate held at K = 0 (rule ``gate``). Empty when the trace has no
+    rule column or no step in the windows proposed drafts."""
+    t_out = [st.t_output for st in steps]
+    per: dict[str, dict[str, dict[int, int]]] = {}
+    bursts_n: dict[str, int] = defaultdict(int)
+    for w in windows:
+        lo, hi = bisect.bisect_left(t_out, w.start), bisect.bisect_right(t_out, w.end)
+        bursts_n[w.label] += 1
+        cell = per.setdefault(w.label, defaultdict(lambda: defaultdict(int)))
+        for st in steps[lo:hi]:
+            if st.rule and (st.k_proposed > 0 or st.rule == "gate"):
+                cell[st.rule][st.k_proposed] += 1
+    if not any(per.values()):
+        return []
+    lines = ["| cell | bursts | " + " | ".join(RULES) + " |", "|---|---:|" + "---|" * len(RULES)]
+    for label, cell in per.items():
+        n = bursts_n[label]
+        cells = []
+        for rule in RULES:
+            ks = cell.get(rule)
+            if not ks:
+                cells.append("-")
+                continue
+            total = sum(ks.values())
+            by_k = " ".join(f"{k}:{v / n:.1f}" for k, v in sorted(ks.items()))
+            cells.append(f"{total / n:.1f} ({by_k})")
+        lines.append(f"| {label} | {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def paired_cell_table(
     intervals: Sequence[Interval], windows: Sequence[CellWindow], requests: tuple[int, int], min_steps: int = 20
 ) -> list[str]:
@@ -1119,6 +1160,12 @@ def main(argv: list[str] | None = None) -> int:
             print("Probes (runs of steps that propose drafts), per burst:")
             print()
             print("\n".join(probe_rows))
+            print()
+        rule_rows = rule_table(traces[0], windows)
+        if rule_rows:
+            print("Which rule set K, per burst (steps; K proposed: steps):")
+            print()
+            print("\n".join(rule_rows))
             print()
     if args.against:
         others = []

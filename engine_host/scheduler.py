@@ -139,7 +139,13 @@ class _SpecPilotHook:
     # answer K = 0 to it whenever the batch's estimates are stale from the traffic before, and
     # neither the policy nor the gate would learn that the requests now quote (docs/gpu.md,
     # host 27; python -m bench policy-bursts). A lone request keeps its own probes
-    # (``_per_request_k``), where an exploration would take 17 steps
+    # (``_per_request_k``), where an exploration would take 17 steps. An exploration passes
+    # the gate only while some running request is of a class whose drafts may pay
+    # (``_classes_may_pay``, the drain rule's test): in a batch of sampled chat behind
+    # quoting traffic, the policy still at the quoting traffic's K explored past the gate
+    # every few hundred steps, each exploration a step at K > 0 for every request
+    # (docs/gpu.md, host 56); such a batch is left to the gate's own probes
+    # ($SPECPILOT_EXPLORE_BY_CLASS=0: every exploration passes, as before)
     EXPLORE_PAST_GATE_MIN_BATCH = 4
     # the gate's step-time inputs (``_gate_costs``) are recomputed every GATE_COST_EVERY steps
     # at one (batch size, K): they come from the step-time model, which moves over tens of
@@ -181,6 +187,13 @@ class _SpecPilotHook:
     QUIET_STEPS = 8
     # the K decision's time inside vLLM's schedule() (the K lookup) in the step being scheduled (s)
     _decide_s = 0.0
+    # EXPLORE_PAST_GATE_MIN_BATCH's class test (set per instance from $SPECPILOT_EXPLORE_BY_CLASS),
+    # the exploration steps it left to the gate, the rule that set the K being scheduled (the step
+    # trace's ``rule``) and whether the async all-request probe fired in this decision
+    _explore_by_class = True
+    _explore_steps_held = 0
+    _k_rule = ""
+    _probe_fired = False
     # the hook stands aside (set per instance by _step_aside; False until it first does)
     _aside = False
     # the lean path: while the policy holds K at 0 and learns nothing from steps (off, fixed
@@ -266,6 +279,12 @@ class _SpecPilotHook:
         self._drain_explores_skipped = 0
         if backoff:
             self.controller.burst_may_pay = self._burst_may_pay
+        # explorations past the gate only where a running request's class may pay
+        # (EXPLORE_PAST_GATE_MIN_BATCH; $SPECPILOT_EXPLORE_BY_CLASS=0: every one, as before)
+        self._explore_by_class = envs.explore_by_class_on()
+        self._explore_steps_held = 0  # exploration steps the gate decided (no class may pay)
+        self._k_rule = ""  # which rule set the K of the step being scheduled (the step trace's rule column)
+        self._probe_fired = False  # the async all-request probe is due in this step
         self._gate_on = False
         self._gate_fold_finished = False  # fold finished requests into the gate's mixture prior
         self._gate_cost_last = (0.0, 0.0)  # the gate's last (draft_token_cost, step_cost)
@@ -554,18 +573,32 @@ class _SpecPilotHook:
         if self._warmup_k is not None:  # start-up warm-up covering each depth
             k = self._warmup_k
             self._warmup_steps[k] += 1
+            self._k_rule = "warmup"
         else:
             k = k_policy = self.controller.k_for_batch(batch_size)
+            rule = "explore" if self.controller.exploring() else "policy"
             if self._gate_on:
                 explored = batch_size >= self.EXPLORE_PAST_GATE_MIN_BATCH and self.controller.exploring()
+                if explored and self._explore_by_class and not self._classes_may_pay():
+                    explored = False  # (EXPLORE_PAST_GATE_MIN_BATCH: the gate decides)
+                    self._explore_steps_held += 1
                 if batch_size > 1 and not self.GATE_DRAFTS:  # (docs/benchmarks.md: not kept on the sync path)
-                    k = max(k, self._batch_k(batch_size))
-                k = self._per_request_k(k)
-                if k > 0 and not explored and not self._any_request_wants_drafts(k):
-                    k = 0
+                    kb = self._batch_k(batch_size)
+                    if kb > k:
+                        k, rule = kb, "batch"
+                kr = self._per_request_k(k)
+                if kr != k:
+                    k, rule = kr, "lone"
+                if k > 0 and not explored:
+                    self._probe_fired = False
+                    if not self._any_request_wants_drafts(k):
+                        k, rule = 0, "gate"
+                    elif self._probe_fired:
+                        rule = "probe"
                 self._k_explored = explored and k > 0
                 if k != k_policy:  # count the step, and report K, as scheduled
                     self.controller.record_scheduled(k_policy, k)
+            self._k_rule = rule
         self._k_decided = k
         if self._k_first_use_step is None:
             self._k_first_use_step = self._step_index
@@ -684,12 +717,13 @@ class _SpecPilotHook:
         t1 = time.perf_counter()
         self._overhead_s += t1 - t
         self._decide_s = 0.0
+        self._k_rule = ""  # (set by _decide_k when vLLM asks for this step's K)
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         vllm_s = time.perf_counter() - t1 - self._decide_s  # vLLM's own schedule(), less the K decision in it
         # the K the proposer runs with after this step (engine_host.vllm_patches reads it)
         k_sched = getattr(out, "num_spec_tokens_to_schedule", None)
         self.specpilot_last_scheduled_k = k_sched if isinstance(k_sched, int) else None
-        self._clock.scheduled(t, self._k_drafted, self._k_decided, vllm_s, out)
+        self._clock.scheduled(t, self._k_drafted, self._k_decided, vllm_s, out, self._k_rule)
         self._step_index += 1
         return out
 
@@ -879,7 +913,7 @@ class _SpecPilotHook:
             if self._steps_planned_out >= self._probe_interval:
                 self._steps_planned_out = 0
                 self._probe_interval = min(2 * self._probe_interval, self.PROBE_BACKOFF * self._gate.probe_every)
-                wants = True
+                wants = self._probe_fired = True
         return wants
 
     def _new_request_may_pay(self, req: Any, batch_size: int, k: int) -> bool:
@@ -904,6 +938,19 @@ class _SpecPilotHook:
         class with fewer than ``MIXTURE_MIN_REQUESTS`` finished requests may pay). At shallow
         K a class's share turns on a few hundredths of a step's cost; at the deepest K only
         requests that quote pay. Counts the bursts it answers False to. Raises nothing."""
+        if self._classes_may_pay():
+            return True
+        self._drain_explores_skipped += 1
+        return False
+
+    def _classes_may_pay(self) -> bool:
+        """Whether some running request is of a class whose drafts may pay: True unless the
+        per-request gate is on under the mixture prior and, for every class among the running
+        requests, fewer than ``PROBE_NEW_SHARE`` of the class's finished requests had drafts
+        that pay at the policy's deepest K (``RequestDraftGate.paying_share`` at the gate's
+        current costs; a class with fewer than ``MIXTURE_MIN_REQUESTS`` finished requests may
+        pay). Asked after a drain (:meth:`_burst_may_pay`) and at an exploration's steps
+        (``EXPLORE_PAST_GATE_MIN_BATCH``). Raises nothing."""
         gate = self._gate
         if not self._gate_on or gate.prior != "mixture":
             return True
@@ -919,7 +966,6 @@ class _SpecPilotHook:
                 seen.add(cls)
                 if gate.paying_share(cls, hi, cost, step_cost) >= self.PROBE_NEW_SHARE:
                     return True
-        self._drain_explores_skipped += 1
         return False
 
     def _gate_drafts(self) -> None:
@@ -1217,8 +1263,8 @@ class _SpecPilotHook:
         class prior, and the gate's last draft-token and step costs (``_gate_costs``); the hook's
         ``path`` that handled the output (``lean``: a lean step whose output is observed, one in
         ``LEAN_SAMPLE``, is still ``lean``), and vLLM's own ``schedule()`` for the step and
-        ``update_from_output()`` for the output (s; ``vllm_update_s``). ``n_dec`` None: counted
-        here (the lean path's rows). Its time is taken out of the hook's clocks (:meth:`_untime_trace`)."""
+        ``update_from_output()`` for the output (s; ``vllm_update_s``), and the hook's rule that set
+        the step's K (``ScheduledStep.rule``). ``n_dec`` None: counted here (the lean path's rows). Its time is taken out of the hook's clocks (:meth:`_untime_trace`)."""
         assert self._trace is not None
         t0 = time.perf_counter()
         if n_dec is None:
@@ -1255,6 +1301,7 @@ class _SpecPilotHook:
             path,
             step.vllm_schedule_s,
             vllm_update_s,
+            step.rule,
         )
         self._untime_trace(time.perf_counter() - t0)
 
@@ -1355,6 +1402,9 @@ class _SpecPilotHook:
                 # bursts after a drain that the adaptive policy did not explore soon: none of their
                 # requests' classes may pay (_burst_may_pay)
                 drain_explorations_skipped=self._drain_explores_skipped,
+                # exploration steps at several requests that the gate decided, not run past it: none
+                # of the running requests' classes may pay (EXPLORE_PAST_GATE_MIN_BATCH)
+                exploration_steps_held=self._explore_steps_held,
             ),
             "overhead": {
                 "hook_seconds": round(self._overhead_s, 6),

@@ -35,6 +35,7 @@ class ScheduledStep(NamedTuple):
     k_proposed: int  # K chosen in this step for the next drafts
     vllm_schedule_s: float = 0.0  # vLLM's own schedule() for this step (s; 0.0: not measured)
     key: object = None  # what schedule() returned for this step (None: match by order only)
+    rule: str = ""  # which of the hook's rules set k_proposed ("": not recorded; engine_host.step_trace)
 
 
 class StepClock:
@@ -50,11 +51,18 @@ class StepClock:
         self._t_last_output = 0.0
 
     def scheduled(
-        self, t: float, k_drafted: int, k_proposed: int, vllm_schedule_s: float = 0.0, key: object = None
+        self,
+        t: float,
+        k_drafted: int,
+        k_proposed: int,
+        vllm_schedule_s: float = 0.0,
+        key: object = None,
+        rule: str = "",
     ) -> None:
         """Record a ``schedule()`` call made at ``t`` (s), in which vLLM's own scheduler took
-        ``vllm_schedule_s`` (s) and returned ``key`` (its output comes back with it)."""
-        self._pending.append(ScheduledStep(t, k_drafted, k_proposed, vllm_schedule_s, key))
+        ``vllm_schedule_s`` (s) and returned ``key`` (its output comes back with it); ``rule``
+        names the hook's rule that set ``k_proposed`` (``engine_host.step_trace``)."""
+        self._pending.append(ScheduledStep(t, k_drafted, k_proposed, vllm_schedule_s, key, rule))
 
     def clear(self) -> None:
         """Forget the steps in flight (their outputs will not be matched)."""

@@ -40,9 +40,14 @@ not available: a step's speed can follow the core it runs on, and on a host of s
 the node's distance from the GPU), ``gc_us`` and ``gc_gen`` (µs: the time Python's cyclic garbage
 collector ran in the engine core's process since the row before, through ``gc.callbacks``, and the
 oldest generation it collected; both empty when it did not run: an engine whose steps allocate more
-objects sets it off more often, and a collection lands on whatever step is running). Traces
-written before a column read as context 0, no graph mode, no draft or accepted tokens, no
-estimate or costs, no path or vLLM times, no CPU and no collection.
+objects sets it off more often, and a collection lands on whatever step is running), ``rule`` (which
+of the scheduler hook's rules set ``k_proposed``: ``policy`` (the adaptive policy's K, or a static K),
+``explore`` (the policy's exploration, run past the per-request gate at several requests), ``batch``
+(the running requests' own estimates raised it, async scheduling), ``lone`` (a lone request's own
+depth or probe depth raised it), ``probe`` (the gate's all-request probe, async scheduling), ``gate``
+(the gate held the policy's K > 0 at 0), ``warmup``; empty on the lean path and where the hook did
+not decide K). Traces written before a column read as context 0, no graph mode, no draft or accepted
+tokens, no estimate or costs, no path or vLLM times, no CPU, no collection and no rule.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from . import envs
 HEADER = (
     "t_scheduled_s,t_output_s,k_drafted,k_proposed,decode,requests,tokens,context,graph,"
     "draft_tokens,accepted_tokens,estimate,prior,token_cost,step_cost,path,vllm_schedule_us,vllm_update_us,cpu,"
-    "gc_us,gc_gen\n"
+    "gc_us,gc_gen,rule\n"
 )
 
 
@@ -139,13 +144,14 @@ class StepTrace:
         path: str = "",
         vllm_schedule_s: float | None = None,
         vllm_update_s: float | None = None,
+        rule: str = "",
     ) -> None:
         """Record one step's output (times in s of ``time.perf_counter()``; K, tokens and
         context in tokens; ``graph``: the step's CUDA graph mode, "" when not known;
         ``estimate`` and ``prior``: fractions 0..1; ``token_cost`` and ``step_cost``: fractions
         of a plain step; each None when not known; ``path``: ``lean`` or ``full``, "" when not
         known; ``vllm_schedule_s`` and ``vllm_update_s``: s, written in µs, None when not
-        measured)."""
+        measured; ``rule``: the hook's rule that set ``k_proposed``, "" when none)."""
         if len(self._rows) == self._rows.maxlen:
             self.dropped += 1
         cpu = self._cpu() if self._cpu is not None else -1
@@ -179,6 +185,7 @@ class StepTrace:
                 cpu,
                 gc_s,
                 gc_gen,
+                rule,
             )
         )
 
@@ -200,8 +207,8 @@ class StepTrace:
 
 def _row_text(row: tuple) -> str:
     """One buffered row (:meth:`StepTrace.add`'s values, then the CPU, the collection's s and
-    generation) as its CSV line."""
-    (ts, to, kd, kp, dec, req, tok, ctx, graph, dt, at, est, pri, tc, sc, path, vs, vu, cpu, gc_s, gc_gen) = row
+    generation, and the rule) as its CSV line."""
+    (ts, to, kd, kp, dec, req, tok, ctx, graph, dt, at, est, pri, tc, sc, path, vs, vu, cpu, gc_s, gc_gen, rule) = row
     est_s = "" if est is None else f"{est:.3f}"
     pri_s = "" if pri is None else f"{pri:.3f}"
     tc_s = "" if tc is None else f"{tc:.4f}"
@@ -211,7 +218,7 @@ def _row_text(row: tuple) -> str:
     gcs = f"{gc_s * 1e6:.1f},{gc_gen}" if gc_gen >= 0 else ","
     return (
         f"{ts:.6f},{to:.6f},{kd},{kp},{dec},{req},{tok},{ctx},{graph},"
-        f"{dt},{at},{est_s},{pri_s},{tc_s},{sc_s},{path},{vs_s},{vu_s},{cpu if cpu >= 0 else ''},{gcs}\n"
+        f"{dt},{at},{est_s},{pri_s},{tc_s},{sc_s},{path},{vs_s},{vu_s},{cpu if cpu >= 0 else ''},{gcs},{rule}\n"
     )
 
 

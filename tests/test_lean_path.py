@@ -274,6 +274,9 @@ def test_the_step_trace_records_each_steps_verified_tokens_and_the_gates_estimat
     assert verified[-1].estimate > 0.9 > verified[0].prior  # its own drafts took it above the prior
     # and what the gate priced a draft token and a drafting step at
     assert all(st.token_cost is not None and st.step_cost is not None and st.step_cost >= 0 for st in verified)
+    # each drafting step names the hook's rule that set its K (a lone request: the policy's or its own)
+    assert {st.rule for st in steps if st.k_proposed > 0} <= {"policy", "lone", "probe", "explore"}
+    assert all(st.rule for st in steps if st.k_proposed > 0)
     monkeypatch.setenv("SPECPILOT_STEP_TRACE", str(tmp_path / "f" / "steps.csv"))
     (tmp_path / "f").mkdir()
     with _standin("fixed:2", 1, tmp_path / "f") as hook:
@@ -282,6 +285,7 @@ def test_the_step_trace_records_each_steps_verified_tokens_and_the_gates_estimat
     steps = read_trace(next((tmp_path / "f").glob("steps.csv.*")))
     assert sum(st.draft_tokens or 0 for st in steps) == 2 * 19 and sum(st.accepted_tokens or 0 for st in steps) == 19
     assert {st.estimate for st in steps} == {None} and {st.step_cost for st in steps} == {None}
+    assert {st.rule for st in steps if st.k_proposed > 0} == {"policy"}  # a static K
     # above TRACE_ESTIMATE_MAX_BATCH requests the estimates are not traced (their own cost)
     monkeypatch.setenv("SPECPILOT_STEP_TRACE", str(tmp_path / "b" / "steps.csv"))
     (tmp_path / "b").mkdir()

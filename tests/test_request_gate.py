@@ -284,6 +284,37 @@ def test_a_burst_after_a_drain_may_pay_unless_every_class_among_its_requests_sel
     assert hook._burst_may_pay() is True
 
 
+@pytest.mark.parametrize("gate_drafts", [True, False])
+def test_an_exploration_runs_past_the_gate_only_where_a_running_requests_class_may_pay(gate_drafts):
+    """``_decide_k`` at an exploration of the adaptive policy with four requests running
+    (``EXPLORE_PAST_GATE_MIN_BATCH``), on both scheduling paths: four sampled chat requests of a
+    class whose finished requests' drafts were all rejected are left to the gate, which holds the
+    step at K = 0 (the step counted as held, its rule ``gate``); with a greedy request among them,
+    of a class where one request in five quotes, the exploration runs at its K past the gate
+    (rule ``explore``); with ``$SPECPILOT_EXPLORE_BY_CLASS=0`` every exploration runs past it."""
+    hook = _hook(_step_time(idle_step_cost=True), 3, 16, [f"chat-{i}" for i in range(4)], gate_drafts=gate_drafts)
+    hook.controller.exploring = lambda: True
+    gate = hook._gate = RequestDraftGate(prior="mixture", probe_every=16)
+    for i in range(20):
+        _finish(gate, f"old-chat-{i}", "sampled", 0, steps=3)
+        _finish(gate, f"old-code-{i}", "greedy", 4 if i % 5 == 0 else 0, steps=6)
+    for i in range(4):
+        gate.set_class(f"chat-{i}", "sampled")
+        _feed(gate, f"chat-{i}", 0.0, k=3)
+    hook._explore_steps_held = 0
+    assert hook._decide_k(4) == 0
+    assert (hook._explore_steps_held, hook._k_rule) == (1, "gate")
+    hook.running.append(_req("code"))
+    gate.set_class("code", "greedy")
+    _feed(gate, "code", 0.0, k=3)
+    assert hook._decide_k(5) == 3
+    assert (hook._explore_steps_held, hook._k_rule, hook._k_explored) == (1, "explore", True)
+    hook.running.pop()
+    hook._explore_by_class = False
+    assert hook._decide_k(4) == 3
+    assert (hook._explore_steps_held, hook._k_rule) == (1, "explore")
+
+
 def test_under_async_scheduling_the_gate_sets_the_step_k_and_probes_every_request_at_once():
     """With async scheduling (``GATE_DRAFTS`` False) drafts cannot be dropped per request,
     so one request's probe would make the whole step draft. The hook then plans without

@@ -27,7 +27,7 @@ def test_trace_is_written_on_flush_only_and_appends(tmp_path: Path) -> None:
     t.add(1.0, 1.002, 0, 2, 1, 1, 1, 40)
     assert path.read_text() == HEADER  # buffered: no I/O in the step
     t.flush()
-    t.add(1.002, 1.005, 2, 2, 1, 1, 3, 41, path="full", vllm_schedule_s=250e-6, vllm_update_s=0.001)
+    t.add(1.002, 1.005, 2, 2, 1, 1, 3, 41, path="full", vllm_schedule_s=250e-6, vllm_update_s=0.001, rule="probe")
     t.flush()
     t.flush()  # nothing buffered: nothing written
     lines = path.read_text().splitlines()
@@ -39,10 +39,12 @@ def test_trace_is_written_on_flush_only_and_appends(tmp_path: Path) -> None:
         "1.000000,1.002000,0,2,1,1,1,40,,0,0,,,,,,,",
         "1.002000,1.005000,2,2,1,1,3,41,,0,0,,,,,full,250.0,1000.0",
     ]
-    assert [c[19:] for c in cells] == [["", ""], ["", ""]]  # garbage collections not timed
+    assert [c[19:21] for c in cells] == [["", ""], ["", ""]]  # garbage collections not timed
+    assert [c[21] for c in cells] == ["", "probe"]  # the hook's rule that set the step's K
     steps = bst.read_trace(path)
     assert (steps[0].path, steps[0].vllm_schedule_us, steps[0].vllm_update_us) == ("", None, None)
     assert (steps[1].path, steps[1].vllm_schedule_us, steps[1].vllm_update_us) == ("full", 250.0, 1000.0)
+    assert (steps[0].rule, steps[1].rule) == ("", "probe")
     assert steps[1].cpu == int(cpus[1]) and steps[1].cpu in os.sched_getaffinity(0)
     assert bst.vllm_table([steps[:1]]) == []  # nothing recorded: no table
     # a second writer (engine restarted with the same file) appends, no second header
@@ -570,6 +572,26 @@ def test_probes_are_counted_burst_by_burst_with_where_they_start_and_what_their_
     plain = burst(30.0, [(0, 0, 0.001)] + [lean] * 5)
     # a static K = 0 engine's burst: no probe, no table
     assert bst.probe_table(plain, [bst.CellWindow("chat@c1", plain[0].t_output, plain[-1].t_output)]) == []
+
+
+def test_the_rules_that_set_k_are_counted_per_burst_by_the_k_they_proposed() -> None:
+    """``rule_table``: per cell, the steps that proposed drafts by the hook's rule that set their
+    K, per burst, each with its steps by K proposed, and the steps the gate held at K = 0; lean
+    steps (no rule) count nowhere. A trace without the column has no table."""
+
+    def step(t: float, k_proposed: int, rule: str) -> bst.Step:
+        return bst.Step(t, t + 0.001, 0, k_proposed, 1, 4, 4, rule=rule)
+
+    first = [step(10.0, 3, "explore"), step(10.01, 3, "explore"), step(10.02, 4, "probe"), step(10.03, 0, "gate")]
+    first += [step(10.04 + 0.01 * i, 0, "") for i in range(5)]
+    second = [step(20.0, 1, "batch"), step(20.01, 4, "probe"), step(20.02, 0, "gate"), step(20.03, 0, "gate")]
+    steps = first + second
+    windows = [bst.CellWindow("chat@c8", 9.9, 11.0), bst.CellWindow("chat@c8", 19.9, 21.0)]
+    table = bst.rule_table(steps, windows)
+    assert table[0] == "| cell | bursts | policy | explore | batch | lone | probe | gate | warmup |"
+    assert table[2] == "| chat@c8 | 2 | - | 1.0 (3:1.0) | 0.5 (1:0.5) | - | 1.0 (4:1.0) | 1.5 (0:1.5) | - |"
+    unruled = [bst.Step(st.t_scheduled, st.t_output, 0, st.k_proposed, 1, 4, 4) for st in steps]
+    assert bst.rule_table(unruled, windows) == []
 
 
 def test_the_gate_replayed_over_a_static_k_trace_reads_the_drafts_against_the_geometric_law(tmp_path: Path) -> None:

@@ -34,8 +34,9 @@
 # host 50's tree, where they now last B // 16 times as long from 32 requests. A_TWIN=1 adds `adaptive_b`, a second
 # adaptive engine host like `adaptive`: the adaptive engine host's A/A control (host 51's two alike adaptive engine hosts
 # differed by 3-4 % at 8 clients), with its A/A table under each run's table.
-# B_OLD=1 adds `adaptive_prev`, the adaptive engine host with SPECPILOT_PROBE_BACKOFF=0: the per-request gate's probes
-# as before 2026-12-02 (no backoff, every burst after a drain explored soon), beside `adaptive` on the same prompts.
+# B_OLD=1 adds `adaptive_prev`, the adaptive engine host with B_OLD_ENV (default SPECPILOT_PROBE_BACKOFF=0: the per-request
+# gate's probes as before 2026-12-02, no backoff, every burst after a drain explored soon; SPECPILOT_EXPLORE_BY_CLASS=0:
+# every exploration at several requests past the gate, as before host 57), beside `adaptive` on the same prompts.
 # GEO=1 adds `adaptive_geometric`, an adaptive engine host whose per-request gate prices drafts by the geometric law
 # alone (`speculation.adaptive.gain` = geometric), beside `adaptive` and its calibrated gain on the same prompts.
 # TRACE=0 writes no step trace (a traced hook never steps aside).
@@ -148,7 +149,7 @@ SPECPILOT_STEP_TRACE=$TRACE_FILE python3 -m bench host-overhead --model "$M" --p
   ${MIX_OLD:+--engine "host:ao:SPECPILOT_PROBE_PRIOR=0 SPECPILOT_LEAN_STEP_TIMES=0 $E"} \
   ${A_IN:+--engine "host:ain:SPECPILOT_HOOK_ASIDE=0 $E"} \
   ${SPAN8:+--engine "host:as8:SPECPILOT_REST_SPAN_SCALING=0 $E"} ${A_TWIN:+--engine "host:ab:$E"} \
-  ${GEO:+--engine "host:ag:$E"} ${B_OLD:+--engine "host:abo:SPECPILOT_PROBE_BACKOFF=0 $E"} \
+  ${GEO:+--engine "host:ag:$E"} ${B_OLD:+--engine "host:abo:${B_OLD_ENV:-SPECPILOT_PROBE_BACKOFF=0} $E"} \
   ${K0_NOTRACE:+--engine "host:f0nt:SPECPILOT_STEP_TRACE= $E"} \
   ${K0_IN:+--engine "host:f0in:SPECPILOT_STEP_TRACE= SPECPILOT_HOOK_ASIDE=0 $E"} \
   ${PIN_ENGINES[@]+"${PIN_ENGINES[@]}"} > "$R/start.log" 2>&1
