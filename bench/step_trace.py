@@ -846,10 +846,10 @@ def gc_table(traces: Sequence[Sequence[Step]], min_steps: int = 20, max_gap_s: f
 
 
 def step_kind(st: Step) -> str:
-    """What a step did, for :func:`burst_time_table`: ``prefill`` (it did not only decode),
-    ``drafting`` (it verified drafts or proposed them for the next step), else the hook's path
-    at K = 0 (``lean``, ``full``; ``-`` in a trace without the column)."""
-    if st.decode != 1:
+    """What a step did, for :func:`burst_time_table`: ``prefill`` (some request in it did not
+    only decode), ``drafting`` (it verified drafts or proposed them for the next step), else the
+    hook's path at K = 0 (``lean``, ``full``; ``-`` in a trace without the column)."""
+    if st.decode != st.requests or st.decode == 0:
         return "prefill"
     if st.k_drafted > 0 or st.k_proposed > 0:
         return "drafting"

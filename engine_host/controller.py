@@ -968,6 +968,11 @@ class Policy:
         """The engine ran out of requests; the next ones may be of another kind
         (default: nothing to do)."""
 
+    def end_exploration(self) -> None:
+        """The exploration whose step :meth:`k_for_batch` just answered was left to the
+        per-request gate (none of the running requests' classes may pay): end it there
+        (default: nothing to do, a policy that does not explore)."""
+
     def describe(self) -> dict[str, Any]:
         """Policy-specific state for ``/control/state``."""
         return {}
@@ -1253,6 +1258,12 @@ class AdaptivePolicy(Policy):
         short exploration."""
         self._after_drain = True
 
+    def end_exploration(self) -> None:
+        """End the running exploration after its first step (:meth:`Policy.end_exploration`):
+        its other steps would each take the scheduler hook's full path and be held at the
+        policy's choice by the gate; the next exploration keeps its backed-off interval."""
+        self.explore_left = 0
+
     def _pick_exploration(self) -> int:
         """The deeper neighbour (K+1) and the shallower one (K-1) in turn; from K=0 only
         K=1, whose acceptance also sets the extrapolated deeper estimates."""
@@ -1357,6 +1368,11 @@ class SpeculationController:
     def drained(self) -> None:
         """The scheduler hook saw the engine run out of requests (:meth:`Policy.drained`)."""
         self.policy.drained()
+
+    def end_exploration(self) -> None:
+        """The running exploration was left to the per-request gate: the policy ends it
+        (:meth:`Policy.end_exploration`)."""
+        self.policy.end_exploration()
 
     def exploring(self) -> bool:
         """Whether the K of the last :meth:`k_for_batch` was an exploration's

@@ -144,7 +144,8 @@ class _SpecPilotHook:
     # (``_classes_may_pay``, the drain rule's test): in a batch of sampled chat behind
     # quoting traffic, the policy still at the quoting traffic's K explored past the gate
     # every few hundred steps, each exploration a step at K > 0 for every request
-    # (docs/gpu.md, host 56); such a batch is left to the gate's own probes
+    # (docs/gpu.md, host 56); such a batch is left to the gate's own probes, and the policy ends
+    # the exploration at that step (``SpeculationController.end_exploration``)
     # ($SPECPILOT_EXPLORE_BY_CLASS=0: every exploration passes, as before)
     EXPLORE_PAST_GATE_MIN_BATCH = 4
     # the gate's step-time inputs (``_gate_costs``) are recomputed every GATE_COST_EVERY steps
@@ -188,10 +189,10 @@ class _SpecPilotHook:
     # the K decision's time inside vLLM's schedule() (the K lookup) in the step being scheduled (s)
     _decide_s = 0.0
     # EXPLORE_PAST_GATE_MIN_BATCH's class test (set per instance from $SPECPILOT_EXPLORE_BY_CLASS),
-    # the exploration steps it left to the gate, the rule that set the K being scheduled (the step
+    # the explorations it left to the gate (each ended at its first step), the rule that set the K being scheduled (the step
     # trace's ``rule``) and whether the async all-request probe fired in this decision
     _explore_by_class = True
-    _explore_steps_held = 0
+    _explorations_held = 0
     _k_rule = ""
     _probe_fired = False
     # the hook stands aside (set per instance by _step_aside; False until it first does)
@@ -282,7 +283,7 @@ class _SpecPilotHook:
         # explorations past the gate only where a running request's class may pay
         # (EXPLORE_PAST_GATE_MIN_BATCH; $SPECPILOT_EXPLORE_BY_CLASS=0: every one, as before)
         self._explore_by_class = envs.explore_by_class_on()
-        self._explore_steps_held = 0  # exploration steps the gate decided (no class may pay)
+        self._explorations_held = 0  # explorations left to the gate (no class may pay)
         self._k_rule = ""  # which rule set the K of the step being scheduled (the step trace's rule column)
         self._probe_fired = False  # the async all-request probe is due in this step
         self._gate_on = False
@@ -580,8 +581,11 @@ class _SpecPilotHook:
             if self._gate_on:
                 explored = batch_size >= self.EXPLORE_PAST_GATE_MIN_BATCH and self.controller.exploring()
                 if explored and self._explore_by_class and not self._classes_may_pay():
-                    explored = False  # (EXPLORE_PAST_GATE_MIN_BATCH: the gate decides)
-                    self._explore_steps_held += 1
+                    # (EXPLORE_PAST_GATE_MIN_BATCH) the gate decides this step, and the policy ends
+                    # the exploration, so that the steps after it may rest on the lean path
+                    explored = False
+                    self._explorations_held += 1
+                    self.controller.end_exploration()
                 if batch_size > 1 and not self.GATE_DRAFTS:  # (docs/benchmarks.md: not kept on the sync path)
                     kb = self._batch_k(batch_size)
                     if kb > k:
@@ -1402,9 +1406,9 @@ class _SpecPilotHook:
                 # bursts after a drain that the adaptive policy did not explore soon: none of their
                 # requests' classes may pay (_burst_may_pay)
                 drain_explorations_skipped=self._drain_explores_skipped,
-                # exploration steps at several requests that the gate decided, not run past it: none
-                # of the running requests' classes may pay (EXPLORE_PAST_GATE_MIN_BATCH)
-                exploration_steps_held=self._explore_steps_held,
+                # explorations at several requests left to the gate (and ended at their first step),
+                # not run past it: none of the running requests' classes may pay (EXPLORE_PAST_GATE_MIN_BATCH)
+                explorations_held=self._explorations_held,
             ),
             "overhead": {
                 "hook_seconds": round(self._overhead_s, 6),

@@ -916,6 +916,24 @@ def test_the_adaptive_policy_says_how_many_steps_remain_before_its_next_explorat
     assert fixed.steps_to_explore() == 1 << 62
 
 
+def test_an_exploration_left_to_the_gate_ends_at_its_first_step():
+    """``end_exploration`` (the scheduler hook left the exploration to the per-request gate):
+    the next step is the policy's own choice again, not an exploration, and the next exploration
+    is the backed-off interval away; a policy that does not explore ignores it."""
+    ctl = SpeculationController(4, SpeculationConfig(mode="adaptive"))
+    policy = ctl.policy
+    policy.skip(policy.next_explore - policy.steps - 1)
+    ctl.k_for_batch(8)  # the exploration is set here, and runs from the next step
+    k = ctl.k_for_batch(8)
+    assert ctl.exploring() and k != policy.current and policy.explore_left > 0
+    ctl.end_exploration()
+    assert ctl.k_for_batch(8) == policy.current and not ctl.exploring()
+    assert ctl.steps_to_explore() >= policy.p.explore_every - 2  # an interval from the exploration's start
+    fixed = SpeculationController(4, SpeculationConfig(mode="fixed", k=2))
+    fixed.end_exploration()
+    assert fixed.k_for_batch(8) == 2
+
+
 @pytest.mark.parametrize("mode, calls", [("adaptive", 1), ("threshold", 8)])
 def test_quiet_steps_fade_the_acceptance_estimates_once_per_group(mode, calls):
     """For a policy that does not learn from steps, ``observe_quiet`` fades the acceptance

@@ -291,9 +291,12 @@ def test_an_exploration_runs_past_the_gate_only_where_a_running_requests_class_m
     class whose finished requests' drafts were all rejected are left to the gate, which holds the
     step at K = 0 (the step counted as held, its rule ``gate``); with a greedy request among them,
     of a class where one request in five quotes, the exploration runs at its K past the gate
-    (rule ``explore``); with ``$SPECPILOT_EXPLORE_BY_CLASS=0`` every exploration runs past it."""
+    (rule ``explore``); with ``$SPECPILOT_EXPLORE_BY_CLASS=0`` every exploration runs past it. A
+    held exploration is ended at that step (the policy's ``end_exploration``)."""
     hook = _hook(_step_time(idle_step_cost=True), 3, 16, [f"chat-{i}" for i in range(4)], gate_drafts=gate_drafts)
     hook.controller.exploring = lambda: True
+    ended: list[int] = []
+    hook.controller.end_exploration = lambda: ended.append(hook._step_index)
     gate = hook._gate = RequestDraftGate(prior="mixture", probe_every=16)
     for i in range(20):
         _finish(gate, f"old-chat-{i}", "sampled", 0, steps=3)
@@ -301,18 +304,18 @@ def test_an_exploration_runs_past_the_gate_only_where_a_running_requests_class_m
     for i in range(4):
         gate.set_class(f"chat-{i}", "sampled")
         _feed(gate, f"chat-{i}", 0.0, k=3)
-    hook._explore_steps_held = 0
+    hook._explorations_held = 0
     assert hook._decide_k(4) == 0
-    assert (hook._explore_steps_held, hook._k_rule) == (1, "gate")
+    assert (hook._explorations_held, hook._k_rule, len(ended)) == (1, "gate", 1)
     hook.running.append(_req("code"))
     gate.set_class("code", "greedy")
     _feed(gate, "code", 0.0, k=3)
     assert hook._decide_k(5) == 3
-    assert (hook._explore_steps_held, hook._k_rule, hook._k_explored) == (1, "explore", True)
+    assert (hook._explorations_held, hook._k_rule, hook._k_explored, len(ended)) == (1, "explore", True, 1)
     hook.running.pop()
     hook._explore_by_class = False
     assert hook._decide_k(4) == 3
-    assert (hook._explore_steps_held, hook._k_rule) == (1, "explore")
+    assert (hook._explorations_held, hook._k_rule, len(ended)) == (1, "explore", 1)
 
 
 def test_under_async_scheduling_the_gate_sets_the_step_k_and_probes_every_request_at_once():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -503,6 +504,9 @@ def test_a_cells_burst_time_is_split_by_what_its_steps_did() -> None:
     steps = burst(10.0, 1.0) + burst(20.0, 2.0)
     windows = [bst.CellWindow("chat@c1", steps[0].t_output, steps[18].t_output)]
     windows.append(bst.CellWindow("chat@c1", steps[19].t_output, steps[-1].t_output))
+    # at several requests a step is a decode step when every request in it only decoded
+    assert bst.step_kind(replace(steps[1], decode=8, requests=8)) == "lean"
+    assert bst.step_kind(replace(steps[1], decode=7, requests=8)) == "prefill"
     table = bst.burst_time_table(steps, windows)
     assert table[0].startswith("| cell | bursts | ms first to last output | lean: steps, ms |")
     # per burst: span 38.5 / 77 ms, lean 15 steps (2 / 4 ms each), full 1 (2.5 / 5), drafting 2 (6 / 12 ms);
