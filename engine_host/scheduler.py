@@ -189,8 +189,9 @@ class _SpecPilotHook:
     # the K decision's time inside vLLM's schedule() (the K lookup) in the step being scheduled (s)
     _decide_s = 0.0
     # EXPLORE_PAST_GATE_MIN_BATCH's class test (set per instance from $SPECPILOT_EXPLORE_BY_CLASS),
-    # the explorations it left to the gate (each ended at its first step), the rule that set the K being scheduled (the step
-    # trace's ``rule``) and whether the async all-request probe fired in this decision
+    # the explorations it left to the gate (each ended at its first step), the rule that set the
+    # K being scheduled (the step trace's ``rule``) and whether the async all-request probe fired
+    # in this decision
     _explore_by_class = True
     _explorations_held = 0
     _k_rule = ""
@@ -953,8 +954,8 @@ class _SpecPilotHook:
         requests, fewer than ``PROBE_NEW_SHARE`` of the class's finished requests had drafts
         that pay at the policy's deepest K (``RequestDraftGate.paying_share`` at the gate's
         current costs; a class with fewer than ``MIXTURE_MIN_REQUESTS`` finished requests may
-        pay). Asked after a drain (:meth:`_burst_may_pay`) and at an exploration's steps
-        (``EXPLORE_PAST_GATE_MIN_BATCH``). Raises nothing."""
+        pay). Asked after a drain (:meth:`_burst_may_pay`) and at an exploration's first step at
+        several requests (``EXPLORE_PAST_GATE_MIN_BATCH``). Raises nothing."""
         gate = self._gate
         if not self._gate_on or gate.prior != "mixture":
             return True
@@ -1268,7 +1269,8 @@ class _SpecPilotHook:
         ``path`` that handled the output (``lean``: a lean step whose output is observed, one in
         ``LEAN_SAMPLE``, is still ``lean``), and vLLM's own ``schedule()`` for the step and
         ``update_from_output()`` for the output (s; ``vllm_update_s``), and the hook's rule that set
-        the step's K (``ScheduledStep.rule``). ``n_dec`` None: counted here (the lean path's rows). Its time is taken out of the hook's clocks (:meth:`_untime_trace`)."""
+        the step's K (``ScheduledStep.rule``). ``n_dec`` None: counted here (the lean path's rows).
+        Its time is taken out of the hook's clocks (:meth:`_untime_trace`)."""
         assert self._trace is not None
         t0 = time.perf_counter()
         if n_dec is None:
