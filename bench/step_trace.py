@@ -951,7 +951,7 @@ def probe_table(steps: Sequence[Step], windows: Sequence[CellWindow]) -> list[st
     return lines
 
 
-RULES = ("policy", "explore", "batch", "lone", "probe", "gate", "warmup")
+RULES = ("policy", "explore", "held", "batch", "lone", "probe", "gate", "warmup")
 
 
 def rule_table(steps: Sequence[Step], windows: Sequence[CellWindow]) -> list[str]:

@@ -587,6 +587,7 @@ class _SpecPilotHook:
                     explored = False
                     self._explorations_held += 1
                     self.controller.end_exploration()
+                    rule = "held"
                 if batch_size > 1 and not self.GATE_DRAFTS:  # (docs/benchmarks.md: not kept on the sync path)
                     kb = self._batch_k(batch_size)
                     if kb > k:

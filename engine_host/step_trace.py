@@ -42,7 +42,8 @@ collector ran in the engine core's process since the row before, through ``gc.ca
 oldest generation it collected; both empty when it did not run: an engine whose steps allocate more
 objects sets it off more often, and a collection lands on whatever step is running), ``rule`` (which
 of the scheduler hook's rules set ``k_proposed``: ``policy`` (the adaptive policy's K, or a static K),
-``explore`` (the policy's exploration, run past the per-request gate at several requests), ``batch``
+``explore`` (the policy's exploration: run past the per-request gate at several requests, through the gate's
+answer below that), ``held`` (an exploration the class test left to the gate, whose answer still drafted), ``batch``
 (the running requests' own estimates raised it, async scheduling), ``lone`` (a lone request's own
 depth or probe depth raised it), ``probe`` (the gate's all-request probe, async scheduling), ``gate``
 (the gate held the policy's K > 0 at 0), ``warmup``; empty on the lean path and where the hook did

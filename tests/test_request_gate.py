@@ -292,7 +292,8 @@ def test_an_exploration_runs_past_the_gate_only_where_a_running_requests_class_m
     step at K = 0 (the step counted as held, its rule ``gate``); with a greedy request among them,
     of a class where one request in five quotes, the exploration runs at its K past the gate
     (rule ``explore``); with ``$SPECPILOT_EXPLORE_BY_CLASS=0`` every exploration runs past it. A
-    held exploration is ended at that step (the policy's ``end_exploration``)."""
+    held exploration is ended at that step (the policy's ``end_exploration``), and drafts where the
+    gate's own answer does (rule ``held``)."""
     hook = _hook(_step_time(idle_step_cost=True), 3, 16, [f"chat-{i}" for i in range(4)], gate_drafts=gate_drafts)
     hook.controller.exploring = lambda: True
     ended: list[int] = []
@@ -316,6 +317,13 @@ def test_an_exploration_runs_past_the_gate_only_where_a_running_requests_class_m
     hook._explore_by_class = False
     assert hook._decide_k(4) == 3
     assert (hook._explorations_held, hook._k_rule, len(ended)) == (1, "explore", 1)
+    # held, and the gate's own answer drafts: the chat requests' own drafts now pay (rule ``held``)
+    hook._explore_by_class = True
+    for i in range(4):
+        _feed(gate, f"chat-{i}", 1.0, k=3)
+    hook._wants_dirty = True
+    assert hook._decide_k(4) == 3
+    assert (hook._explorations_held, hook._k_rule, hook._k_explored, len(ended)) == (2, "held", False, 2)
 
 
 def test_under_async_scheduling_the_gate_sets_the_step_k_and_probes_every_request_at_once():

@@ -592,8 +592,8 @@ def test_the_rules_that_set_k_are_counted_per_burst_by_the_k_they_proposed() -> 
     steps = first + second
     windows = [bst.CellWindow("chat@c8", 9.9, 11.0), bst.CellWindow("chat@c8", 19.9, 21.0)]
     table = bst.rule_table(steps, windows)
-    assert table[0] == "| cell | bursts | policy | explore | batch | lone | probe | gate | warmup |"
-    assert table[2] == "| chat@c8 | 2 | - | 1.0 (3:1.0) | 0.5 (1:0.5) | - | 1.0 (4:1.0) | 1.5 (0:1.5) | - |"
+    assert table[0] == "| cell | bursts | policy | explore | held | batch | lone | probe | gate | warmup |"
+    assert table[2] == "| chat@c8 | 2 | - | 1.0 (3:1.0) | - | 0.5 (1:0.5) | - | 1.0 (4:1.0) | 1.5 (0:1.5) | - |"
     unruled = [bst.Step(st.t_scheduled, st.t_output, 0, st.k_proposed, 1, 4, 4) for st in steps]
     assert bst.rule_table(unruled, windows) == []
 
