@@ -1016,6 +1016,16 @@ def paired_cell_table(
     return lines
 
 
+def _print_titled(title: str, rows: list[str]) -> None:
+    """Print a table's markdown ``rows`` under ``title``, each followed by a blank line; nothing
+    when there are no rows."""
+    if rows:
+        print(title)
+        print()
+        print("\n".join(rows))
+        print()
+
+
 def _requests_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition("-")
     try:
@@ -1119,11 +1129,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(cpu_rows))
         print()
     gc_rows = gc_table(traces, args.min_steps, args.max_gap_ms / 1e3)
-    if gc_rows:
-        print("Decode steps with a garbage collection of the engine core's process in them:")
-        print()
-        print("\n".join(gc_rows))
-        print()
+    _print_titled("Decode steps with a garbage collection of the engine core's process in them:", gc_rows)
     if args.gpu_clocks:
         try:
             clocks = read_clocks(args.gpu_clocks)
@@ -1155,18 +1161,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("\n".join(burst_time_table(traces[0], windows)))
         print()
-        probe_rows = probe_table(traces[0], windows)
-        if probe_rows:
-            print("Probes (runs of steps that propose drafts), per burst:")
-            print()
-            print("\n".join(probe_rows))
-            print()
-        rule_rows = rule_table(traces[0], windows)
-        if rule_rows:
-            print("Which rule set K, per burst (steps; K proposed: steps):")
-            print()
-            print("\n".join(rule_rows))
-            print()
+        _print_titled("Probes (runs of steps that propose drafts), per burst:", probe_table(traces[0], windows))
+        _print_titled("Which rule set K, per burst (steps; K proposed: steps):", rule_table(traces[0], windows))
     if args.against:
         others = []
         for f in args.against:

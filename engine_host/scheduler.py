@@ -283,10 +283,8 @@ class _SpecPilotHook:
             self.controller.burst_may_pay = self._burst_may_pay
         # explorations past the gate only where a running request's class may pay
         # (EXPLORE_PAST_GATE_MIN_BATCH; $SPECPILOT_EXPLORE_BY_CLASS=0: every one, as before)
+        # (the counter of held explorations, the step's rule and the probe flag start from the class's defaults)
         self._explore_by_class = envs.explore_by_class_on()
-        self._explorations_held = 0  # explorations left to the gate (no class may pay)
-        self._k_rule = ""  # which rule set the K of the step being scheduled (the step trace's rule column)
-        self._probe_fired = False  # the async all-request probe is due in this step
         self._gate_on = False
         self._gate_fold_finished = False  # fold finished requests into the gate's mixture prior
         self._gate_cost_last = (0.0, 0.0)  # the gate's last (draft_token_cost, step_cost)
