@@ -180,6 +180,7 @@ class _RequestStats:
     probe_wait: int = 0  # steps kept from drafting before its next probe (0: probe_every; probe_backoff)
     probing: bool = False  # its draft was let through as a probe: the verification sets probe_wait
     planned: bool = False  # plan() has seen it (its first wait is set then)
+    full: bool = False  # its last verified draft was accepted in full (engine_host.run_acceptance)
 
 
 class RequestDraftGate:
@@ -303,11 +304,18 @@ class RequestDraftGate:
         """Fold in one verification of request ``req_id`` (tokens drafted, tokens accepted)."""
         self.observe_many(((req_id, num_draft_tokens, num_accepted_tokens),))
 
-    def observe_many(self, verifications: Iterable[tuple[str | None, int, int]]) -> None:
+    def observe_many(
+        self, verifications: Iterable[tuple[str | None, int, int]], after_full: list[bool] | None = None
+    ) -> None:
         """Fold in verifications in order, each ``(request id, tokens drafted, tokens
         accepted)`` as :meth:`observe` takes one; an id of None or a verification with no
         draft tokens is skipped. The scheduler hook hands over a step's verifications in one
-        call: it runs once per request with drafts at every step at K > 0."""
+        call: it runs once per request with drafts at every step at K > 0.
+
+        ``after_full``: a list this appends to, one entry per verification in order, whether
+        the request's previous verified draft was accepted in full (False for a skipped one
+        and for a request's first): the run state its draft was proposed in
+        (:mod:`engine_host.run_acceptance`)."""
         reqs = self._reqs
         decay = self.decay
         pool_decay = self.pool_decay
@@ -318,6 +326,8 @@ class RequestDraftGate:
         i, stride = -1, self._cal_stride
         for req_id, drafted, accepted in verifications:
             if drafted <= 0 or req_id is None:
+                if after_full is not None:
+                    after_full.append(False)
                 continue
             s = reqs.get(req_id)
             if s is None:
@@ -325,6 +335,9 @@ class RequestDraftGate:
             n = accepted if accepted < drafted else drafted
             if n < 0:
                 n = 0
+            if after_full is not None:
+                after_full.append(s.full)
+            s.full = n == drafted
             rejected = 1.0 if n < drafted else 0.0
             s.drafted = s.drafted * decay + drafted
             s.accepted = s.accepted * decay + n

@@ -194,6 +194,10 @@ class _SpecPilotHook:
     # in this decision
     _explore_by_class = True
     _explorations_held = 0
+    # acceptance kept apart by run state ($SPECPILOT_RUN_STATES; set per instance) and the step's
+    # verifications proposed after a draft accepted in full
+    _run_states = False
+    _full_n = 0
     _k_rule = ""
     _probe_fired = False
     # the hook stands aside (set per instance by _step_aside; False until it first does)
@@ -270,7 +274,11 @@ class _SpecPilotHook:
         self._ack_step: int | None = None
         passes, ratio = _draft_cost(vcfg)
         self.controller = SpeculationController(
-            self._k_engine, self._config.speculation, draft_passes=passes, draft_cost_ratio=ratio
+            self._k_engine,
+            self._config.speculation,
+            draft_passes=passes,
+            draft_cost_ratio=ratio,
+            run_states=envs.run_states_on(),
         )
         # per-request probes backed off and taken together (synchronous scheduling; the async
         # path backs off its all-request probes itself, PROBE_BACKOFF)
@@ -328,6 +336,12 @@ class _SpecPilotHook:
         self.specpilot_last_scheduled_k: int | None = None  # K of the step scheduled last
         self._hist = [0] * max(self._k_engine, 1)
         self._dhist = [0] * max(self._k_engine, 1)
+        # the same over the verifications whose request's previous draft was accepted in full
+        # (the run state, engine_host.run_acceptance; counted unless $SPECPILOT_RUN_STATES=0)
+        self._run_states = envs.run_states_on()
+        self._fhist = [0] * max(self._k_engine, 1)
+        self._fdhist = [0] * max(self._k_engine, 1)
+        self._full_n = 0
         self._drafted = 0
         self._accepted = 0
         self._verified: list[tuple[str | None, int, int]] = []  # (request id, drafted, accepted) this step
@@ -1018,10 +1032,13 @@ class _SpecPilotHook:
         call into the per-request gate (:meth:`RequestDraftGate.observe_many`), the step's
         draft and accepted tokens and the per-position histograms (``_hist[i]``:
         verifications with more than ``i`` tokens accepted; ``_dhist[i]``: with more than
-        ``i`` drafted). Returns the step's (draft tokens, accepted tokens)."""
+        ``i`` drafted; ``_fhist``, ``_fdhist`` and ``_full_n``: the same over the verifications
+        proposed after a draft accepted in full, and their number). Returns the step's (draft
+        tokens, accepted tokens)."""
         verified = self._verified
         self._verified = []
-        self._gate.observe_many(verified)
+        after_full: list[bool] | None = [] if self._run_states else None
+        self._gate.observe_many(verified, after_full)
         hist, dh = self._hist, self._dhist
         top = len(hist)
         n_acc = [0] * (top + 1)  # verifications by tokens accepted (top: top or more)
@@ -1038,6 +1055,23 @@ class _SpecPilotHook:
             above_d += n_draft[i]
             hist[i - 1] += above_a
             dh[i - 1] += above_d
+        if after_full and any(after_full):
+            f_acc = [0] * (top + 1)
+            f_draft = [0] * (top + 1)
+            n_full = 0
+            for (_, d, a), full in zip(verified, after_full):
+                if full:
+                    n_full += 1
+                    f_acc[a if a < top else top] += 1
+                    f_draft[d if d < top else top] += 1
+            fh, fdh = self._fhist, self._fdhist
+            above_a = above_d = 0
+            for i in range(top, 0, -1):
+                above_a += f_acc[i]
+                above_d += f_draft[i]
+                fh[i - 1] += above_a
+                fdh[i - 1] += above_d
+            self._full_n += n_full
         self._drafted += drafted
         self._accepted += accepted
         return drafted, accepted
@@ -1152,6 +1186,9 @@ class _SpecPilotHook:
                         now=now,
                         warmup=self._warmup_k is not None,
                         draft_fetch_s=self._draft_fetch_s,
+                        full_batch=min(self._full_n, n_dec),
+                        full_accepted_hist=list(self._fhist) if self._full_n else None,
+                        full_draft_hist=list(self._fdhist) if self._full_n else None,
                     )
                 )
         self._draft_fetch_s = 0.0
@@ -1162,6 +1199,12 @@ class _SpecPilotHook:
             for i in range(len(hist)):
                 hist[i] = 0
                 dh[i] = 0
+            if self._full_n:
+                self._full_n = 0
+                fh, fdh = self._fhist, self._fdhist
+                for i in range(len(fh)):
+                    fh[i] = 0
+                    fdh[i] = 0
         self._busy_s += step_time
         if running == 0:  # (a drained engine's output always takes this path, lean or not)
             self.controller.drained()
