@@ -484,6 +484,19 @@ def test_controller_prior_is_not_shown_as_a_measured_acceptance():
     assert df["estimated"].isna().all()
     df = live_views.acceptance_table(series, {"acceptance_per_position": [0.7, None, None]})
     assert df["estimated"].iloc[0] == 0.7 and df["estimated"].iloc[1:].isna().all()
+    assert df["after_full"].isna().all() and df["otherwise"].isna().all()  # an engine without run states
+    df = live_views.acceptance_table(
+        series,
+        {
+            "acceptance_per_position": [0.3, 0.2, None],
+            "acceptance_by_run_state": {
+                "after_full_acceptance_per_position": [0.9, 0.8, None],
+                "otherwise_acceptance_per_position": [0.1, 0.05, None],
+            },
+        },
+    )
+    assert list(df["after_full"][:2]) == [0.9, 0.8] and list(df["otherwise"][:2]) == [0.1, 0.05]
+    assert df["after_full"].isna().iloc[2]
 
 
 def test_why_k_marks_the_best_k_within_the_range_the_controller_may_choose():

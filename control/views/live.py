@@ -112,7 +112,10 @@ class LiveView:
         acceptance_per_position: ``position`` (1..K), ``measured`` (window mean of
             accepted/drafted at that position, 0..1), ``estimated`` (the controller's
             P(positions 1..i all accepted), 0..1; None where the controller has not
-            measured the position yet).
+            measured the position yet), ``after_full`` and ``otherwise`` (the same for
+            requests whose previous draft was accepted whole, and for the rest: the
+            controller's run states, ``engine_host.run_acceptance``; None where not
+            measured, or from an engine host that does not keep them).
         goodput_by_k: ``k``, ``predicted_goodput_tokens_per_s``, ``expected_tokens_per_step``,
             ``step_time_ms`` from the controller (why it chose K).
         source: ``store`` (collector samples) or ``engine`` (the host's own ring buffer).
@@ -166,7 +169,8 @@ def markers_from_series(series: pd.DataFrame) -> pd.DataFrame:
 
 def acceptance_table(series: pd.DataFrame, controller: dict[str, Any]) -> pd.DataFrame:
     """Acceptance per draft position: ``position`` (1..K), ``measured`` (window mean,
-    0..1), ``estimated`` (the controller's estimate, 0..1). An estimate the controller
+    0..1), ``estimated`` (the controller's estimate, 0..1), ``after_full`` and ``otherwise``
+    (its estimates by run state, 0..1: ``acceptance_by_run_state``). An estimate the controller
     marks as unmeasured (``acceptance_measured`` false at that position, or
     ``acceptance_per_position`` entries that are None) is None: its prior is not a
     measurement."""
@@ -185,6 +189,9 @@ def acceptance_table(series: pd.DataFrame, controller: dict[str, Any]) -> pd.Dat
         est = [e if i < len(flags) and flags[i] else None for i, e in enumerate(est)]
     elif controller.get("acceptance_is_prior"):
         est = [None] * len(est)
+    states = controller.get("acceptance_by_run_state") or {}
+    after = list(states.get("after_full_acceptance_per_position") or [])
+    other = list(states.get("otherwise_acceptance_per_position") or [])
     n = max(len(measured), len(est))
     return pd.DataFrame(
         {
@@ -194,6 +201,8 @@ def acceptance_table(series: pd.DataFrame, controller: dict[str, Any]) -> pd.Dat
                 for i, m in enumerate(measured + [[]] * (n - len(measured)))
             ],
             "estimated": [est[i] if i < len(est) else None for i in range(n)],
+            "after_full": [after[i] if i < len(after) else None for i in range(n)],
+            "otherwise": [other[i] if i < len(other) else None for i in range(n)],
         }
     )
 

@@ -237,6 +237,12 @@ def _acceptance_by_position(view: views.LiveView) -> None:
             "controller estimate (all of 1..i accepted)",
             "#56B4E9",
         )
+        for col, name, color in (
+            ("after_full", "after a draft accepted whole", "#009E73"),
+            ("otherwise", "after a rejected draft", "#CC79A7"),
+        ):
+            if col in df and not df[col].isna().all():
+                ui.bar(fig, df["position"], df[col].astype(float) * 100, name, color)
     if df.empty:
         ui.note(fig, "no drafts measured in this window")
     elif no_estimate:
