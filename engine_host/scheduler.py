@@ -337,7 +337,7 @@ class _SpecPilotHook:
         self._hist = [0] * max(self._k_engine, 1)
         self._dhist = [0] * max(self._k_engine, 1)
         # the same over the verifications whose request's previous draft was accepted in full
-        # (the run state, engine_host.run_acceptance; counted unless $SPECPILOT_RUN_STATES=0)
+        # (the run state, engine_host.run_acceptance; counted with $SPECPILOT_RUN_STATES=1)
         self._run_states = envs.run_states_on()
         self._fhist = [0] * max(self._k_engine, 1)
         self._fdhist = [0] * max(self._k_engine, 1)

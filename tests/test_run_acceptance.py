@@ -160,12 +160,14 @@ def test_the_gate_tells_which_drafts_followed_one_accepted_in_full():
     assert flags == [False, True, True]
 
 
-def test_the_hook_folds_the_run_states_histograms(tmp_path):
+def test_the_hook_folds_the_run_states_histograms(tmp_path, monkeypatch):
     """The scheduler hook splits a step's verifications by run state: ``_fhist`` / ``_fdhist``
     count those whose request's previous draft was accepted in full, ``_full_n`` their number,
     and the controller's run states learn from them."""
     from bench.hook_cost import standin_hook
+    from engine_host import envs
 
+    monkeypatch.setenv(envs.RUN_STATES, "1")
     hook, channel = standin_hook("fixed:4", 2, str(tmp_path), async_scheduling=True)
     try:
         assert hook._run_states
