@@ -45,6 +45,19 @@ PUBLISH_INTERVAL_S = 0.25
 _yield_interpreter = time.sleep
 
 
+def _add_above(hist: list[int], dhist: list[int], n_acc: list[int], n_draft: list[int]) -> None:
+    """Add to ``hist[i]`` the verifications with more than ``i`` tokens accepted and to
+    ``dhist[i]`` those with more than ``i`` drafted, from counts by tokens accepted and drafted
+    (``n_acc[j]``, ``n_draft[j]``: verifications with exactly ``j``, the last index ``len(hist)``
+    or more)."""
+    above_a = above_d = 0
+    for i in range(len(hist), 0, -1):
+        above_a += n_acc[i]
+        above_d += n_draft[i]
+        hist[i - 1] += above_a
+        dhist[i - 1] += above_d
+
+
 class _LiveLookup:
     """Stands in for vLLM's ``dynamic_sd_lookup`` list: ``lookup[batch_size]`` -> K."""
 
@@ -1049,12 +1062,7 @@ class _SpecPilotHook:
             accepted += a
             n_acc[a if a < top else top] += 1
             n_draft[d if d < top else top] += 1
-        above_a = above_d = 0
-        for i in range(top, 0, -1):
-            above_a += n_acc[i]
-            above_d += n_draft[i]
-            hist[i - 1] += above_a
-            dh[i - 1] += above_d
+        _add_above(hist, dh, n_acc, n_draft)
         if after_full and any(after_full):
             f_acc = [0] * (top + 1)
             f_draft = [0] * (top + 1)
@@ -1064,13 +1072,7 @@ class _SpecPilotHook:
                     n_full += 1
                     f_acc[a if a < top else top] += 1
                     f_draft[d if d < top else top] += 1
-            fh, fdh = self._fhist, self._fdhist
-            above_a = above_d = 0
-            for i in range(top, 0, -1):
-                above_a += f_acc[i]
-                above_d += f_draft[i]
-                fh[i - 1] += above_a
-                fdh[i - 1] += above_d
+            _add_above(self._fhist, self._fdhist, f_acc, f_draft)
             self._full_n += n_full
         self._drafted += drafted
         self._accepted += accepted
