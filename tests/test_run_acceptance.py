@@ -41,11 +41,23 @@ class _CopyingRequest:
         return 0
 
 
-def _serve(k: int, steps: int, seed: int, batch: int = 4, feed=None, copy_mean=10.0, gap_mean=25.0) -> float:
+def _serve(
+    k: int,
+    steps: int,
+    seed: int,
+    batch: int = 4,
+    feed=None,
+    copy_mean=10.0,
+    gap_mean=25.0,
+    request_tokens: int | None = None,
+) -> float:
     """Serve ``batch`` copying requests ``steps`` steps at static depth ``k``; returns the
-    tokens per request-step; ``feed(observation)`` gets each step's StepObservation."""
+    tokens per request-step; ``feed(observation)`` gets each step's StepObservation. With
+    ``request_tokens``, a request that has generated that many tokens ends and a new one (in
+    new text, its first draft after no other) takes its place."""
     rng = random.Random(seed)
     reqs = [_CopyingRequest(rng, copy_mean, gap_mean) for _ in range(batch)]
+    made = [0] * batch
     full = [False] * batch
     tokens = 0
     for _ in range(steps):
@@ -60,6 +72,9 @@ def _serve(k: int, steps: int, seed: int, batch: int = 4, feed=None, copy_mean=1
                 for i in range(min(a, K_MAX)):
                     fhist[i] += 1
             full[j] = a == k
+            made[j] += a + 1
+            if request_tokens is not None and made[j] >= request_tokens:
+                reqs[j], made[j], full[j] = _CopyingRequest(rng, copy_mean, gap_mean), 0, False
         if feed is not None:
             drafted = [batch if i < k else 0 for i in range(K_MAX)]
             feed(
@@ -104,6 +119,30 @@ def test_run_states_price_a_shallower_depth_from_drafts_measured_deeper():
     true_ratio = truth[8] / truth[4]
     assert e_states[8] / e_states[4] == pytest.approx(true_ratio, abs=0.02)
     assert e_plain[8] / e_plain[4] > true_ratio + 0.05
+
+
+def test_the_chain_is_anchored_to_the_share_measured_when_requests_end(monkeypatch):
+    """Requests of 64 tokens start in new text, so fewer of their steps follow a whole draft
+    than the chain's stationary share says, and the chain alone prices every depth 8-12 %
+    high; anchored to the share measured at the depth in force it comes within a few percent
+    at K = 2, 4 and 8 (measured at K = 8), and the share at the depth measured is the one
+    measured."""
+    kw = {"copy_mean": 20.0, "gap_mean": 10.0, "request_tokens": 64}
+    truth = {k: _serve(k, 30_000, seed=0, **kw) for k in (2, 4, 8)}
+    anchored = _controller(True)
+    _serve(8, 30_000, seed=1, feed=anchored.observe, **kw)
+    e, _ = anchored.curves(K_MAX)
+    for k in (2, 4, 8):
+        assert e[k] == pytest.approx(truth[k], rel=0.03)
+    states = anchored.run_states
+    assert states is not None
+    assert states.full_share(8) == pytest.approx(states.measured_share(8), abs=1e-6)
+    assert states.measured_share(4) is None  # never served at K = 4
+    monkeypatch.setattr(RunStateAcceptance, "_anchor", lambda self, ra, rb: 0.0)
+    chain = _controller(True)
+    _serve(8, 30_000, seed=1, feed=chain.observe, **kw)
+    e_chain, _ = chain.curves(K_MAX)
+    assert e_chain[4] > truth[4] * 1.06  # what the anchor corrects
 
 
 def test_run_states_extrapolate_a_deeper_depth_by_the_deepest_conditional():
