@@ -38,9 +38,9 @@ chain's log-odds at every depth,
     logit pi(K) = logit pi_A(K) + sum_k w_k (logit s_k - logit pi_A(k)) / sum_k w_k,
 
 so that at the depth measured ``E(K)`` is what the requests served there gained, and the
-chain models only how the share moves with K, as runs are used up faster or slower. The throughput of a depth is its tokens per
-step over its step time (renewal-reward), which the adaptive policy's goodput ``G(K) = B *
-E(K) / T(B, K)`` already is (arXiv 2211.17192 for ``E(K)`` with independent positions; the
+chain models only how the share moves with K, as runs are used up faster or slower. The
+throughput of a depth is its tokens per step over its step time (renewal-reward), which the
+adaptive policy's goodput ``G(K) = B * E(K) / T(B, K)`` already is (arXiv 2211.17192 for ``E(K)`` with independent positions; the
 two-state chain is the Gilbert-Elliott model of bursty channels, applied to draft runs).
 """
 
