@@ -40,8 +40,9 @@ chain's log-odds at every depth,
 so that at the depth measured ``E(K)`` is what the requests served there gained, and the
 chain models only how the share moves with K, as runs are used up faster or slower. The
 throughput of a depth is its tokens per step over its step time (renewal-reward), which the
-adaptive policy's goodput ``G(K) = B * E(K) / T(B, K)`` already is (arXiv 2211.17192 for ``E(K)`` with independent positions; the
-two-state chain is the Gilbert-Elliott model of bursty channels, applied to draft runs).
+adaptive policy's goodput ``G(K) = B * E(K) / T(B, K)`` already is (arXiv 2211.17192 for
+``E(K)`` with independent positions; the two-state chain is the Gilbert-Elliott model of
+bursty channels, applied to draft runs).
 """
 
 from __future__ import annotations
