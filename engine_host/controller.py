@@ -44,6 +44,7 @@ from typing import Any
 
 from .acceptance import AcceptanceEstimator
 from .config import SpeculationConfig, effective_k_bounds
+from .depth_acceptance import DepthTokens
 from .run_acceptance import RunStateAcceptance
 
 
@@ -1031,6 +1032,9 @@ class SpeculationController:
             (:class:`~engine_host.run_acceptance.RunStateAcceptance`) and price each depth by
             the stationary E(K) of the two states once both are measured (:meth:`curves`);
             False: E(K) from the aggregate per-position estimates alone.
+        depth_tokens: measure the tokens per request-step each depth K yielded when served
+            (:class:`~engine_host.depth_acceptance.DepthTokens`) and move the priced E(K) and
+            D(K) toward them by their evidence (:meth:`curves`).
     """
 
     #: A step at K > 0 takes its premium sample against plain steps measured within this long
@@ -1044,6 +1048,7 @@ class SpeculationController:
         draft_passes: bool = False,
         draft_cost_ratio: float = 0.25,
         run_states: bool = True,
+        depth_tokens: bool = False,
     ):
         self.k_engine = k_engine
         spec = spec or SpeculationConfig(mode="fixed", k=k_engine)
@@ -1052,6 +1057,10 @@ class SpeculationController:
             RunStateAcceptance(max(k_engine, 1), alpha=spec.adaptive.ema_alpha) if run_states and k_engine > 0 else None
         )
         self._changes_seen = 0  # the aggregate's detected changes already passed on to run_states
+        # a quarter of the estimates' fade: a neighbouring depth is measured only in explorations
+        self.depth_tokens = (
+            DepthTokens(k_engine, alpha=spec.adaptive.ema_alpha / 4.0) if depth_tokens and k_engine > 0 else None
+        )
         # a depth's premium against plain steps near it in time, and priced by it wherever it
         # is known (StepTimeModel: premium_window_s, premium_first; docs/gpu.md, host 26)
         self.step_time = StepTimeModel(
@@ -1194,6 +1203,8 @@ class SpeculationController:
         self.acceptance.observe(0, request_steps, zeros, zeros)
         if self.run_states is not None:
             self.run_states.observe(0, request_steps, zeros, zeros, 0, None, None)
+        if self.depth_tokens is not None:
+            self.depth_tokens.tick(request_steps)
 
     def curves(self, k_hi: int) -> tuple[list[float], list[float]]:
         """``(E, D)`` for K = 0..``k_hi``: expected tokens per request per step (``E(K)``,
@@ -1201,15 +1212,17 @@ class SpeculationController:
         each depth by. From the run states' stationary shares once both states are measured
         (:meth:`RunStateAcceptance.curves`, arXiv 2211.17192 per state), else ``E(K) = 1 +
         sum_{i<=K} r_i`` and ``D(K) = sum_{i<=K} q_i`` of the aggregate estimates."""
-        if self.run_states is not None:
-            both = self.run_states.curves(k_hi)
-            if both is not None:
-                return both
-        r, q = self.acceptance.r(), self.acceptance.q()
-        e, d = [1.0], [0.0]
-        for k in range(1, k_hi + 1):
-            e.append(e[-1] + (r[k - 1] if k - 1 < len(r) else 0.0))
-            d.append(d[-1] + (q[k - 1] if k - 1 < len(q) else 1.0))
+        both = self.run_states.curves(k_hi) if self.run_states is not None else None
+        if both is not None:
+            e, d = both
+        else:
+            r, q = self.acceptance.r(), self.acceptance.q()
+            e, d = [1.0], [0.0]
+            for k in range(1, k_hi + 1):
+                e.append(e[-1] + (r[k - 1] if k - 1 < len(r) else 0.0))
+                d.append(d[-1] + (q[k - 1] if k - 1 < len(q) else 1.0))
+        if self.depth_tokens is not None:
+            return self.depth_tokens.blend(e, d)
         return e, d
 
     def record_scheduled(self, k_policy: int, k: int) -> None:
@@ -1244,11 +1257,20 @@ class SpeculationController:
         self.accepted_total += obs.num_accepted_tokens
         acc = self.acceptance
         acc.observe(obs.k_drafted, obs.batch_size, obs.accepted_hist, obs.draft_hist)
+        depths = self.depth_tokens
+        if depths is not None:
+            if acc.changes != self._changes_seen and self.run_states is None:
+                self._changes_seen = acc.changes
+                depths.forget(acc.forget)
+            depths.tick(obs.batch_size)
+            depths.observe(obs.k_drafted, obs.batch_size, obs.num_accepted_tokens, obs.num_draft_tokens)
         states = self.run_states
         if states is not None:
             if acc.changes != self._changes_seen:  # a change of workload: both states forget too
                 self._changes_seen = acc.changes
                 states.forget(acc.forget)
+                if depths is not None:
+                    depths.forget(acc.forget)
             states.observe(
                 obs.k_drafted,
                 obs.batch_size,
@@ -1289,6 +1311,8 @@ class SpeculationController:
             acc_observe(0, batch_size, zeros, zeros)
             if self.run_states is not None:
                 self.run_states.observe(0, batch_size, zeros, zeros, 0, None, None)
+            if self.depth_tokens is not None:
+                self.depth_tokens.tick(batch_size)
             policy.observe(
                 StepObservation(
                     batch_size=batch_size,
@@ -1376,6 +1400,9 @@ class SpeculationController:
             "acceptance_changes_detected": acc.changes,
             "acceptance_by_run_state": (
                 self.run_states.describe(self.k_engine) if self.run_states is not None else None
+            ),
+            "tokens_per_step_by_depth_served": (
+                self.depth_tokens.describe() if self.depth_tokens is not None else None
             ),
             "expected_tokens_per_step": e,
             "step_time_ms": t,

@@ -34,6 +34,7 @@ PROBE_PRIOR = "SPECPILOT_PROBE_PRIOR"
 PROBE_BACKOFF = "SPECPILOT_PROBE_BACKOFF"
 EXPLORE_BY_CLASS = "SPECPILOT_EXPLORE_BY_CLASS"
 RUN_STATES = "SPECPILOT_RUN_STATES"
+DEPTH_TOKENS = "SPECPILOT_DEPTH_TOKENS"
 REST_SPAN_SCALING = "SPECPILOT_REST_SPAN_SCALING"
 LEAN_STEP_TIMES = "SPECPILOT_LEAN_STEP_TIMES"
 CORE_CPU = "SPECPILOT_CORE_CPU"
@@ -69,6 +70,7 @@ VARIABLES: dict[str, str] = {
     PROBE_BACKOFF: "0 probes each request the adaptive engine's per-request gate keeps from drafting every probe_every steps, each probe at a step of its own (synchronous scheduling), and explores every burst of several requests after the engine drained soon, whatever their classes' drafts paid (as before the probes backed off and the drain's exploration read the classes; side-by-side benchmarks), default 1",
     EXPLORE_BY_CLASS: "0 lets every exploration of the adaptive policy at a batch of several requests run past the per-request gate, whatever the running requests' classes (as before explorations read the classes; side-by-side benchmarks), default 1",
     RUN_STATES: "1 prices each draft length K of the adaptive policy from acceptance kept apart for requests whose previous draft was accepted in full and the rest (engine_host/run_acceptance.py; trial, for side-by-side benchmarks), default 0: from the per-position acceptance over all decode requests",
+    DEPTH_TOKENS: "1 moves the adaptive policy's E(K) and D(K) toward the tokens per request-step measured at each draft length K when it was served, by the evidence behind them (engine_host/depth_acceptance.py; trial, for side-by-side benchmarks), default 0: E(K) and D(K) from the per-position acceptance alone",
     HOOK_ASIDE: "0 keeps the scheduler hook in every engine step at a static K = 0 (its lean path) instead of stepping aside between state publishes, so that vLLM's engine core calls vLLM's own schedule() and update_from_output() (side-by-side benchmarks), default 1",
     REST_SPAN_SCALING: "0 keeps the scheduler hook's rests at K = 0 on its lean path as long at B >= 32 running requests as below (8 steps under the per-request gate's batch rule, 16 in the adaptive policy's own rests), where they otherwise last B // 16 times as long (fewer steps on the hook's full path at high load; side-by-side benchmarks), default 1",
     LEAN_STEP_TIMES: "0 keeps the lean path's step times out of the step-time model, which then learns a step at K = 0 only from steps on the hook's full path (side-by-side benchmarks), default 1",
@@ -193,6 +195,12 @@ def run_states_on(environ: Mapping[str, str] | None = None) -> bool:
     """True when ``$SPECPILOT_RUN_STATES`` is ``1`` (E(K) from the run states of
     :mod:`engine_host.run_acceptance`), else False (the aggregate per-position acceptance alone)."""
     return _env(environ).get(RUN_STATES, "0").strip() == "1"
+
+
+def depth_tokens_on(environ: Mapping[str, str] | None = None) -> bool:
+    """True when ``$SPECPILOT_DEPTH_TOKENS`` is ``1`` (E(K) moved toward the tokens measured at
+    each depth served, :mod:`engine_host.depth_acceptance`), else False."""
+    return _env(environ).get(DEPTH_TOKENS, "0").strip() == "1"
 
 
 def lean_step_times_on(environ: Mapping[str, str] | None = None) -> bool:

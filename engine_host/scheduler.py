@@ -292,6 +292,7 @@ class _SpecPilotHook:
             draft_passes=passes,
             draft_cost_ratio=ratio,
             run_states=envs.run_states_on(),
+            depth_tokens=envs.depth_tokens_on(),
         )
         # per-request probes backed off and taken together (synchronous scheduling; the async
         # path backs off its all-request probes itself, PROBE_BACKOFF)
