@@ -1056,7 +1056,7 @@ class SpeculationController:
         self.run_states = (
             RunStateAcceptance(max(k_engine, 1), alpha=spec.adaptive.ema_alpha) if run_states and k_engine > 0 else None
         )
-        self._changes_seen = 0  # the aggregate's detected changes already passed on to run_states
+        self._changes_seen = 0  # the aggregate's detected changes already passed on to the others
         # a quarter of the estimates' fade: a neighbouring depth is measured only in explorations
         self.depth_tokens = (
             DepthTokens(k_engine, alpha=spec.adaptive.ema_alpha / 4.0) if depth_tokens and k_engine > 0 else None
@@ -1211,7 +1211,9 @@ class SpeculationController:
         tokens) and draft tokens per request (``D(K)``, tokens) that the adaptive policy prices
         each depth by. From the run states' stationary shares once both states are measured
         (:meth:`RunStateAcceptance.curves`, arXiv 2211.17192 per state), else ``E(K) = 1 +
-        sum_{i<=K} r_i`` and ``D(K) = sum_{i<=K} q_i`` of the aggregate estimates."""
+        sum_{i<=K} r_i`` and ``D(K) = sum_{i<=K} q_i`` of the aggregate estimates; with depth
+        tokens, both moved toward the tokens measured at each depth served
+        (:meth:`DepthTokens.blend`)."""
         both = self.run_states.curves(k_hi) if self.run_states is not None else None
         if both is not None:
             e, d = both
@@ -1257,20 +1259,17 @@ class SpeculationController:
         self.accepted_total += obs.num_accepted_tokens
         acc = self.acceptance
         acc.observe(obs.k_drafted, obs.batch_size, obs.accepted_hist, obs.draft_hist)
-        depths = self.depth_tokens
-        if depths is not None:
-            if acc.changes != self._changes_seen and self.run_states is None:
-                self._changes_seen = acc.changes
+        states, depths = self.run_states, self.depth_tokens
+        if acc.changes != self._changes_seen:  # a change of workload: the other estimates forget too
+            self._changes_seen = acc.changes
+            if states is not None:
+                states.forget(acc.forget)
+            if depths is not None:
                 depths.forget(acc.forget)
+        if depths is not None:
             depths.tick(obs.batch_size)
             depths.observe(obs.k_drafted, obs.batch_size, obs.num_accepted_tokens, obs.num_draft_tokens)
-        states = self.run_states
         if states is not None:
-            if acc.changes != self._changes_seen:  # a change of workload: both states forget too
-                self._changes_seen = acc.changes
-                states.forget(acc.forget)
-                if depths is not None:
-                    depths.forget(acc.forget)
             states.observe(
                 obs.k_drafted,
                 obs.batch_size,
