@@ -15,9 +15,9 @@ then moves the model's E(K) and D(K) toward the measured values by the evidence 
 ``E'(K) = (w_K * E_meas(K) + w_0 * E(K)) / (w_K + w_0)``, ``w_0`` request-steps of prior
 weight. A depth served all the time is priced by what it yielded; one only explored now and
 then, by both; one never served, by the model. The adaptive policy's explorations of the
-neighbouring depths (K* - 1 and K* + 1) then measure them, and the choice moves one depth at a
-time toward the depth that served most (a hill climb on measured tokens per step, with the step
-times of :class:`~engine_host.controller.StepTimeModel`).
+neighbouring depths (K* - 1 and K* + 1) then measure them, so that the choice can move one depth
+at a time toward the depth that serves most (a hill climb on measured tokens per step, with the
+step times of :class:`~engine_host.controller.StepTimeModel`).
 
 Off by default (``SPECPILOT_DEPTH_TOKENS=1`` turns it on, engine_host/envs.py): a trial for
 side-by-side benchmarks.

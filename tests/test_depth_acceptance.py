@@ -16,24 +16,13 @@ def _serve_schedule(schedule: list[tuple[int, int]], seed: int, feeds, batch: in
     in turn), each step's observation to every one of ``feeds``."""
     rng = random.Random(seed)
     reqs = [_CopyingRequest(rng, 10.0, 25.0) for _ in range(batch)]
-    for k, steps in schedule:
-        for _ in range(steps):
-            hist = [0] * K_MAX
-            for req in reqs:
-                for i in range(min(req.step(k), K_MAX)):
-                    hist[i] += 1
-            obs = StepObservation(
-                batch_size=batch,
-                k_drafted=k,
-                num_draft_tokens=batch * k,
-                num_accepted_tokens=sum(hist[:k]),
-                accepted_hist=hist,
-                draft_hist=[batch if i < k else 0 for i in range(K_MAX)],
-                step_time_s=0.02,
-                pure_decode=True,
-            )
-            for feed in feeds:
-                feed(obs)
+
+    def fan_out(obs: StepObservation) -> None:
+        for feed in feeds:
+            feed(obs)
+
+    for i, (k, steps) in enumerate(schedule):
+        _serve(k, steps, seed=seed + i, batch=batch, feed=fan_out, reqs=reqs)
 
 
 def _controller(depth_tokens: bool) -> SpeculationController:
@@ -45,19 +34,26 @@ def _controller(depth_tokens: bool) -> SpeculationController:
 def test_a_depth_explored_now_and_then_is_priced_by_what_it_served():
     """Served at K = 8 with short explorations at K = 4, the per-position estimates price K = 4
     below what K = 4 serves (positions 1..4 read at K = 8, where runs are used up in fewer
-    steps); the tokens measured in the explorations bring E(4) to within a few percent."""
+    steps); the tokens measured in the explorations bring E(4) nearer, on average over seeds
+    (one seed's few explorations are noisy), and keep E(8) where K = 8 serves."""
     truth = {k: _serve(k, 30_000, seed=0) for k in (4, 8)}
-    measured, plain = _controller(True), _controller(False)
-    # an exploration of 5 steps at K = 4 every 205 steps, as the adaptive policy's
-    schedule = [(8, 20_000)] + [(4, 5), (8, 200)] * 60
-    _serve_schedule(schedule, seed=1, feeds=[measured.observe, plain.observe])
-    e_measured, _ = measured.curves(K_MAX)
-    e_plain, _ = plain.curves(K_MAX)
-    assert e_plain[4] < truth[4] * 0.93  # what the measured tokens correct
-    assert e_measured[4] == pytest.approx(truth[4], rel=0.05)
-    assert e_measured[8] == pytest.approx(truth[8], rel=0.03)
-    # a depth never served keeps the model's price
-    assert e_measured[6] == e_plain[6]
+    ratio_measured, ratio_plain = [], []
+    for seed in range(1, 7):
+        measured, plain = _controller(True), _controller(False)
+        # an exploration of 5 steps at K = 4 every 205 steps, as the adaptive policy's
+        schedule = [(8, 20_000)] + [(4, 5), (8, 200)] * 60
+        _serve_schedule(schedule, seed=seed, feeds=[measured.observe, plain.observe])
+        e_measured, _ = measured.curves(K_MAX)
+        e_plain, _ = plain.curves(K_MAX)
+        ratio_measured.append(e_measured[4] / truth[4])
+        ratio_plain.append(e_plain[4] / truth[4])
+        assert e_measured[8] == pytest.approx(truth[8], rel=0.03)
+        assert e_measured[6] == e_plain[6]  # a depth never served keeps the model's price
+    mean_measured = sum(ratio_measured) / len(ratio_measured)
+    mean_plain = sum(ratio_plain) / len(ratio_plain)
+    assert mean_plain < 0.95  # what the measured tokens correct
+    assert mean_measured == pytest.approx(1.0, abs=0.05)
+    assert mean_measured > mean_plain + 0.02
     described = measured.snapshot()["tokens_per_step_by_depth_served"]
     assert set(described) == {"4", "8"}
     assert plain.snapshot()["tokens_per_step_by_depth_served"] is None

@@ -50,13 +50,16 @@ def _serve(
     copy_mean=10.0,
     gap_mean=25.0,
     request_tokens: int | None = None,
+    reqs: list[_CopyingRequest] | None = None,
 ) -> float:
     """Serve ``batch`` copying requests ``steps`` steps at static depth ``k``; returns the
     tokens per request-step; ``feed(observation)`` gets each step's StepObservation. With
     ``request_tokens``, a request that has generated that many tokens ends and a new one (in
-    new text, its first draft after no other) takes its place."""
+    new text, its first draft after no other) takes its place. ``reqs``: serve these requests
+    (``batch`` of them, carried on from an earlier call) instead of new ones."""
     rng = random.Random(seed)
-    reqs = [_CopyingRequest(rng, copy_mean, gap_mean) for _ in range(batch)]
+    if reqs is None:
+        reqs = [_CopyingRequest(rng, copy_mean, gap_mean) for _ in range(batch)]
     made = [0] * batch
     full = [False] * batch
     tokens = 0
